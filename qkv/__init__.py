@@ -1,0 +1,49 @@
+"""qkv — self-attention from the equations to the metal.
+
+- :func:`qkv.attention` — exact attention, a drop-in superset of torch's SDPA.
+- :func:`qkv.trace` / :class:`qkv.Trace` — the glass box: every step, with the numbers.
+- :mod:`qkv.nn` — multi-head attention, Transformer layers, positional encodings, KV cache.
+- :mod:`qkv.reference` — the NumPy float64 oracle.
+"""
+
+from __future__ import annotations
+
+from . import reference
+from .reference import Trace, attention_ref, trace
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # torch-backed parts load on first use, so `qkv trace` starts without importing torch.
+    if name in ("attention", "attention_weights"):
+        from . import functional
+
+        value = getattr(functional, name)
+    elif name in ("nn", "backends", "functional"):
+        import importlib
+
+        value = importlib.import_module(f".{name}", __name__)
+    elif name == "BackendError":
+        from .backends import BackendError
+
+        value = BackendError
+    else:
+        raise AttributeError(f"module 'qkv' has no attribute {name!r}")
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+__all__ = [
+    "attention",
+    "attention_weights",
+    "attention_ref",
+    "trace",
+    "Trace",
+    "reference",
+    "nn",
+    "backends",
+    "functional",
+    "BackendError",
+    "__version__",
+]

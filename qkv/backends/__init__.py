@@ -1,0 +1,66 @@
+"""Attention backends: each declares what it supports and explains what it does not.
+
+``select(call, "auto")`` walks a priority list and returns the first backend with no
+reasons against the call; a named backend either runs or raises :class:`BackendError`
+listing every reason — it never falls back silently.
+"""
+
+from __future__ import annotations
+
+from ..call import AttentionCall
+from .base import Backend
+from .chunked import ChunkedBackend
+from .math import MathBackend
+from .sdpa import DENSE_MASK_LIMIT, SdpaBackend, needs_dense_mask
+
+# Below this many scores per head the one-shot math path beats chunked's loop on a CPU.
+MATH_MAX_SCORES = 1 << 16
+
+BACKENDS: dict[str, Backend] = {b.NAME: b for b in (SdpaBackend(), ChunkedBackend(), MathBackend())}
+
+
+class BackendError(RuntimeError):
+    """A backend was named (or ``auto`` searched) and nothing can run the call."""
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"backend={name!r} is unknown; choose 'auto' or one of {sorted(BACKENDS)}") from None
+
+
+def auto_order(call: AttentionCall) -> list[Backend]:
+    """Backends in the order ``auto`` tries them for this call (fastest first)."""
+    sdpa, chunked, math = BACKENDS["sdpa"], BACKENDS["chunked"], BACKENDS["math"]
+    scores = call.nq * call.nk
+    if needs_dense_mask(call) and scores * call.hq > DENSE_MASK_LIMIT:
+        return [chunked, sdpa, math]
+    return [sdpa, math, chunked] if scores <= MATH_MAX_SCORES else [sdpa, chunked, math]
+
+
+def reasons_by_backend(call: AttentionCall) -> dict[str, list[str]]:
+    """Every backend's reasons against ``call`` (an empty list means it can run it)."""
+    return {name: b.not_supported_reasons(call) for name, b in BACKENDS.items()}
+
+
+def select(call: AttentionCall, backend: str = "auto") -> Backend:
+    """The backend that will run ``call``; raises :class:`BackendError` with reasons if none can."""
+    if backend != "auto":
+        chosen = get_backend(backend)
+        reasons = chosen.not_supported_reasons(call)
+        if reasons:
+            raise BackendError(
+                f"backend {backend!r} cannot run this call ({call.describe()}):\n  - "
+                + "\n  - ".join(reasons)
+                + "\nUse backend='auto' to let qkv choose, or see `qkv info`."
+            )
+        return chosen
+    for candidate in auto_order(call):
+        if not candidate.not_supported_reasons(call):
+            return candidate
+    lines = [f"  {n}: {'; '.join(r)}" for n, r in reasons_by_backend(call).items()]
+    raise BackendError(f"no backend can run this call ({call.describe()}):\n" + "\n".join(lines))
+
+
+__all__ = ["Backend", "BackendError", "BACKENDS", "auto_order", "get_backend", "reasons_by_backend", "select"]

@@ -1,0 +1,73 @@
+"""What every backend is: a name, declared capabilities, readable reasons, and a forward."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+import torch
+
+from ..call import AttentionCall
+
+
+class Backend:
+    """An implementation of exact attention.
+
+    Subclasses set the capability flags and implement :meth:`forward`; the shared
+    :meth:`not_supported_reasons` turns the flags into sentences a user can act on, and a
+    backend adds its own special cases in :meth:`extra_reasons`.
+    """
+
+    NAME: ClassVar[str] = "?"
+    DESCRIPTION: ClassVar[str] = ""
+    DTYPES: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    DEVICES: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    SUPPORTS_DROPOUT: ClassVar[bool] = True
+    SUPPORTS_GENERATOR: ClassVar[bool] = True
+    SUPPORTS_LSE: ClassVar[bool] = True
+    SUPPORTS_MASK_GRAD: ClassVar[bool] = True
+    MATERIALIZES_SCORES: ClassVar[bool] = False
+
+    def available(self) -> Optional[str]:
+        """None when usable in this environment, else why not."""
+        return None
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        reasons: list[str] = []
+        why = self.available()
+        if why:
+            reasons.append(why)
+        if call.dtype not in self.DTYPES:
+            reasons.append(f"dtype {call.dtype} is not supported (supported: {', '.join(str(d) for d in self.DTYPES)})")
+        if call.device.type not in self.DEVICES:
+            reasons.append(f"device {call.device.type} is not supported (supported: {', '.join(self.DEVICES)})")
+        if call.dropout_p > 0 and not self.SUPPORTS_DROPOUT:
+            reasons.append("dropout_p > 0 is not supported")
+        if call.generator is not None and not self.SUPPORTS_GENERATOR:
+            reasons.append("a dropout generator= is not supported")
+        if call.return_lse and not self.SUPPORTS_LSE:
+            reasons.append("return_lse=True is not supported")
+        if call.attn_mask is not None and call.attn_mask.requires_grad and torch.is_grad_enabled() and not self.SUPPORTS_MASK_GRAD:
+            reasons.append("gradients with respect to a float attn_mask are not supported")
+        reasons.extend(self.extra_reasons(call))
+        return reasons
+
+    def extra_reasons(self, call: AttentionCall) -> list[str]:
+        return []
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Return ``out (..., Hq, Nq, Dv)`` and, when ``call.return_lse``, ``lse (..., Hq, Nq)`` float32."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<qkv backend {self.NAME!r}>"
+
+
+def half_to_float(t: torch.Tensor) -> torch.Tensor:
+    """Compute dtype for scores: float32 for 16-bit inputs so large logits cannot overflow."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def dropout_weights(w: torch.Tensor, p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Inverted dropout on attention weights: zero with probability p, rescale the rest by 1/(1-p)."""
+    keep = torch.empty_like(w).bernoulli_(1.0 - p, generator=generator)
+    return w * keep / (1.0 - p)

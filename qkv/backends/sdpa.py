@@ -1,0 +1,106 @@
+"""``sdpa``: torch's own ``scaled_dot_product_attention`` kernels, where their semantics match.
+
+Masks SDPA has no argument for (sliding window, key padding, bottom-right causal alignment)
+are folded into one ``attn_mask``; that mask is ``Nq × Nk``, so ``auto`` prefers ``chunked``
+for such calls once the matrix is large. ``return_lse`` uses torch's CPU flash kernel, whose
+log-sum-exp is not differentiable, so it is offered only when no gradient is needed.
+
+qkv defines a query row with nothing to attend to as output 0. Torch's kernels agree on
+recent versions; :func:`empty_rows_are_zero` checks this once per device type and the
+backend declines calls with possibly-empty rows where torch would give NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..call import AttentionCall
+from ..masks import dense_bool_mask, dense_sdpa_mask
+from .base import Backend
+
+# Above this many scores, a mask that qkv has to build for SDPA costs more than it saves.
+DENSE_MASK_LIMIT = 1 << 22
+
+_EMPTY_ROWS_ZERO: dict[str, bool] = {}
+
+
+def empty_rows_are_zero(device_type: str) -> bool:
+    """Does torch SDPA on this device type give 0 (not NaN) for fully masked rows and Nk = 0?"""
+    known = _EMPTY_ROWS_ZERO.get(device_type)
+    if known is None:
+        q = torch.ones(1, 1, 2, 8, device=device_type)
+        mask = torch.tensor([[True, True], [False, False]], device=device_type)
+        rows = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)[0, 0, 1]
+        none = F.scaled_dot_product_attention(q, q[:, :, :0], q[:, :, :0])
+        known = bool((rows == 0).all()) and bool((none == 0).all())
+        _EMPTY_ROWS_ZERO[device_type] = known
+    return known
+
+
+def needs_dense_mask(call: AttentionCall) -> bool:
+    """Would qkv have to build an ``Nq × Nk`` mask to express this call to SDPA?"""
+    return call.window is not None or call.key_padding_mask is not None or (call.causal and call.alignment != "top_left")
+
+
+class SdpaBackend(Backend):
+    NAME = "sdpa"
+    DESCRIPTION = "torch.nn.functional.scaled_dot_product_attention (torch's fused CPU/GPU kernels)"
+    SUPPORTS_GENERATOR = False
+
+    def extra_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = []
+        if call.return_lse:
+            if call.device.type != "cpu":
+                reasons.append("return_lse=True is only available from torch's CPU kernel")
+            elif call.requires_grad:
+                reasons.append("return_lse=True with gradients: torch's log-sum-exp output is not differentiable")
+            elif call.dropout_p > 0:
+                reasons.append("return_lse=True with dropout is not supported")
+            if call.dv != call.d:
+                reasons.append(f"return_lse=True needs value head dim == query head dim (got {call.dv} vs {call.d})")
+        if call.rows_may_be_empty and not empty_rows_are_zero(call.device.type):
+            reasons.append(f"torch SDPA on {call.device.type} returns NaN for fully masked rows")
+        return reasons
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if call.return_lse:
+            return self._with_lse(call)
+        if needs_dense_mask(call):
+            mask, is_causal = dense_sdpa_mask(call), False
+        else:
+            mask, is_causal = call.attn_mask, call.causal
+        out = F.scaled_dot_product_attention(
+            call.query, call.key, call.value, mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=call.hq != call.hk
+        )
+        return out, None
+
+    def _with_lse(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = call.grouped_qkv()  # the kernel wants (B, H, N, D) with equal head counts
+        b = q.shape[0]
+        q = q.reshape(b, call.hq, call.nq, call.d)
+        k = k.expand(b, call.hk, call.group, call.nk, call.d).reshape(b, call.hq, call.nk, call.d)
+        v = v.expand(b, call.hk, call.group, call.nk, call.dv).reshape(b, call.hq, call.nk, call.dv)
+        allowed = dense_bool_mask(call)  # includes causal/window, so empty rows show in the mask
+        bias = None
+        if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
+            bias = call.attn_mask
+        mask = None
+        if allowed is not None or bias is not None:
+            zeros = torch.zeros((), dtype=call.dtype, device=call.device)
+            mask = zeros if bias is None else bias
+            if allowed is not None:
+                mask = mask.masked_fill(~allowed, float("-inf"))
+            mask = mask.expand(*call.batch_shape, call.hq, call.nq, call.nk).reshape(b, call.hq, call.nq, call.nk)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, call.dropout_p, call.causal and mask is None, attn_mask=mask, scale=call.scale
+        )
+        if mask is not None:  # rows with no finite score: torch reports lse 0, qkv defines -inf
+            empty = torch.isneginf(mask).all(-1)
+            lse = lse.masked_fill(empty, float("-inf"))
+        elif call.nk == 0:
+            lse = torch.full_like(lse, float("-inf"))
+        out = out.reshape(b, call.hk, call.group, call.nq, call.dv)
+        return call.ungroup(out), call.ungroup(lse.to(call.lse_dtype).reshape(b, call.hk, call.group, call.nq))

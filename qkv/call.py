@@ -1,0 +1,333 @@
+"""One attention call, validated once and normalised for every backend.
+
+Shape legend::
+
+    B   flattened batch (all dims before the head dim)       Hq, Hk  query / key-value heads
+    G   query heads per key-value head (Hq // Hk)            Nq, Nk  query / key lengths
+    D   query/key head dim                                    Dv      value head dim
+
+Backends receive tensors in the *grouped* layout ``(B, Hk, G, N, D)`` (keys and values with
+``G = 1``), which expresses grouped-query attention as broadcasting instead of copying K/V.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .reference.masks import Alignment, PositionalMask, parse_causal, parse_window
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: torch.Size | tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(int(s)) for s in t) + ")"
+
+
+@dataclass
+class AttentionCall:
+    """The arguments of :func:`qkv.attention` after validation (tensors as the user gave them)."""
+
+    query: torch.Tensor  # (..., Hq, Nq, D)
+    key: torch.Tensor  # (..., Hk, Nk, D)
+    value: torch.Tensor  # (..., Hk, Nk, Dv)
+    attn_mask: Optional[torch.Tensor]
+    dropout_p: float
+    causal: bool
+    alignment: Alignment
+    window: Optional[tuple[Optional[int], Optional[int]]]
+    key_padding_mask: Optional[torch.Tensor]
+    scale: float
+    enable_gqa: bool
+    return_lse: bool
+    generator: Optional[torch.Generator]
+    batch_shape: tuple[int, ...]
+    hq: int
+    hk: int
+    nq: int
+    nk: int
+    d: int
+    dv: int
+
+    @property
+    def positional(self) -> PositionalMask:
+        return PositionalMask(self.nq, self.nk, self.causal, self.window, self.alignment)
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hk
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def lse_dtype(self) -> torch.dtype:
+        """float32, or float64 for float64 inputs (so float64 gradients stay exact)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (self.query, self.key, self.value, self.attn_mask)
+        )
+
+    @property
+    def bool_mask(self) -> bool:
+        return self.attn_mask is not None and self.attn_mask.dtype == torch.bool
+
+    @property
+    def rows_may_be_empty(self) -> bool:
+        """Could some query row have no key to attend to?"""
+        if self.nk == 0 or self.attn_mask is not None or self.key_padding_mask is not None:
+            return True
+        pm = self.positional
+        return not pm.trivial and any(pm.key_range(i, i + 1)[0] >= pm.key_range(i, i + 1)[1] for i in (0, self.nq - 1))
+
+    def describe(self) -> str:
+        parts = [f"query {_shape(self.query.shape)}", f"key {_shape(self.key.shape)}", str(self.dtype).replace("torch.", "")]
+        if self.causal:
+            parts.append(f"causal ({self.alignment})")
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.attn_mask is not None:
+            parts.append(f"{'bool' if self.bool_mask else 'float'} attn_mask {_shape(self.attn_mask.shape)}")
+        if self.key_padding_mask is not None:
+            parts.append("key_padding_mask")
+        if self.hq != self.hk:
+            parts.append(f"GQA {self.hq}/{self.hk} heads")
+        if self.dropout_p:
+            parts.append(f"dropout_p={self.dropout_p}")
+        if self.return_lse:
+            parts.append("return_lse")
+        return ", ".join(parts)
+
+    # ---- normalised views for backends -------------------------------------------------
+
+    def grouped_qkv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``, v ``(B, Hk, 1, Nk, Dv)``; views when possible."""
+        b = math.prod(self.batch_shape)
+        q = self.query.expand(*self.batch_shape, self.hq, self.nq, self.d)
+        k = self.key.expand(*self.batch_shape, self.hk, self.nk, self.d)
+        v = self.value.expand(*self.batch_shape, self.hk, self.nk, self.dv)
+        q = q.reshape(b, self.hk, self.group, self.nq, self.d)
+        k = k.reshape(b, self.hk, 1, self.nk, self.d)
+        v = v.reshape(b, self.hk, 1, self.nk, self.dv)
+        return q, k, v
+
+    def grouped_attn_mask(self) -> Optional[torch.Tensor]:
+        """attn_mask broadcastable to ``(B, Hk, G, Nq, Nk)``, last two dims expanded (a view)."""
+        m = self.attn_mask
+        if m is None:
+            return None
+        rank = len(self.batch_shape) + 3
+        m = m.reshape((1,) * (rank - m.dim()) + tuple(m.shape))  # (..., H|1, Nq|1, Nk|1)
+        lead, h = m.shape[: rank - 3], m.shape[rank - 3]
+        if all(s == 1 for s in lead):
+            m = m.reshape(1, *m.shape[rank - 3 :])
+        else:
+            m = m.expand(*self.batch_shape, *m.shape[rank - 3 :]).reshape(-1, *m.shape[rank - 3 :])
+        if h == 1:
+            m = m.unsqueeze(1)  # (B|1, 1, 1, Nq|1, Nk|1)
+        else:
+            m = m.reshape(m.shape[0], self.hk, self.group, *m.shape[-2:])
+        return m.expand(*m.shape[:-2], self.nq, self.nk)
+
+    def grouped_key_padding(self) -> Optional[torch.Tensor]:
+        """key_padding_mask as ``(B|1, 1, 1, 1, Nk)`` bool."""
+        kp = self.key_padding_mask
+        if kp is None:
+            return None
+        kp = kp.reshape((1,) * (len(self.batch_shape) + 1 - kp.dim()) + tuple(kp.shape))
+        if all(s == 1 for s in kp.shape[:-1]):
+            kp = kp.reshape(1, self.nk)
+        else:
+            kp = kp.expand(*self.batch_shape, self.nk).reshape(-1, self.nk)
+        return kp[:, None, None, None, :]
+
+    def ungroup(self, out: torch.Tensor) -> torch.Tensor:
+        """``(B, Hk, G, Nq, X)`` or ``(B, Hk, G, Nq)`` → the caller's ``(..., Hq, Nq[, X])``."""
+        tail = out.shape[4:]
+        if self.query.dim() == 2:  # (Nq, D) inputs carry no head dim
+            return out.reshape(self.nq, *tail)
+        return out.reshape(*self.batch_shape, self.hq, self.nq, *tail)
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; convert it with torch.as_tensor({name})")
+    if t.dtype not in _FLOATS:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; attention needs floating point inputs "
+            f"(float16, bfloat16, float32 or float64): use {name}.float()"
+        )
+    if t.dim() < 2:
+        raise ValueError(f"{name} must have shape (..., heads, seq_len, head_dim) with at least 2 dims, got {_shape(t.shape)}")
+    return t
+
+
+def _broadcast(name_a: str, a: tuple[int, ...], name_b: str, b: tuple[int, ...]) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        raise ValueError(
+            f"batch dims of {name_a} {_shape(a)} and {name_b} {_shape(b)} do not broadcast; "
+            "every dim before (heads, seq_len, head_dim) must match or be 1"
+        ) from None
+
+
+def validate(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: Any = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    window: Any = None,
+    key_padding_mask: Any = None,
+    return_lse: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> AttentionCall:
+    """Check every argument of :func:`qkv.attention` and raise errors that say how to fix them."""
+    q = _check_tensor("query", query)
+    k = _check_tensor("key", key)
+    v = _check_tensor("value", value)
+    for name, t in (("key", k), ("value", v)):
+        if t.dim() != q.dim():
+            raise ValueError(
+                f"{name} has {t.dim()} dims {_shape(t.shape)} but query has {q.dim()} {_shape(q.shape)}; "
+                "all three must share the layout (..., heads, seq_len, head_dim)"
+            )
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} is {t.dtype} but query is {q.dtype}; cast with {name}.to(query.dtype)")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {q.device}; move it with {name}.to(query.device)")
+    nq, d = q.shape[-2], q.shape[-1]
+    nk = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(
+            f"key head dim is {k.shape[-1]} but query head dim is {d}; queries and keys are compared by a dot "
+            "product, so their last dims must be equal"
+        )
+    if v.shape[-2] != nk:
+        raise ValueError(f"value has {v.shape[-2]} positions but key has {nk}; each key needs exactly one value")
+    if d == 0:
+        raise ValueError("query head dim is 0; attention needs head_dim >= 1")
+    if q.dim() == 2:
+        hq = hk = hv = 1
+        batch: tuple[int, ...] = ()
+    else:
+        hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+        batch = _broadcast("query", tuple(q.shape[:-3]), "key", tuple(k.shape[:-3]))
+        batch = _broadcast("query", batch, "value", tuple(v.shape[:-3]))
+    if hv != hk:
+        raise ValueError(f"value has {hv} heads but key has {hk}; keys and values come in pairs")
+    if hq != hk:
+        if hq % hk:
+            raise ValueError(
+                f"key has {hk} heads but query has {hq}; {hq} is not a multiple of {hk} — grouped-query "
+                "attention needs query heads to be a multiple of key/value heads"
+            )
+        if not enable_gqa:
+            raise ValueError(
+                f"key has {hk} heads but query has {hq}; pass enable_gqa=True for grouped-query attention "
+                f"(each key/value head serves {hq // hk} query heads)"
+            )
+    causal, alignment = parse_causal(is_causal)
+    win = parse_window(window)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale={scale} must be a finite number (default 1/sqrt(head_dim))")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
+
+    scores_shape = (*batch, hq, nq, nk)
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor (bool or float), got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOATS:
+            raise TypeError(
+                f"attn_mask has dtype {attn_mask.dtype}; use a bool mask (True = may attend) or a float mask "
+                "added to the scores, e.g. attn_mask.bool()"
+            )
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}; move it with attn_mask.to(query.device)")
+        ok = attn_mask.dim() <= len(scores_shape)
+        if ok:
+            try:
+                ok = tuple(torch.broadcast_shapes(attn_mask.shape, scores_shape)) == scores_shape
+            except RuntimeError:
+                ok = False
+        if not ok:
+            raise ValueError(
+                f"attn_mask of shape {_shape(attn_mask.shape)} does not broadcast to the scores "
+                f"{_shape(scores_shape)} (..., heads, query_len, key_len); give it shape "
+                f"(query_len, key_len) = ({nq}, {nk}) or (batch, heads, query_len, key_len)"
+            )
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            attn_mask = attn_mask.to(q.dtype)
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
+            raise TypeError(
+                f"key_padding_mask must be a bool tensor (True = a real key to attend to, False = padding), got {got}; "
+                "for a float bias pass attn_mask=bias[:, None, None, :] instead"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(
+                f"key_padding_mask is on {key_padding_mask.device} but query is on {q.device}; "
+                "move it with key_padding_mask.to(query.device)"
+            )
+        want = (*batch, nk)
+        ok = key_padding_mask.dim() <= len(want)
+        if ok:
+            try:
+                ok = tuple(torch.broadcast_shapes(key_padding_mask.shape, want)) == want
+            except RuntimeError:
+                ok = False
+        if not ok:
+            raise ValueError(
+                f"key_padding_mask of shape {_shape(key_padding_mask.shape)} should be (batch, key_len) = "
+                f"{_shape(want)}: one flag per key, True where the key is real"
+            )
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return AttentionCall(
+        query=q,
+        key=k,
+        value=v,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        causal=causal,
+        alignment=alignment,
+        window=win,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        enable_gqa=bool(enable_gqa),
+        return_lse=bool(return_lse),
+        generator=generator,
+        batch_shape=batch,
+        hq=hq,
+        hk=hk,
+        nq=nq,
+        nk=nk,
+        d=d,
+        dv=v.shape[-1],
+    )

@@ -1,0 +1,103 @@
+"""Mask semantics on the torch side: every mask argument becomes one tile source.
+
+The rules themselves (causal alignment, sliding windows) live in :mod:`qkv.reference.masks`;
+this module turns them, plus ``key_padding_mask`` and ``attn_mask``, into tiles of the score
+matrix so that a backend can work block by block without ever building an ``Nq × Nk`` mask.
+
+Conventions, shared by every backend: a boolean mask is True where a query *may* attend;
+a float mask is added to the scaled scores; a row with nothing to attend to outputs 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from .call import AttentionCall
+from .reference.masks import PositionalMask
+
+TileStatus = Literal["empty", "full", "partial"]
+
+
+def positional_tile(pm: PositionalMask, q0: int, q1: int, k0: int, k1: int, device: torch.device) -> Optional[torch.Tensor]:
+    """Allowed pairs ``(q1-q0, k1-k0)`` from causal/window rules; None when all are allowed."""
+    if pm.trivial or pm.block_status(q0, q1, k0, k1) == "full":
+        return None
+    qi = torch.arange(q0, q1, device=device)[:, None]
+    kj = torch.arange(k0, k1, device=device)[None, :]
+    return pm.allowed(qi, kj)
+
+
+@dataclass
+class MaskTiles:
+    """Every mask of one call, sliced tile by tile in the grouped layout ``(B, Hk, G, Nq, Nk)``."""
+
+    positional: PositionalMask
+    attn: Optional[torch.Tensor]  # broadcastable to (B, Hk, G, Nq, Nk), last two dims full size
+    padding: Optional[torch.Tensor]  # (B|1, 1, 1, 1, Nk) bool
+    device: torch.device
+
+    @classmethod
+    def from_call(cls, call: AttentionCall) -> "MaskTiles":
+        return cls(call.positional, call.grouped_attn_mask(), call.grouped_key_padding(), call.device)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.attn is not None and self.attn.dtype != torch.bool
+
+    def status(self, q0: int, q1: int, k0: int, k1: int) -> TileStatus:
+        """Structural status from the positional rules alone (data masks may hide more)."""
+        return self.positional.block_status(q0, q1, k0, k1)
+
+    def tile(self, q0: int, q1: int, k0: int, k1: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(allowed bool, additive bias) for rows ``[q0, q1)`` × keys ``[k0, k1)``; None = nothing."""
+        allowed = positional_tile(self.positional, q0, q1, k0, k1, self.device)
+        bias = None
+        if self.padding is not None:
+            kp = self.padding[..., k0:k1]
+            allowed = kp if allowed is None else allowed & kp
+        if self.attn is not None:
+            a = self.attn[..., q0:q1, k0:k1]
+            if a.dtype == torch.bool:
+                allowed = a if allowed is None else allowed & a
+            else:
+                bias = a
+        return allowed, bias
+
+
+def apply_tile(scores: torch.Tensor, allowed: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Add the bias and set disallowed scores to ``-inf`` (out of place, autograd-safe)."""
+    if bias is not None:
+        scores = scores + bias
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores
+
+
+def dense_bool_mask(call: AttentionCall) -> Optional[torch.Tensor]:
+    """Causal/window/padding/bool attn_mask folded into one bool mask in the caller's layout.
+
+    Broadcastable to ``(..., Hq, Nq, Nk)``; float ``attn_mask`` is *not* folded in (see
+    :func:`dense_sdpa_mask`). Materialises ``Nq × Nk``: only for backends that need it.
+    """
+    allowed = positional_tile(call.positional, 0, call.nq, 0, call.nk, call.device)
+    if call.key_padding_mask is not None:
+        kp = call.key_padding_mask[..., None, None, :]  # (..., 1, 1, Nk)
+        if call.query.dim() == 2:
+            kp = kp[..., 0, :, :]
+        allowed = kp if allowed is None else allowed & kp
+    if call.attn_mask is not None and call.attn_mask.dtype == torch.bool:
+        allowed = call.attn_mask if allowed is None else allowed & call.attn_mask
+    return allowed
+
+
+def dense_sdpa_mask(call: AttentionCall) -> Optional[torch.Tensor]:
+    """One ``attn_mask`` for torch SDPA that carries every mask argument of the call."""
+    allowed = dense_bool_mask(call)
+    if call.attn_mask is None or call.attn_mask.dtype == torch.bool:
+        return allowed
+    if allowed is None:
+        return call.attn_mask
+    return call.attn_mask.masked_fill(~allowed, float("-inf"))
