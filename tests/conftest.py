@@ -1,0 +1,50 @@
+"""Shared test helpers: the tolerance rule of ENGINEERING.md, and input factories."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+# Absolute error floors per dtype: what rounding alone may cost on outputs of size ~1.
+FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
+
+
+def max_err(x, ref) -> float:
+    x = x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
+    ref = ref.detach().double().cpu().numpy() if isinstance(ref, torch.Tensor) else np.asarray(ref, dtype=np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    both_inf = np.isneginf(x) & np.isneginf(ref)
+    with np.errstate(invalid="ignore"):
+        d = np.abs(np.where(both_inf, 0.0, x - ref))
+    return float(d.max()) if d.size else 0.0
+
+
+def assert_within_rule(candidate, baseline, ref, dtype: torch.dtype, *, factor: float = 2.0, what: str = "") -> None:
+    """``err(candidate) <= factor * err(baseline) + floor``; both measured against the float64 oracle."""
+    ec, eb = max_err(candidate, ref), max_err(baseline, ref)
+    floor = FLOOR[dtype] * max(1.0, float(np.abs(np.asarray(ref.detach().double().cpu() if isinstance(ref, torch.Tensor) else ref)).max(initial=0.0)))
+    print(f"{what}: err={ec:.3e} baseline={eb:.3e} bound={factor * eb + floor:.3e}")
+    assert np.isfinite(ec), f"{what}: non-finite values"
+    assert ec <= factor * eb + floor, f"{what}: error {ec:.3e} exceeds {factor}×{eb:.3e} + {floor:.1e}"
+
+
+def make_qkv(b=2, hq=4, hk=None, nq=33, nk=None, d=16, dv=None, dtype=torch.float32, requires_grad=False, seed=None):
+    """Fresh random q, k, v in (B, H, N, D) layout."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    hk = hk or hq
+    nk = nq if nk is None else nk
+    dv = dv or d
+    q = torch.randn(b, hq, nq, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(b, hk, nk, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, hk, nk, dv, generator=g, dtype=torch.float64).to(dtype)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"torch seed {seed}")
+    yield

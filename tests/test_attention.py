@@ -1,0 +1,341 @@
+"""qkv.attention against the float64 oracle: every backend, every mask, forward and backward."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv.backends import BACKENDS
+from qkv.reference import attention_ref
+
+from .conftest import FLOOR, assert_within_rule, make_qkv, max_err
+
+BACKEND_NAMES = ["math", "chunked", "sdpa"]
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+def _masks(kind: str, b: int, h: int, nq: int, nk: int) -> dict:
+    """Keyword arguments for one masking scenario (fresh random masks)."""
+    if kind == "none":
+        return {}
+    if kind == "causal":
+        return {"is_causal": True}
+    if kind == "bottom_right":
+        return {"is_causal": "bottom_right"}
+    if kind == "window":
+        return {"window": (7, 2)}
+    if kind == "causal_window":
+        return {"is_causal": "bottom_right", "window": (5, None)}
+    if kind == "padding":
+        kp = torch.rand(b, nk) > 0.3
+        kp[0] = False  # a whole sequence of padding: every row empty
+        return {"key_padding_mask": kp}
+    if kind == "bool_mask":
+        return {"attn_mask": torch.rand(h, nq, nk) > 0.5}
+    if kind == "float_mask":
+        return {"attn_mask": torch.randn(b, 1, nq, nk)}
+    if kind == "bool_mask_causal":
+        return {"attn_mask": torch.rand(nq, nk) > 0.3, "is_causal": True}
+    raise ValueError(kind)
+
+
+MASK_KINDS = ["none", "causal", "bottom_right", "window", "causal_window", "padding", "bool_mask", "float_mask", "bool_mask_causal"]
+
+
+def _ref(q, k, v, **kw):
+    kw = {key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val) for key, val in kw.items()}
+    return attention_ref(q, k, v, return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_matches_reference(backend, kind, dtype):
+    b, hq, hk, nq, nk, d = 2, 4, 2, 37, 70, 24
+    q, k, v = make_qkv(b, hq, hk, nq, nk, d, dtype=dtype)
+    kw = _masks(kind, b, hq, nq, nk)
+    if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
+        kw["attn_mask"] = kw["attn_mask"].to(dtype)
+    ref_out, ref_lse = _ref(q, k, v, enable_gqa=True, **kw)
+    base_out = qkv.attention(q, k, v, enable_gqa=True, backend="math", **kw)
+    if backend == "sdpa":  # torch's lse path is CPU-flash only; covered in test_return_lse_every_backend
+        out, lse = qkv.attention(q, k, v, enable_gqa=True, backend=backend, **kw), None
+    else:
+        out, lse = qkv.attention(q, k, v, enable_gqa=True, backend=backend, return_lse=True, **kw)
+    assert out.dtype == dtype and out.shape == (b, hq, nq, d)
+    assert not torch.isnan(out).any()
+    assert_within_rule(out, base_out, ref_out, dtype, what=f"{backend}/{kind}/{dtype} out")
+    if lse is not None:
+        assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert np.array_equal(np.isneginf(lse.numpy()), np.isneginf(ref_lse)), "empty rows must have lse = -inf"
+        assert max_err(lse, ref_lse) <= 1e-5 * max(1, np.abs(ref_lse[np.isfinite(ref_lse)]).max(initial=1)) + FLOOR[dtype] * 10
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_return_lse_every_backend(backend):
+    q, k, v = make_qkv(1, 3, 3, 20, 29, 8, dtype=torch.float64)
+    out, lse = qkv.attention(q, k, v, is_causal="bottom_right", return_lse=True, backend=backend)
+    ref_out, ref_lse = attention_ref(q, k, v, is_causal="bottom_right", return_lse=True)
+    assert max_err(out, ref_out) < 1e-12 and max_err(lse, ref_lse) < 1e-12
+
+
+@pytest.mark.parametrize("nq,nk,d", [(1, 1, 8), (1, 97, 59), (97, 1, 80), (97, 97, 96), (1025, 130, 16), (5, 1025, 33)])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_awkward_sizes(nq, nk, d, backend):
+    q, k, v = make_qkv(1, 2, 2, nq, nk, d, dtype=torch.float64)
+    for kw in ({}, {"is_causal": "bottom_right"}, {"window": (3, 1)}):
+        out = qkv.attention(q, k, v, backend=backend, **kw)
+        assert max_err(out, attention_ref(q, k, v, **kw)) < 1e-12, kw
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_batch_dims_and_unbatched_inputs(backend):
+    q = torch.randn(2, 3, 4, 9, 8, dtype=torch.float64)  # two batch dims
+    k = torch.randn(2, 3, 4, 11, 8, dtype=torch.float64)
+    v = torch.randn(2, 3, 4, 11, 5, dtype=torch.float64)
+    kp = torch.rand(2, 3, 11) > 0.2
+    kw = {} if backend == "sdpa" else {"key_padding_mask": kp}
+    assert max_err(qkv.attention(q, k, v, backend=backend, **kw), attention_ref(q, k, v, **kw)) < 1e-12
+    q2, k2, v2 = q[0, 0, 0], k[0, 0, 0], v[0, 0, 0]  # (N, D): no head dim at all
+    out = qkv.attention(q2, k2, v2, is_causal=True, backend=backend)
+    assert out.shape == (9, 5) and max_err(out, attention_ref(q2, k2, v2, is_causal=True)) < 1e-12
+
+
+# ---- backward ---------------------------------------------------------------------------
+
+
+GRAD_KINDS = ["none", "causal", "bottom_right", "window", "padding", "bool_mask", "float_mask"]
+
+
+def _grads(q, k, v, backend, kw, with_lse=False):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    res = qkv.attention(q, k, v, enable_gqa=True, backend=backend, return_lse=with_lse, **kw)
+    g = torch.Generator().manual_seed(1)
+    if with_lse:
+        out, lse = res
+        w = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse.dtype)
+        loss = (out.double() * torch.randn(out.shape, generator=g, dtype=torch.float64)).sum()
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * w).double().sum()
+    else:
+        loss = (res.double() * torch.randn(res.shape, generator=g, dtype=torch.float64)).sum()
+    loss.backward()
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_within_rule(backend, kind, dtype):
+    b, hq, hk, nq, nk, d = 2, 4, 2, 29, 45, 16
+    q64, k64, v64 = make_qkv(b, hq, hk, nq, nk, d, dtype=torch.float64)
+    kw = _masks(kind, b, hq, nq, nk)
+    ref = _grads(q64, k64, v64, "math", {key: (val.double() if val.is_floating_point() else val) if isinstance(val, torch.Tensor) else val for key, val in kw.items()})
+    kw_t = {key: (val.to(dtype) if isinstance(val, torch.Tensor) and val.is_floating_point() else val) for key, val in kw.items()}
+    q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+    base = _grads(q, k, v, "math", kw_t)
+    cand = _grads(q, k, v, backend, kw_t)
+    for name, c, bse, r in zip("qkv", cand, base, ref):
+        assert c.dtype == dtype and not torch.isnan(c).any()
+        assert_within_rule(c, bse, r, dtype, factor=3.0, what=f"d{name} {backend}/{kind}/{dtype}")
+
+
+@pytest.mark.parametrize("backend", ["math", "chunked"])
+def test_lse_gradient(backend):
+    q, k, v = make_qkv(1, 2, 1, 13, 21, 8, dtype=torch.float64)
+    kw = {"is_causal": "bottom_right", "window": (4, 0)}
+    ref = _grads(q, k, v, "math", kw, with_lse=True)
+    got = _grads(q, k, v, backend, kw, with_lse=True)
+    for c, r in zip(got, ref):
+        assert max_err(c, r) < 1e-12
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_gradcheck_float64(backend):
+    q, k, v = make_qkv(1, 2, 1, 6, 9, 4, dtype=torch.float64, requires_grad=True)
+    kp = torch.tensor([[True, False, True, True, True, False, True, True, True]])
+    fn = lambda q, k, v: qkv.attention(q, k, v, is_causal="bottom_right", key_padding_mask=kp, enable_gqa=True, backend=backend)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_chunked_small_blocks():
+    """Several query and key tiles, with rescaling between them, under gradcheck."""
+    from qkv.backends.chunked import ChunkedBackend
+
+    small = ChunkedBackend(block_q=4, block_k=3)
+    q, k, v = make_qkv(1, 2, 2, 11, 10, 4, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v):
+        call = qkv.call.validate(q, k, v, window=(3, 2), return_lse=True)
+        out, lse = small.forward(call)
+        return out, torch.where(torch.isfinite(lse), lse, 0)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    ref = attention_ref(q, k, v, window=(3, 2))
+    assert max_err(fn(q, k, v)[0], ref) < 1e-12
+
+
+# ---- empty rows and extreme values --------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fully_masked_rows_are_zero_not_nan(backend, dtype):
+    q, k, v = make_qkv(2, 2, 2, 8, 8, 8, dtype=dtype, requires_grad=True)
+    mask = torch.rand(2, 2, 8, 8) > 0.5
+    mask[:, :, 3] = False  # row 3 sees nothing
+    kp = torch.ones(2, 8, dtype=torch.bool)
+    kp[1] = False  # sequence 1 is all padding
+    lse_ok = backend != "sdpa"
+    res = qkv.attention(q, k, v, attn_mask=mask, key_padding_mask=kp, backend=backend, return_lse=lse_ok)
+    out, lse = res if lse_ok else (res, None)
+    assert not torch.isnan(out).any()
+    assert (out[:, :, 3] == 0).all() and (out[1] == 0).all()
+    if lse is not None:
+        assert torch.isneginf(lse[:, :, 3]).all() and torch.isneginf(lse[1]).all()
+    out.float().sum().backward()
+    for t in (q, k, v):
+        assert not torch.isnan(t.grad).any()
+    assert (q.grad[:, :, 3] == 0).all() and (q.grad[1] == 0).all() and (k.grad[1] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_no_keys_at_all(backend):
+    q, k, v = make_qkv(1, 2, 2, 5, 0, 8, dtype=torch.float32)
+    out = qkv.attention(q, k, v, backend=backend)
+    assert out.shape == (1, 2, 5, 8) and (out == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_extreme_logits_do_not_overflow(backend, dtype):
+    # Scores of order ±2e5 would overflow float16 (max 65504) if computed in 16 bits.
+    q, k, v = make_qkv(1, 2, 2, 33, 40, 64, dtype=torch.float64)
+    q, k = q * 60, k * 60
+    ref = attention_ref(q, k, v, is_causal=True)
+    qt, kt, vt = (t.to(dtype) for t in (q, k, v))
+    out = qkv.attention(qt, kt, vt, is_causal=True, backend=backend)
+    base = qkv.attention(qt, kt, vt, is_causal=True, backend="math")
+    assert torch.isfinite(out).all()
+    assert_within_rule(out, base, ref, dtype, what=f"extreme {backend}/{dtype}")
+
+
+# ---- grouped-query attention ---------------------------------------------------------------
+
+
+def test_gqa_views_do_not_copy_kv():
+    q, k, v = make_qkv(2, 8, 2, 16, 16, 8)
+    call = qkv.call.validate(q, k, v, enable_gqa=True)
+    _, kg, vg = call.grouped_qkv()
+    assert kg.data_ptr() == k.data_ptr() and vg.data_ptr() == v.data_ptr()
+    assert kg.shape == (2, 2, 1, 16, 8)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("hq,hk", [(8, 1), (6, 2), (4, 4)])
+def test_gqa_and_mqa_match_repeated_heads(backend, hq, hk):
+    q, k, v = make_qkv(2, hq, hk, 12, 17, 8, dtype=torch.float64)
+    out = qkv.attention(q, k, v, enable_gqa=True, is_causal=True, backend=backend)
+    rep = hq // hk
+    expected = qkv.attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True, backend="math")
+    assert max_err(out, expected) < 1e-12
+
+
+# ---- memory: chunked never builds Nq × Nk ------------------------------------------------
+
+
+def test_chunked_never_allocates_the_score_matrix():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.biggest = max(Largest.biggest, t.numel())
+            return out
+
+    n = 2048
+    q, k, v = make_qkv(1, 1, 1, n, n, 32, requires_grad=True)
+    kp = torch.rand(1, n) > 0.1
+    with Largest():
+        out = qkv.attention(q, k, v, key_padding_mask=kp, is_causal=True, backend="chunked")
+        out.sum().backward()
+    assert Largest.biggest <= n * n // 8, f"largest tensor {Largest.biggest} vs N² = {n * n}"
+
+
+def test_window_skips_tiles():
+    from qkv.backends.chunked import _key_blocks
+    from qkv.masks import MaskTiles
+
+    n = 4096
+    q, k, v = make_qkv(1, 1, 1, n, n, 8)
+    full = MaskTiles.from_call(qkv.call.validate(q, k, v))
+    local = MaskTiles.from_call(qkv.call.validate(q, k, v, window=(256, 0)))
+    count = lambda t: sum(len(list(_key_blocks(t, q0, min(n, q0 + 256), 512))) for q0 in range(0, n, 256))  # noqa: E731
+    assert count(local) <= count(full) / 4
+
+
+# ---- dropout ------------------------------------------------------------------------------
+
+
+def test_dropout_reproducible_with_generator():
+    q, k, v = make_qkv(2, 2, 2, 16, 16, 8)
+    run = lambda seed: qkv.attention(q, k, v, dropout_p=0.3, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    a, b, c = run(7), run(7), run(8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # inverted dropout keeps the expectation: the mean over many draws approaches the exact output
+    mean = torch.stack([run(s) for s in range(300)]).mean(0)
+    assert (mean - qkv.attention(q, k, v)).abs().mean() < 0.05
+
+
+def test_dropout_global_seed_reproducible():
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 8)
+    torch.manual_seed(3)
+    a = qkv.attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    assert torch.equal(a, qkv.attention(q, k, v, dropout_p=0.5))
+
+
+def test_chunked_refuses_dropout_with_reason():
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 8)
+    with pytest.raises(qkv.BackendError, match="dropout_p > 0 is not supported"):
+        qkv.attention(q, k, v, dropout_p=0.1, backend="chunked")
+
+
+# ---- backend choice -----------------------------------------------------------------------
+
+
+def _chosen(q, k, v, **kw):
+    from qkv.backends import select
+
+    return select(qkv.call.validate(q, k, v, **kw)).NAME
+
+
+def test_auto_choices():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16)
+    assert _chosen(q, k, v) == "sdpa"
+    assert _chosen(q, k, v, generator=torch.Generator(), dropout_p=0.1) == "math"
+    big = make_qkv(1, 4, 4, 4096, 4096, 16)
+    assert _chosen(*big, window=(128, 0)) == "chunked"  # sdpa would need a 4096² mask
+    assert _chosen(*big, is_causal=True, return_lse=True) == "sdpa"
+    grad = make_qkv(1, 2, 2, 1024, 1024, 16, requires_grad=True)
+    assert _chosen(*grad, return_lse=True) == "chunked"  # torch's lse is not differentiable
+
+
+def test_named_backend_never_falls_back():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 8, requires_grad=True)
+    with pytest.raises(qkv.BackendError, match="return_lse=True with gradients"):
+        qkv.attention(q, k, v, return_lse=True, backend="sdpa")
+    with pytest.raises(ValueError, match="backend='nope' is unknown"):
+        qkv.attention(q, k, v, backend="nope")
+
+
+def test_every_backend_has_description():
+    for b in BACKENDS.values():
+        assert b.DESCRIPTION and b.available() is None
