@@ -57,9 +57,14 @@ def _key_blocks(tiles: MaskTiles, q0: int, q1: int, bk: int):
             yield k0, k1
 
 
-def _masked_scores(qs: torch.Tensor, k: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-    """Scaled, masked scores of one tile ``(B, Hk, G, bq, bk)``; a fresh tensor safe to edit in place."""
-    s = qs @ k[:, :, :, k0:k1].transpose(-1, -2)
+def _augment(x: torch.Tensor, column: torch.Tensor | float) -> torch.Tensor:
+    """Append one column to the last dim: ``[x, column]`` (``column`` broadcasts over rows)."""
+    col = torch.as_tensor(column, dtype=x.dtype, device=x.device).expand(*x.shape[:-1], 1)
+    return torch.cat([x, col], dim=-1)
+
+
+def _masked(s: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    """Apply the tile's bias and mask to scores ``s`` in place."""
     allowed, bias = tiles.tile(q0, q1, k0, k1)
     if bias is not None:
         s += bias
@@ -71,38 +76,49 @@ def _masked_scores(qs: torch.Tensor, k: torch.Tensor, tiles: MaskTiles, q0: int,
 def chunked_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, block_q: int, block_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` in the compute dtype → out, lse."""
-    b, hk, g, nq, _ = q.shape
+    """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` in the compute dtype → out, lse.
+
+    Each row keeps a shift ``c`` (its running maximum) folded into the score matmul as an
+    extra column, ``[q·scale, -c] · [k, 1]ᵀ = q·kᵀ·scale - c``, and a ones column on V makes
+    the same matmul that sums ``P·V`` also sum the row's weights. A tile then costs two
+    matmuls and one ``exp``. The shift is only recomputed (the classic online-softmax
+    rescaling) on a row block's first tile, while some row has seen no key yet, or when a
+    tile's scores exceed the shift enough to overflow — detected, then redone exactly.
+    """
+    b, hk, g, nq, d = q.shape
     dv = v.shape[-1]
     out = q.new_zeros(b, hk, g, nq, dv)
     lse = q.new_full((b, hk, g, nq), _NEG_INF)
-    qs = q * scale
+    k_aug = _augment(k, 1.0).transpose(-1, -2)  # (B, Hk, 1, D+1, Nk)
+    v_aug = _augment(v, 1.0)  # (B, Hk, 1, Nk, Dv+1): the last column sums the weights
     for q0 in range(0, nq, block_q):
         q1 = min(nq, q0 + block_q)
-        qb = qs[:, :, :, q0:q1]
-        m = l = acc = None
+        q_aug = _augment(q[:, :, :, q0:q1] * scale, 0.0)  # (B, Hk, G, bq, D+1); last column = -shift
+        shift = q_aug[..., d]  # a view: writing -c here moves the shift into the matmul
+        acc = q.new_zeros(b, hk, g, q1 - q0, dv + 1)  # [Σ P·V | Σ P] relative to exp(c)
+        exact = True
         for k0, k1 in _key_blocks(tiles, q0, q1, block_k):
-            s = _masked_scores(qb, k, tiles, q0, q1, k0, k1)  # (B, Hk, G, bq, bk)
-            vb = v[:, :, :, k0:k1]
-            if m is None:
-                m = s.amax(-1)
-                m_safe = m.masked_fill(m == _NEG_INF, 0.0)  # rows with nothing yet: avoid -inf - -inf
-                p = s.sub_(m_safe.unsqueeze(-1)).exp_()
-                l = p.sum(-1)
-                acc = p @ vb
-            else:
-                m_new = torch.maximum(m, s.amax(-1))
-                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-                alpha = torch.exp(m - m_safe)  # rescales what earlier tiles accumulated
-                p = s.sub_(m_safe.unsqueeze(-1)).exp_()
-                l = l * alpha + p.sum(-1)
-                acc = acc.mul_(alpha.unsqueeze(-1)).add_(p @ vb)
-                m = m_new
-        if m is None:  # every key of this block is masked out by the positional rules
-            continue
+            s = _masked(q_aug @ k_aug[..., k0:k1], tiles, q0, q1, k0, k1)  # (B, Hk, G, bq, bk) = S - c
+            vb = v_aug[:, :, :, k0:k1]
+            if not exact:
+                trial = acc + torch.exp(s) @ vb
+                if bool(torch.isfinite(trial).all()):
+                    acc = trial
+                    continue
+            # Exact online-softmax step: raise each row's shift to this tile's maximum where
+            # that is higher, or where the row has no weight yet, and rescale what it holds.
+            t = s.amax(-1)  # relative to the current shift; -inf where the tile masks the row
+            empty = acc[..., dv] == 0
+            inc = torch.where(torch.isfinite(t) & ((t > 0) | empty), t, torch.zeros_like(t))
+            alpha = torch.exp(-inc).masked_fill_(empty, 0.0)  # empty rows hold 0; exp(-inc) may be inf there
+            acc = acc * alpha.unsqueeze(-1) + s.sub_(inc.unsqueeze(-1)).exp_() @ vb
+            shift.sub_(inc)
+            exact = bool((acc[..., dv] == 0).any())
+        l = acc[..., dv]
         has = l > 0
-        out[:, :, :, q0:q1] = acc / torch.where(has, l, torch.ones_like(l)).unsqueeze(-1)
-        lse[:, :, :, q0:q1] = torch.where(has, m_safe + torch.log(torch.where(has, l, torch.ones_like(l))), _NEG_INF)
+        safe_l = torch.where(has, l, torch.ones_like(l))
+        out[:, :, :, q0:q1] = acc[..., :dv] / safe_l.unsqueeze(-1)
+        lse[:, :, :, q0:q1] = torch.where(has, torch.log(safe_l) - shift, _NEG_INF)
     return out, lse
 
 
@@ -119,28 +135,33 @@ def chunked_backward(
     block_q: int,
     block_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for q ``(B, Hk, G, Nq, D)`` and k/v ``(B, Hk, 1, Nk, ·)`` by tile recomputation."""
-    g = q.shape[2]
-    nq = q.shape[3]
+    """Gradients for q ``(B, Hk, G, Nq, D)`` and k/v ``(B, Hk, 1, Nk, ·)`` by tile recomputation.
+
+    As in the forward pass, per-row constants ride along as extra matmul columns:
+    ``[q·scale, -lse]·[k, 1]ᵀ = S - lse`` and ``[dO, -δ]·[v, 1]ᵀ = dP - δ``.
+    """
+    g, nq, d = q.shape[2], q.shape[3], q.shape[4]
     delta = (dout * out).sum(-1)  # (B, Hk, G, Nq): rowsum(dO ∘ O) = Σ_j P_ij dP_ij
     if dlse is not None:
         delta = delta - dlse
     lse_safe = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: every score is -inf, so P = 0
-    qs = q * scale
+    q_aug = torch.cat([q * scale, -lse_safe.unsqueeze(-1)], dim=-1)  # (B, Hk, G, Nq, D+1)
+    do_aug = torch.cat([dout, -delta.unsqueeze(-1)], dim=-1)  # (B, Hk, G, Nq, Dv+1)
+    k_aug = _augment(k, 1.0)  # (B, Hk, 1, Nk, D+1)
+    v_aug = _augment(v, 1.0)
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     for q0 in range(0, nq, block_q):
         q1 = min(nq, q0 + block_q)
-        qb, dob = qs[:, :, :, q0:q1], dout[:, :, :, q0:q1]
+        qa, doa = q_aug[:, :, :, q0:q1], do_aug[:, :, :, q0:q1]
         for k0, k1 in _key_blocks(tiles, q0, q1, block_k):
-            p = _masked_scores(qb, k, tiles, q0, q1, k0, k1)
-            p = p.sub_(lse_safe[:, :, :, q0:q1].unsqueeze(-1)).exp_()  # (B, Hk, G, bq, bk)
-            kb, vb = k[:, :, :, k0:k1], v[:, :, :, k0:k1]
-            dv_t = p.transpose(-1, -2) @ dob  # (B, Hk, G, bk, Dv)
-            ds = (dob @ vb.transpose(-1, -2)).sub_(delta[:, :, :, q0:q1].unsqueeze(-1)).mul_(p)
-            dq[:, :, :, q0:q1] += ds @ kb
-            dk_t = ds.transpose(-1, -2) @ qb
+            ka = k_aug[:, :, :, k0:k1]
+            p = _masked(qa @ ka.transpose(-1, -2), tiles, q0, q1, k0, k1).exp_()  # (B, Hk, G, bq, bk)
+            ds = (doa @ v_aug[:, :, :, k0:k1].transpose(-1, -2)).mul_(p)  # P ∘ (dP - δ)
+            dv_t = p.transpose(-1, -2) @ doa[..., :-1]  # (B, Hk, G, bk, Dv)
+            dq[:, :, :, q0:q1] += ds @ ka[..., :d]
+            dk_t = ds.transpose(-1, -2) @ qa[..., :d]
             if g > 1:  # a key/value head serves G query heads: sum their contributions
                 dv_t, dk_t = dv_t.sum(2, keepdim=True), dk_t.sum(2, keepdim=True)
             dv[:, :, :, k0:k1] += dv_t

@@ -1,0 +1,338 @@
+"""The ``qkv`` command.
+
+``qkv trace "Thinking Machines"``  every step of self-attention on a sentence, then a narrative
+``qkv demo``                       a guided walk-through for a newcomer
+``qkv info``                       installed backends and devices (lives in :mod:`qkv.info`)
+
+``trace`` and ``demo`` use only the NumPy reference, so they start without importing torch;
+:mod:`qkv.info` (which needs torch) is imported only when the ``info`` command is asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import zlib
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .reference.trace import Trace, trace
+
+__all__ = ["main", "build_parser", "sentence_trace", "worked_example", "DEMO_PARTS"]
+
+SENTENCE = "Thinking Machines"
+
+
+def _version() -> str:
+    try:
+        from . import __version__  # type: ignore[attr-defined]
+
+        return str(__version__)
+    except ImportError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        return version("qkv")
+    except Exception:  # not installed: running from a source tree
+        return "unknown"
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(s: str) -> int:
+        try:
+            n = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a whole number") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n} is too small; use {low} or more")
+        return n
+
+    return parse
+
+
+def _precision(s: str) -> int:
+    n = _int_at_least(0)(s)
+    if n > 15:
+        raise argparse.ArgumentTypeError(f"{n} digits is more than float64 holds; use 0 to 15")
+    return n
+
+
+# -- the glass box on a sentence ------------------------------------------------------------
+
+
+def sentence_trace(
+    sentence: str = SENTENCE,
+    *,
+    d_model: int = 4,
+    d_k: int = 3,
+    heads: int = 1,
+    causal: bool = False,
+    seed: int = 0,
+) -> Trace:
+    """Trace self-attention on a whitespace-split sentence with small seeded random numbers.
+
+    Embeddings come from ``(seed, word)`` alone, so a repeated word gets the same row, as with a
+    real embedding table. Weights come from ``seed``. Everything is rounded to one decimal so the
+    arithmetic can be followed by hand. Shapes: ``x (N, d_model)``, ``W_Q, W_K, W_V
+    (d_model, heads·d_k)``, and ``W_O (heads·d_k, d_model)`` when ``heads > 1``.
+    """
+    tokens = sentence.split()
+    if not tokens:
+        raise ValueError('the sentence is empty; pass some words, e.g. qkv trace "Thinking Machines"')
+    x = np.stack(
+        [np.random.default_rng([seed, zlib.crc32(w.encode("utf-8"))]).normal(size=d_model) for w in tokens]
+    ).round(1)  # (N, d_model)
+    rng = np.random.default_rng(seed)
+    width = heads * d_k
+    w_q, w_k, w_v = (rng.normal(scale=0.7, size=(d_model, width)).round(1) for _ in range(3))
+    w_o = rng.normal(scale=0.7, size=(width, d_model)).round(1) if heads > 1 else None
+    return trace(x, w_q, w_k, w_v, w_o=w_o, num_heads=heads, is_causal=causal, tokens=tokens)
+
+
+def worked_example() -> Trace:
+    """The tutorials' numbers: two tokens, d_k = 64, q₁·k₁ = 112 and q₁·k₂ = 96.
+
+    With q₁ all ones, keys filled with 1.75 and 1.5 give exactly those dot products; the values
+    are the unit vectors, so each output row reads back as that row's weights.
+    """
+    d_k = 64
+    q = np.stack([np.ones(d_k), np.full(d_k, 0.5)])  # (2, 64)
+    k = np.stack([np.full(d_k, 1.75), np.full(d_k, 1.5)])  # (2, 64): 64·1.75 = 112, 64·1.5 = 96
+    v = np.eye(2)  # (2, 2)
+    return Trace.from_qkv(q, k, v, tokens=["Thinking", "Machines"])
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    try:
+        t = sentence_trace(
+            args.sentence, d_model=args.d_model, d_k=args.d_k, heads=args.heads, causal=args.causal, seed=args.seed
+        )
+    except ValueError as e:
+        print(f"qkv trace: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(t.to_dict(), allow_nan=False, ensure_ascii=False))
+        return 0
+    print(t.to_string(precision=args.precision, lang=args.lang))
+    print()
+    print(t.explain(args.lang, precision=args.precision))
+    return 0
+
+
+# -- the demo --------------------------------------------------------------------------------
+
+_TEXT = {
+    "en": {
+        "one": '1. Self-attention on "{s}", step by step',
+        "one_intro": (
+            "Each word gets a small random embedding of {d} numbers, and W_Q, W_K, W_V are random too.\n"
+            "A trained model learns these matrices; the arithmetic below is exactly the same."
+        ),
+        "two": "2. The worked example from the tutorials",
+        "two_intro": "Two tokens with d_k = 64, where q₁·k₁ = 112 and q₁·k₂ = 96:",
+        "two_sum": (
+            "{a}/√64 = {sa} and {b}/√64 = {sb}; softmax([{sa}, {sb}]) = [{wa}, {wb}]: the first token "
+            "keeps {pct}% of its attention for itself."
+        ),
+        "three": '3. Two heads and a causal mask on "{s}"',
+        "three_intro": (
+            "Each head has its own slice of Q, K and V and its own weights. The causal mask hides later\n"
+            "tokens (-inf before the softmax, weight 0 after). The heads' outputs are concatenated and\n"
+            "multiplied by W_O. Q, K, V are computed as in part 1; here are the masked scores onwards:"
+        ),
+    },
+    "zh": {
+        "one": "1. 在“{s}”上逐步计算自注意力",
+        "one_intro": (
+            "每个词都有一个随机生成的小嵌入向量（{d} 个数），W_Q、W_K、W_V 也是随机的。\n"
+            "训练好的模型会学习这些矩阵，但下面的计算步骤完全相同。"
+        ),
+        "two": "2. 教程中的数值例子",
+        "two_intro": "两个词元，d_k = 64，其中 q₁·k₁ = 112，q₁·k₂ = 96：",
+        "two_sum": (
+            "{a}/√64 = {sa}，{b}/√64 = {sb}；softmax([{sa}, {sb}]) = [{wa}, {wb}]："
+            "第一个词元把 {pct}% 的注意力留给了自己。"
+        ),
+        "three": "3. 两个注意力头加因果掩码：“{s}”",
+        "three_intro": (
+            "每个头使用 Q、K、V 中属于自己的那几列，各自计算注意力。因果掩码遮住后面的词元\n"
+            "（softmax 之前设为 -inf，之后权重为 0）。各头的输出拼接后再乘以 W_O。\n"
+            "Q、K、V 的计算与第 1 部分相同，下面从掩码后的分数开始："
+        ),
+    },
+}
+
+
+def _heading(title: str) -> str:
+    from .reference.render import width
+
+    return f"{title}\n{'=' * width(title)}"
+
+
+def _demo_sentence(args: argparse.Namespace) -> str:
+    txt = _TEXT[args.lang]
+    t = sentence_trace(SENTENCE)
+    return "\n\n".join(
+        [
+            _heading(txt["one"].format(s=SENTENCE)),
+            txt["one_intro"].format(d=t.d_model),
+            t.to_string(precision=args.precision, lang=args.lang),
+            t.explain(args.lang, precision=args.precision),
+        ]
+    )
+
+
+def _demo_worked(args: argparse.Namespace) -> str:
+    from .reference.render import short
+
+    txt = _TEXT[args.lang]
+    t = worked_example()
+    nums = dict(
+        a=short(t.scores[0, 0]), b=short(t.scores[0, 1]), sa=short(t.scaled[0, 0]), sb=short(t.scaled[0, 1]),
+        wa=short(t.weights[0, 0], args.precision), wb=short(t.weights[0, 1], args.precision),
+        pct=short(100 * t.weights[0, 0], 1),
+    )
+    return "\n\n".join(
+        [
+            _heading(txt["two"]),
+            txt["two_intro"],
+            t.to_string(precision=args.precision, steps=("scores", "scaled", "weights"), lang=args.lang),
+            txt["two_sum"].format(**nums),
+        ]
+    )
+
+
+def _demo_heads(args: argparse.Namespace) -> str:
+    txt = _TEXT[args.lang]
+    sentence = "Thinking Machines learn"
+    t = sentence_trace(sentence, heads=2, causal=True)
+    return "\n\n".join(
+        [
+            _heading(txt["three"].format(s=sentence)),
+            txt["three_intro"],
+            t.to_string(precision=args.precision, steps=("masked", "weights", "concat", "projected"), lang=args.lang),
+            t.explain(args.lang, token=1, precision=args.precision),
+        ]
+    )
+
+
+DEMO_PARTS: list[Callable[[argparse.Namespace], str]] = [_demo_sentence, _demo_worked, _demo_heads]
+"""The demo's sections in order; each takes the parsed arguments and returns its text.
+Append to this list to extend ``qkv demo`` (e.g. with a pretrained model)."""
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    for n, part in enumerate(DEMO_PARTS):
+        if n:
+            print("\n")
+        print(part(args))
+    return 0
+
+
+# -- qkv info (owned by qkv.info) ---------------------------------------------------------
+
+
+def _add_info(sub: Any, load: bool) -> None:
+    """Add ``info``; import :mod:`qkv.info` (and so torch) only when that command is run."""
+    help_ = "show backends, devices and versions"
+    p = sub.add_parser("info", help=help_, description=help_)
+    if not load:
+        p.set_defaults(run=lambda a: 0)  # parsing only; main() rebuilds with load=True for info
+        return
+    try:
+        from . import info as _info
+    except Exception as e:  # torch missing or broken: say so instead of a traceback
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        p.set_defaults(run=lambda a, e=e: _info_failed(e))
+        return
+    _info.add_arguments(p)
+    p.set_defaults(run=_info.run)
+
+
+def _info_failed(e: Exception) -> int:
+    print(f"qkv info: cannot load qkv.info ({type(e).__name__}: {e}); is torch installed?", file=sys.stderr)
+    return 1
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+
+def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
+    """The ``qkv`` argument parser; ``load_info=True`` imports :mod:`qkv.info` for its options."""
+    parser = argparse.ArgumentParser(
+        prog="qkv", description="Self-attention from the equations up: see every step, then go fast."
+    )
+    parser.add_argument("--version", action="version", version=f"qkv {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "trace",
+        help="show every step of self-attention on a sentence",
+        description="Run self-attention on a sentence with small random embeddings and weights and "
+        "print every matrix (X, Q, K, V, scores, scaled, weights, output), then explain them.",
+    )
+    p.add_argument("sentence", help='the text; tokens are its whitespace-separated words, e.g. "Thinking Machines"')
+    _shared_options(p)
+    p.add_argument("--d-model", type=_int_at_least(1), default=4, help="embedding width (default 4)")
+    p.add_argument("--d-k", type=_int_at_least(1), default=3, help="query/key/value width per head (default 3)")
+    p.add_argument("--heads", type=_int_at_least(1), default=1, help="number of attention heads (default 1)")
+    p.add_argument("--causal", action="store_true", help="hide later tokens from earlier ones")
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="random seed for embeddings and weights")
+    p.add_argument("--json", action="store_true", help="print the trace as JSON only")
+    p.set_defaults(run=_cmd_trace)
+
+    p = sub.add_parser(
+        "demo",
+        help="a guided walk-through of self-attention",
+        description="A short tour: a traced sentence, the tutorials' worked example, two heads with a causal mask.",
+    )
+    _shared_options(p)
+    p.set_defaults(run=_cmd_demo)
+
+    _add_info(sub, load_info)
+    return parser
+
+
+def _shared_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lang", choices=("en", "zh"), default="en", help="language of the explanation (default en)")
+    p.add_argument("--precision", type=_precision, default=3, help="decimals shown (default 3)")
+
+
+def _utf8_safe_stdout() -> None:
+    """Keep √, ᵀ and Chinese from crashing a terminal whose encoding cannot show them."""
+    enc = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+    if enc != "utf8" and hasattr(sys.stdout, "reconfigure"):
+        try:
+            sys.stdout.reconfigure(errors="replace")
+        except Exception:  # an unusual stream: leave it alone
+            pass
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``qkv`` command; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args_list if not a.startswith("-")), None)
+    parser = build_parser(load_info=command == "info")
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as e:  # --help, --version and usage errors
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    _utf8_safe_stdout()
+    try:
+        return int(args.run(args) or 0)
+    except BrokenPipeError:  # `qkv demo | head`: the reader left; exit quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail again
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

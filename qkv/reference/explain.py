@@ -1,0 +1,314 @@
+"""A step-by-step narrative of a :class:`~qkv.reference.trace.Trace`, in English or Chinese.
+
+The story follows one query token through the steps and quotes this trace's own numbers,
+so a reader can redo every step by hand and check it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
+
+import numpy as np
+
+from .render import root, short, vec
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+__all__ = ["explain", "LANGUAGES"]
+
+LANGUAGES: tuple[str, ...] = ("en", "zh")
+
+
+def explain(t: "Trace", lang: str = "en", token: Union[int, str] = 0, precision: int = 3) -> str:
+    """Narrate how query ``token`` (index or label) is turned into its output, quoting numbers."""
+    if lang not in LANGUAGES:
+        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    i = _resolve(t, token)
+    return (_En if lang == "en" else _Zh)(t, i, precision).text()
+
+
+def _resolve(t: "Trace", token: Union[int, str]) -> int:
+    if isinstance(token, str):
+        if token not in t.tokens:
+            raise ValueError(f"token={token!r} is not one of this trace's tokens {t.tokens}")
+        return t.tokens.index(token)
+    if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not -t.n <= token < t.n:
+        raise ValueError(f"token={token!r} must be a token label or an index from {-t.n} to {t.n - 1}")
+    return int(token) % t.n
+
+
+class _Story:
+    """Collects the facts of one query row; subclasses phrase them in one language."""
+
+    def __init__(self, t: "Trace", i: int, precision: int) -> None:
+        self.t, self.i, self.p = t, i, precision
+        self.head = t if t.num_heads == 1 else t.heads[0]
+
+    def n(self, v: float) -> str:
+        return short(float(v), self.p)
+
+    def v(self, a: np.ndarray) -> str:
+        return vec(a, self.p)
+
+    def tok(self, j: int) -> str:
+        return self.t.tokens[j]
+
+    def hidden(self, h: "Trace") -> list[int]:
+        """Keys that query i may not see in head h."""
+        if h.masked is None:
+            return []
+        return [j for j in range(h.n) if np.isneginf(h.masked[self.i, j])]
+
+    def bias(self, h: "Trace") -> list[tuple[int, float]]:
+        """(key, value added) for the visible keys a float mask shifted."""
+        if h.masked is None or "float" not in h.mask_kinds:
+            return []
+        out = []
+        for j in range(h.n):
+            if np.isfinite(h.masked[self.i, j]):
+                d = h.masked[self.i, j] - h.scaled[self.i, j]
+                if abs(d) > 1e-12:
+                    out.append((j, float(d)))
+        return out
+
+    def focus(self, h: "Trace") -> tuple[int, float]:
+        j = int(h.top_keys[self.i])
+        return j, (float(h.weights[self.i, j]) if j >= 0 else 0.0)
+
+    def text(self) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+def _join(items: list[str], last: str) -> str:
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + last + items[-1]
+
+
+class _En(_Story):
+    def q(self, j: int) -> str:
+        return f'"{self.tok(j)}"'
+
+    def text(self) -> str:
+        t, i, h = self.t, self.i, self.head
+        me = self.q(i)
+        lines = [f"How self-attention rewrites {me} (token {i + 1} of {t.n})", ""]
+        if t.num_heads > 1:
+            lines += [
+                f"This layer has {t.num_heads} heads. Q and K have {t.num_heads}·d_k = {t.q.shape[1]} columns "
+                f"and V has {t.v.shape[1]}; each head takes its own block of d_k = {t.d_k} columns "
+                "and runs steps 2–6 on it. Here is head 1:",
+                "",
+            ]
+        lines += self.steps(h)
+        lines += ["", self.verdict(h)]
+        if t.num_heads > 1:
+            lines += ["", "The other heads repeat the same steps on their own columns:"]
+            for k, hk in enumerate(t.heads[1:], start=2):
+                lines.append(f"  head {k}: " + self.verdict(hk, short_form=True))
+            lines += [
+                "",
+                f"Placing the {t.num_heads} head outputs side by side gives {me} the row "
+                f"{self.v(t.concat[i])} (length {t.concat.shape[1]}).",
+            ]
+        if t.projected is not None:
+            src = "that row" if t.num_heads > 1 else "the output"
+            lines.append(f"Multiplying {src} by W_O gives the layer's final vector for {me}: {self.v(t.projected[i])}.")
+        lines += ["", "Every token at a glance (the key each query weighs most):"]
+        lines += self.glance()
+        return "\n".join(lines)
+
+    def steps(self, h: "Trace") -> list[str]:
+        t, i = self.t, self.i
+        me = self.q(i)
+        out = []
+        if t.x is None:
+            out.append(f"1. Query, key, value. Q, K and V were given directly; the query of {me} is "
+                       f"q = {self.v(h.q[i])}.")
+        elif t.num_heads > 1:
+            out.append(f"1. Query, key, value. The embedding of {me}, x = {self.v(t.x[i])}, is multiplied by W_Q, W_K "
+                       f"and W_V; head 1's share of {me}'s query is q = {self.v(h.q[i])}, of its key "
+                       f"k = {self.v(h.k[i])}, of its value v = {self.v(h.v[i])}.")
+        else:
+            out.append(f"1. Query, key, value. The embedding of {me}, x = {self.v(t.x[i])}, is multiplied by "
+                       f"W_Q, W_K and W_V. That gives its query q = {self.v(h.q[i])} (what it is looking for), "
+                       f"its key k = {self.v(h.k[i])} (what it can be found by) and its value "
+                       f"v = {self.v(h.v[i])} (what it hands on). Every token gets its q, k and v the same way.")
+        dots = [f"q·k({self.tok(j)}) = {self.n(h.scores[i, j])}" for j in range(t.n)]
+        out.append(f"2. Dot products. The query of {me} is compared with the key of every token: "
+                   f"{_join(dots, ' and ')}. The larger the dot product, the better that key matches the query.")
+        out.append(f"3. Scaling. Each score is divided by √d_k = {root(t.d_k, self.p)}, giving "
+                   f"{_join([self.n(s) for s in h.scaled[i]], ' and ')}. Without this the scores grow with "
+                   "d_k, and the softmax would pile nearly all weight on one key and learn slowly.")
+        hidden, bias = self.hidden(h), self.bias(h)
+        if h.masked is not None:
+            parts = []
+            if hidden:
+                names = _join([self.q(j) for j in hidden], " and ")
+                why = (f"{'it comes' if len(hidden) == 1 else 'they come'} after {me} and a causal mask "
+                       "forbids looking ahead" if "causal" in h.mask_kinds and all(j > i for j in hidden)
+                       else "the mask hides " + ("it" if len(hidden) == 1 else "them"))
+                one = len(hidden) == 1
+                parts.append(f"The score{'' if one else 's'} for {names} become{'s' if one else ''} -inf because "
+                             f"{why}, so {'it' if one else 'they'} will get weight 0.")
+            for j, d in bias:
+                parts.append(f"The mask adds {self.n(d)} to the score for {self.q(j)}, "
+                             f"making it {self.n(h.masked[i, j])}.")
+            if not parts:
+                parts.append(f"Nothing is hidden from {me}, so its row is unchanged.")
+            out.append("4. Mask. " + " ".join(parts))
+        j_top, w_top = self.focus(h)
+        s = "5" if h.masked is not None else "4"
+        w = "6" if h.masked is not None else "5"
+        if j_top < 0:
+            out.append(f"{s}. Softmax. Every key is hidden from {me}, so there is nothing to weigh: all its "
+                       f"weights are 0 (the row sums to 0, not 1).")
+            out.append(f"{w}. Weighted sum. With no weights, the output of {me} is the zero vector "
+                       f"{self.v(h.output[i])}.")
+            return out
+        ws = [f"{self.n(h.weights[i, j])} for {self.q(j)}" for j in range(t.n)]
+        out.append(f"{s}. Softmax. Exponentiate the row and divide by its total: the weights are "
+                   f"{_join(ws, ' and ')}; together they add up to {self.n(h.weights[i].sum())}.")
+        terms = [f"{self.n(h.weights[i, j])}·v({self.tok(j)})" for j in range(t.n)]
+        out.append(f"{w}. Weighted sum. The new vector of {me} is {' + '.join(terms)} = {self.v(h.output[i])}.")
+        return out
+
+    def verdict(self, h: "Trace", short_form: bool = False) -> str:
+        me = self.q(self.i)
+        j, wt = self.focus(h)
+        if j < 0:
+            return f"{me} could see no token, so its output is zero."
+        target = "itself" if j == self.i else self.q(j)
+        s = f"{me} attends most to {target} (weight {self.n(wt)})"
+        if short_form:
+            return s + "."
+        row = h.weights[self.i][h.weights[self.i] > 0]
+        if wt >= 0.9:
+            s += ", so its new vector is almost a copy of " + ("its own value" if j == self.i else "that token's value")
+        elif len(row) > 1 and row.max() - row.min() < 0.1:
+            s += ", but it spreads its attention almost evenly over what it may see"
+        return "In short: " + s + "."
+
+    def glance(self) -> list[str]:
+        out = []
+        for k, h in enumerate(self.head_list()):
+            pre = f"  head {k + 1}: " if self.t.num_heads > 1 else "  "
+            items = []
+            for i, j in enumerate(h.top_keys):
+                items.append(f"{self.tok(i)} → " + ("nothing" if j < 0 else
+                                                    f"{self.tok(int(j))} ({self.n(h.weights[i, j])})"))
+            out.append(pre + ", ".join(items))
+        return out
+
+    def head_list(self) -> list["Trace"]:
+        return [self.t] if self.t.num_heads == 1 else list(self.t.heads)
+
+
+class _Zh(_En):
+    def q(self, j: int) -> str:
+        return f"“{self.tok(j)}”"
+
+    def text(self) -> str:
+        t, i, h = self.t, self.i, self.head
+        me = self.q(i)
+        lines = [f"自注意力如何重新计算{me}的表示（第 {i + 1} 个词元，共 {t.n} 个）", ""]
+        if t.num_heads > 1:
+            lines += [
+                f"这一层有 {t.num_heads} 个注意力头。Q 和 K 共有 {t.num_heads}·d_k = {t.q.shape[1]} 列，"
+                f"V 有 {t.v.shape[1]} 列；每个头取自己的一段（d_k = {t.d_k} 列），独立完成第 2–6 步。"
+                "下面以第 1 个头为例：",
+                "",
+            ]
+        lines += self.steps(h)
+        lines += ["", self.verdict(h)]
+        if t.num_heads > 1:
+            lines += ["", "其余的头在各自的列上重复同样的步骤："]
+            for k, hk in enumerate(t.heads[1:], start=2):
+                lines.append(f"  第 {k} 个头：" + self.verdict(hk, short_form=True))
+            lines += ["", f"把 {t.num_heads} 个头的输出并排拼接，{me}得到一行 {self.v(t.concat[i])}"
+                          f"（长度 {t.concat.shape[1]}）。"]
+        if t.projected is not None:
+            src = "这一行" if t.num_heads > 1 else "输出"
+            lines.append(f"再把{src}乘以 W_O，就得到{me}在这一层的最终向量：{self.v(t.projected[i])}。")
+        lines += ["", "所有词元一览（每个查询权重最大的键）："]
+        lines += self.glance()
+        return "\n".join(lines)
+
+    def steps(self, h: "Trace") -> list[str]:
+        t, i = self.t, self.i
+        me = self.q(i)
+        out = []
+        if t.x is None:
+            out.append(f"1. 查询、键、值。Q、K、V 是直接给定的；{me}的查询向量 q = {self.v(h.q[i])}。")
+        elif t.num_heads > 1:
+            out.append(f"1. 查询、键、值。{me}的嵌入向量 x = {self.v(t.x[i])} 分别乘以 W_Q、W_K、W_V；"
+                       f"其中属于第 1 个头的部分是：查询 q = {self.v(h.q[i])}，键 k = {self.v(h.k[i])}，"
+                       f"值 v = {self.v(h.v[i])}。")
+        else:
+            out.append(f"1. 查询、键、值。{me}的嵌入向量 x = {self.v(t.x[i])} 分别乘以 W_Q、W_K、W_V，"
+                       f"得到它的查询向量 q = {self.v(h.q[i])}（它想找什么）、键向量 k = {self.v(h.k[i])}"
+                       f"（别人凭什么找到它）和值向量 v = {self.v(h.v[i])}（它能提供的内容）。"
+                       "每个词元都用同样的方式得到自己的 q、k、v。")
+        dots = [f"q·k({self.tok(j)}) = {self.n(h.scores[i, j])}" for j in range(t.n)]
+        out.append(f"2. 点积打分。用{me}的查询向量和每个词元的键向量做点积：{'，'.join(dots)}。"
+                   "点积越大，说明这个键与查询越匹配。")
+        out.append(f"3. 缩放。每个分数都除以 √d_k = {root(t.d_k, self.p)}，得到 {'、'.join(self.n(s) for s in h.scaled[i])}。"
+                   "如果不缩放，分数会随 d_k 增大而变大，softmax 会把几乎全部权重压到一个键上，梯度也会变得很小。")
+        hidden, bias = self.hidden(h), self.bias(h)
+        if h.masked is not None:
+            parts = []
+            if hidden:
+                names = "、".join(self.q(j) for j in hidden)
+                if "causal" in h.mask_kinds and all(j > i for j in hidden):
+                    these = "它的分数" if len(hidden) == 1 else "这些分数"
+                    parts.append(f"{names}位于{me}之后，因果掩码不允许提前看到后面的词元，"
+                                 f"所以{these}被设为 -inf，权重将为 0")
+                else:
+                    parts.append(f"掩码屏蔽了{names}，对应的分数被设为 -inf，权重将为 0")
+            for j, d in bias:
+                parts.append(f"掩码给{self.q(j)}的分数加上 {self.n(d)}，变为 {self.n(h.masked[i, j])}")
+            if not parts:
+                parts.append(f"{me}没有被屏蔽的键，这一行保持不变")
+            out.append("4. 掩码。" + "；".join(parts) + "。")
+        s = "5" if h.masked is not None else "4"
+        w = "6" if h.masked is not None else "5"
+        j_top, _ = self.focus(h)
+        if j_top < 0:
+            out.append(f"{s}. Softmax 归一化。{me}的所有键都被屏蔽了，没有可以分配的权重：这一行全是 0（行和为 0，而不是 1）。")
+            out.append(f"{w}. 加权求和。没有权重，{me}的输出就是零向量 {self.v(h.output[i])}。")
+            return out
+        ws = [f"{self.q(j)}得到 {self.n(h.weights[i, j])}" for j in range(t.n)]
+        out.append(f"{s}. Softmax 归一化。对这一行取指数再除以总和：{'，'.join(ws)}，"
+                   f"加起来等于 {self.n(h.weights[i].sum())}。")
+        terms = [f"{self.n(h.weights[i, j])}·v({self.tok(j)})" for j in range(t.n)]
+        out.append(f"{w}. 加权求和。{me}的新向量 = {' + '.join(terms)} = {self.v(h.output[i])}。")
+        return out
+
+    def verdict(self, h: "Trace", short_form: bool = False) -> str:
+        me = self.q(self.i)
+        j, wt = self.focus(h)
+        if j < 0:
+            return f"{me}看不到任何词元，所以输出为零。"
+        target = "它自己" if j == self.i else self.q(j)
+        s = f"{me}最关注{target}（权重 {self.n(wt)}）"
+        if short_form:
+            return s + "。"
+        row = h.weights[self.i][h.weights[self.i] > 0]
+        if wt >= 0.9:
+            s += "，它的新向量几乎就是" + ("它自己的值向量" if j == self.i else "那个词元的值向量")
+        elif len(row) > 1 and row.max() - row.min() < 0.1:
+            s += "，不过它的注意力在能看到的词元之间分布得相当均匀"
+        return "总结：" + s + "。"
+
+    def glance(self) -> list[str]:
+        out = []
+        for k, h in enumerate(self.head_list()):
+            pre = f"  第 {k + 1} 个头：" if self.t.num_heads > 1 else "  "
+            items = []
+            for i, j in enumerate(h.top_keys):
+                items.append(f"{self.tok(i)} → " + ("（无）" if j < 0 else
+                                                    f"{self.tok(int(j))}（{self.n(h.weights[i, j])}）"))
+            out.append(pre + "，".join(items))
+        return out
+

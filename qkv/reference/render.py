@@ -1,0 +1,326 @@
+"""Turn a :class:`~qkv.reference.trace.Trace` into text for a terminal or HTML for a notebook.
+
+Both renderers walk the same list of :class:`Block` s (one per matrix, in computation order),
+so the terminal and the notebook always show the same steps with the same formulas.
+"""
+
+from __future__ import annotations
+
+import html
+import unicodedata
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .trace import Trace
+
+__all__ = [
+    "Block", "blocks", "fmt", "short", "vec", "root", "width", "format_matrix", "trace_to_string", "trace_to_html",
+]
+
+_SUB = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
+
+
+def fmt(value: float, precision: int = 3) -> str:
+    """Fixed-point with ``precision`` decimals; ``-inf`` stays readable and ``-0.000`` loses its sign."""
+    if np.isneginf(value):
+        return "-inf"
+    if np.isposinf(value):
+        return "inf"
+    s = f"{value:.{precision}f}"
+    if s.startswith("-") and float(s) == 0.0:
+        s = s[1:]
+    return s
+
+
+def short(value: float, precision: int = 3) -> str:
+    """Like :func:`fmt` but without trailing zeros, for prose: 14.000 → 14, 0.500 → 0.5."""
+    s = fmt(value, precision)
+    if "." in s and "inf" not in s:
+        s = s.rstrip("0").rstrip(".")
+    return "0" if s in ("", "-0") else s
+
+
+def vec(values: np.ndarray, precision: int = 3, max_items: int = 8) -> str:
+    """A vector for prose: ``[0.1, -2, 3.25]``; long ones show their ends and their length."""
+    items = [short(float(v), precision) for v in values]
+    if len(items) <= max_items:
+        return "[" + ", ".join(items) + "]"
+    return "[" + ", ".join(items[:4]) + ", …, " + ", ".join(items[-2:]) + f"] ({len(items)} numbers)"
+
+
+def root(d: int, precision: int = 3) -> str:
+    """``√d = r`` when the root is whole, else ``√d ≈ r``."""
+    r = float(np.sqrt(d))
+    return f"√{d} {'=' if r.is_integer() else '≈'} {short(r, precision)}"
+
+
+@dataclass
+class Block:
+    """One titled matrix of a trace (or a heading when ``array`` is None)."""
+
+    step: str  # the step name used by to_string(steps=...), e.g. "scores"
+    title: str  # the formula, e.g. "scores = Q·Kᵀ"
+    note: str = ""  # one line on what the numbers mean
+    array: Optional[np.ndarray] = None
+    rows: Sequence[str] = ()
+    cols: Sequence[str] = ()
+    heat: bool = False  # shade cells by value (attention weights)
+    footer: str = ""
+
+
+_TEXT: dict[str, dict[str, str]] = {
+    "en": {
+        "x": "the input: one embedding row per token",
+        "w": "learned {role} weights",
+        "q": "queries: what each token is looking for",
+        "k": "keys: what each token can be found by",
+        "v": "values: what each token hands on",
+        "query": "query", "key": "key", "value": "value", "output": "output",
+        "given": "{m} (given)",
+        "slice": "head {h}'s {what}", "queries": "queries", "keys": "keys", "values": "values",
+        "scores": "row i, column j: query of token i · key of token j",
+        "scaled": "d_k = {d}, so every score is divided by {r}",
+        "causal": "causal: a token may not look at later tokens",
+        "bool": "boolean attn_mask: False pairs are hidden",
+        "float": "float attn_mask added to the scores",
+        "hidden": " (-inf = hidden, weight 0)",
+        "softmax": "weights{s} = softmax({src}{s}) row by row",
+        "weights": "row i: how much token i takes from each token",
+        "sums": "row sums: {parts} — {verdict}",
+        "empty_row": " (every key masked)",
+        "ok": "each row sums to 1 ✓", "bad": "NOT all rows sum to 1 ✗",
+        "out": "row i: the weighted average of the value rows",
+        "head": "Head {h} of {n}", "cols": "columns {a}–{b} of Q and K, {c}–{d} of V",
+        "concat": "the head outputs side by side",
+        "proj": "the layer's final output",
+        "header": "Self-attention, step by step: {dims}", "tokens": "tokens: ",
+        "n_tokens": "{n} token{s}", "n_heads": "{n} head{s}", "mask": "mask: {kinds}", "sep": ", ",
+        "kind_causal": "causal", "kind_bool": "bool", "kind_float": "float",
+    },
+    "zh": {
+        "x": "输入：每个词元一行嵌入向量",
+        "w": "可学习的{role}权重",
+        "q": "查询：每个词元想找什么",
+        "k": "键：每个词元凭什么被找到",
+        "v": "值：每个词元能提供的内容",
+        "query": "查询", "key": "键", "value": "值", "output": "输出",
+        "given": "{m}（给定）",
+        "slice": "第 {h} 个头的{what}", "queries": "查询", "keys": "键", "values": "值",
+        "scores": "第 i 行第 j 列：词元 i 的查询 · 词元 j 的键",
+        "scaled": "d_k = {d}，所以每个分数都除以 {r}",
+        "causal": "因果掩码：词元不能看到它后面的词元",
+        "bool": "布尔掩码：值为 False 的位置被屏蔽",
+        "float": "浮点掩码：直接加到分数上",
+        "hidden": "（-inf 表示被屏蔽，权重为 0）",
+        "softmax": "weights{s} = softmax({src}{s})（逐行）",
+        "weights": "第 i 行：词元 i 从每个词元那里取多少",
+        "sums": "行和：{parts} —— {verdict}",
+        "empty_row": "（所有键都被屏蔽）",
+        "ok": "每行之和都为 1 ✓", "bad": "并非每行之和都为 1 ✗",
+        "out": "第 i 行：各值向量按权重加权平均",
+        "head": "第 {h} 个头（共 {n} 个）", "cols": "Q、K 的第 {a}–{b} 列，V 的第 {c}–{d} 列",
+        "concat": "各头的输出并排拼接",
+        "proj": "这一层的最终输出",
+        "header": "自注意力逐步计算：{dims}", "tokens": "词元：",
+        "n_tokens": "{n} 个词元", "n_heads": "{n} 个头", "mask": "掩码：{kinds}", "sep": "，",
+        "kind_causal": "因果", "kind_bool": "布尔", "kind_float": "浮点",
+    },
+}
+
+
+def _text(lang: str) -> dict[str, str]:
+    if lang not in _TEXT:
+        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    return _TEXT[lang]
+
+
+def _dims(n: int) -> list[str]:
+    return [str(i) for i in range(n)]
+
+
+def _row_check(t: "Trace", weights: np.ndarray, precision: int, tx: dict[str, str]) -> str:
+    sums = weights.sum(axis=-1)
+    parts = [f"{tok} {fmt(s, precision)}" + ("" if s > 0 else tx["empty_row"]) for tok, s in zip(t.tokens, sums)]
+    ok = all(abs(s - 1) < 1e-9 or s == 0 for s in sums)
+    return tx["sums"].format(parts=tx["sep"].join(parts), verdict=tx["ok" if ok else "bad"])
+
+
+def _head_blocks(t: "Trace", h: Optional[int], precision: int, tx: dict[str, str]) -> list[Block]:
+    """The steps from Q, K, V to the output for one head (h = None: the only head)."""
+    toks = list(t.tokens)
+    sub = "" if h is None else str(h + 1).translate(_SUB)
+    out: list[Block] = []
+    if h is not None:
+        q0, q1 = h * t.d_k, (h + 1) * t.d_k
+        v0, v1 = h * t.d_v, (h + 1) * t.d_v
+        for name, lo, hi, what in (("q", q0, q1, "queries"), ("k", q0, q1, "keys"), ("v", v0, v1, "values")):
+            arr = getattr(t, name)
+            out.append(Block(name, f"{name.upper()}{sub} = {name.upper()}[:, {lo}:{hi}]",
+                             tx["slice"].format(h=h + 1, what=tx[what]), arr, toks, _dims(arr.shape[1])))
+    out.append(Block("scores", f"scores{sub} = Q{sub}·K{sub}ᵀ", tx["scores"], t.scores, toks, toks))
+    out.append(Block("scaled", f"scaled{sub} = scores{sub} / √d_k",
+                     tx["scaled"].format(d=t.d_k, r=root(t.d_k, precision)), t.scaled, toks, toks))
+    if t.masked is not None:
+        note = "; ".join(tx[k] for k in ("causal", "bool", "float") if k in t.mask_kinds) + tx["hidden"]
+        out.append(Block("masked", f"masked{sub} = scaled{sub} + mask", note, t.masked, toks, toks))
+    src = "masked" if t.masked is not None else "scaled"
+    out.append(Block("weights", tx["softmax"].format(s=sub, src=src), tx["weights"], t.weights, toks, toks,
+                     heat=True, footer=_row_check(t, t.weights, precision, tx)))
+    out.append(Block("output", f"output{sub} = weights{sub}·V{sub}", tx["out"],
+                     t.output, toks, _dims(t.output.shape[1])))
+    return out
+
+
+def blocks(t: "Trace", precision: int = 3, lang: str = "en") -> list[Block]:
+    """Every matrix of the trace in the order it is computed."""
+    tx = _text(lang)
+    toks = list(t.tokens)
+    out: list[Block] = []
+    given = t.x is None
+    if not given:
+        out.append(Block("x", "X", tx["x"], t.x, toks, _dims(t.x.shape[1])))
+    for name, w, role in (("q", t.w_q, "query"), ("k", t.w_k, "key"), ("v", t.w_v, "value")):
+        up = name.upper()
+        if w is not None:
+            out.append(Block(name, f"W_{up}", tx["w"].format(role=tx[role]), w, _dims(w.shape[0]), _dims(w.shape[1])))
+        arr = getattr(t, name)
+        title = tx["given"].format(m=up) if given else f"{up} = X·W_{up}"
+        if t.head is not None and not given:  # a head on its own: its columns of the full projection
+            d = t.d_v if name == "v" else t.d_k
+            sub = str(t.head + 1).translate(_SUB)
+            title = f"{up}{sub} = (X·W_{up})[:, {t.head * d}:{(t.head + 1) * d}]"
+        out.append(Block(name, title, tx[name], arr, toks, _dims(arr.shape[1])))
+    if t.num_heads == 1:
+        out.extend(_head_blocks(t, None, precision, tx))
+    else:
+        for h, ht in enumerate(t.heads):
+            cols = tx["cols"].format(a=h * t.d_k, b=(h + 1) * t.d_k - 1, c=h * t.d_v, d=(h + 1) * t.d_v - 1)
+            out.append(Block("head", tx["head"].format(h=h + 1, n=t.num_heads), cols))
+            out.extend(_head_blocks(ht, h, precision, tx))
+        parts = " | ".join(f"output{str(h + 1).translate(_SUB)}" for h in range(t.num_heads))
+        out.append(Block("concat", f"concat = [{parts}]", tx["concat"], t.concat, toks, _dims(t.concat.shape[1])))
+    if t.projected is not None:
+        w = t.w_o
+        if w is not None:
+            out.append(Block("projected", "W_O", tx["w"].format(role=tx["output"]), w,
+                             _dims(w.shape[0]), _dims(w.shape[1])))
+        src = "concat" if t.num_heads > 1 else "output"
+        out.append(Block("projected", f"projected = {src}·W_O", tx["proj"],
+                         t.projected, toks, _dims(t.projected.shape[1])))
+    return out
+
+
+def width(s: str) -> int:
+    """Columns a string takes in a terminal: CJK characters are two wide."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in s)
+
+
+def _rjust(s: str, n: int) -> str:
+    return " " * (n - width(s)) + s
+
+
+def _ljust(s: str, n: int) -> str:
+    return s + " " * (n - width(s))
+
+
+def format_matrix(a: np.ndarray, rows: Sequence[str], cols: Sequence[str], precision: int = 3,
+                  indent: str = "  ") -> list[str]:
+    """Right-aligned columns under their labels, row labels on the left."""
+    cells = [[fmt(float(v), precision) for v in row] for row in a]
+    w = max([len(c) for r in cells for c in r] + [width(c) for c in cols])
+    lw = max(width(r) for r in rows)
+    lines = [indent + " " * lw + "".join("  " + _rjust(c, w) for c in cols)]
+    for label, row in zip(rows, cells):
+        lines.append(indent + _ljust(label, lw) + "".join("  " + _rjust(c, w) for c in row))
+    return lines
+
+
+def _header(t: "Trace", tx: dict[str, str]) -> str:
+    dims = [tx["n_tokens"].format(n=t.n, s="s" if t.n != 1 else "")]
+    if t.d_model is not None:
+        dims.append(f"d_model = {t.d_model}")
+    dims += [f"d_k = {t.d_k}", f"d_v = {t.d_v}", tx["n_heads"].format(n=t.num_heads, s="s" if t.num_heads != 1 else "")]
+    if t.mask_kinds:
+        dims.append(tx["mask"].format(kinds=tx["sep"].join(tx["kind_" + k] for k in t.mask_kinds)))
+    return tx["header"].format(dims=tx["sep"].join(dims))
+
+
+def trace_to_string(t: "Trace", precision: int = 3, steps: Optional[Sequence[str]] = None, lang: str = "en") -> str:
+    """The terminal rendering behind :meth:`Trace.to_string`."""
+    if isinstance(precision, bool) or not isinstance(precision, (int, np.integer)) or not 0 <= precision <= 15:
+        raise ValueError(f"precision={precision!r} must be an int from 0 to 15 (digits after the point)")
+    tx = _text(lang)
+    lines = [_header(t, tx), tx["tokens"] + tx["sep"].join(t.tokens)]
+    for b in blocks(t, precision, lang):
+        if steps is not None and b.step not in steps and b.step != "head":
+            continue
+        if b.array is None:
+            lines += ["", f"=== {b.title} ({b.note}) ==="]
+            continue
+        shape = "×".join(str(s) for s in b.array.shape)
+        lines += ["", f"{b.title}   ({shape})   {b.note}"]
+        lines += format_matrix(b.array, b.rows, b.cols, precision)
+        if b.footer:
+            lines.append("  " + b.footer)
+    return "\n".join(lines)
+
+
+# -- HTML -------------------------------------------------------------------------------------
+
+_STYLE = """<style>
+.qkv-trace { font-family: system-ui, sans-serif; }
+.qkv-trace table { border-collapse: collapse; margin: 4px 0 14px 0; font-size: 13px; }
+.qkv-trace caption { text-align: left; padding: 2px 0; }
+.qkv-trace caption span, .qkv-trace .qkv-sum { color: #555; }
+.qkv-trace th, .qkv-trace td { padding: 2px 8px; border: 1px solid #ddd; text-align: right; }
+.qkv-trace th { background: #f3f4f6; font-weight: 600; }
+.qkv-trace tr th:first-child { text-align: left; }
+.qkv-trace td { font-variant-numeric: tabular-nums; }
+.qkv-trace td.qkv-inf { color: #999; }
+.qkv-trace .qkv-sum { margin: -10px 0 14px 0; font-size: 12px; }
+</style>"""
+
+
+def _html_table(b: Block, precision: int) -> str:
+    e = html.escape
+    shape = "×".join(str(s) for s in b.array.shape)
+    parts = [
+        "<table>",
+        f"<caption><code>{e(b.title)}</code> <span>({shape}) {e(b.note)}</span></caption>",
+        "<tr><th></th>" + "".join(f"<th>{e(c)}</th>" for c in b.cols) + "</tr>",
+    ]
+    for label, row in zip(b.rows, b.array):
+        cells = []
+        for v in row:
+            text = e(fmt(float(v), precision))
+            if b.heat and np.isfinite(v):
+                alpha = float(np.clip(v, 0.0, 1.0))  # weights are probabilities: shade = weight
+                fg = "#fff" if alpha > 0.55 else "#111"
+                cells.append(f'<td style="background:rgba(37,99,235,{alpha:.3f});color:{fg}">{text}</td>')
+            elif not np.isfinite(v):
+                cells.append(f'<td class="qkv-inf">{text}</td>')
+            else:
+                cells.append(f"<td>{text}</td>")
+        parts.append(f"<tr><th>{e(label)}</th>" + "".join(cells) + "</tr>")
+    parts.append("</table>")
+    if b.footer:
+        parts.append(f'<div class="qkv-sum">{e(b.footer)}</div>')
+    return "\n".join(parts)
+
+
+def trace_to_html(t: "Trace", precision: int = 3, lang: str = "en") -> str:
+    """Self-contained HTML: tables, a scoped stylesheet, no scripts or external resources."""
+    e = html.escape
+    tx = _text(lang)
+    out = ['<div class="qkv-trace">', _STYLE,
+           f"<p><strong>{e(_header(t, tx))}</strong><br>{e(tx['tokens'] + tx['sep'].join(t.tokens))}</p>"]
+    for b in blocks(t, precision, lang):
+        if b.array is None:
+            out.append(f"<h4>{e(b.title)} <small>({e(b.note)})</small></h4>")
+        else:
+            out.append(_html_table(b, precision))
+    out.append("</div>")
+    return "\n".join(out)

@@ -1,0 +1,484 @@
+"""The glass box: one self-attention pass with every intermediate matrix kept and named.
+
+Shapes (N tokens, H heads, d_k / d_v per head)::
+
+    x        (N, d_model)          the input, one row per token
+    q, k     (N, H·d_k)            Q = X·W_Q, K = X·W_K
+    v        (N, H·d_v)            V = X·W_V
+    scores   (N, N)   | (H, N, N)  Q·Kᵀ
+    scaled   (N, N)   | (H, N, N)  scores / √d_k
+    masked   (N, N)   | (H, N, N)  scaled + mask (−∞ where a key is hidden), or None
+    weights  (N, N)   | (H, N, N)  row softmax
+    output   (N, d_v) | (H, N, d_v) weights·V
+    concat   (N, H·d_v)            the head outputs side by side (H > 1 only)
+    projected (N, d_model_out)     concat·W_O (only when W_O is given)
+
+With one head the per-step arrays are plain matrices; with several heads they carry a leading
+head axis and ``heads[h]`` is a single-head :class:`Trace` of head ``h`` alone.
+
+Masks follow :func:`qkv.reference.attention_ref`: a boolean ``attn_mask`` is True where a query
+may attend; a float one is added to the scaled scores; a row with nothing left to attend to
+gets all-zero weights and a zero output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from .attention import as_float64, combined_mask, softmax_rows
+from .masks import CausalArg, parse_causal
+
+__all__ = ["Trace", "trace"]
+
+STEPS: tuple[str, ...] = ("x", "q", "k", "v", "scores", "scaled", "masked", "weights", "output")
+"""Names of the per-pass steps, in the order they happen."""
+
+
+@dataclass(eq=False)
+class Trace:
+    """Every step of one self-attention pass, as float64 NumPy arrays.
+
+    Build one with :func:`trace` (from X and the weight matrices) or :meth:`Trace.from_qkv`
+    (from Q, K, V directly). See the module docstring for the shape of each step.
+    """
+
+    tokens: list[str]
+    x: Optional[np.ndarray]
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    scores: np.ndarray
+    scaled: np.ndarray
+    masked: Optional[np.ndarray]
+    weights: np.ndarray
+    output: np.ndarray
+    lse: np.ndarray
+    d_k: int
+    d_v: int
+    num_heads: int = 1
+    is_causal: CausalArg = False
+    mask_kinds: tuple[str, ...] = ()
+    heads: list["Trace"] = field(default_factory=list)
+    concat: Optional[np.ndarray] = None
+    projected: Optional[np.ndarray] = None
+    w_q: Optional[np.ndarray] = None
+    w_k: Optional[np.ndarray] = None
+    w_v: Optional[np.ndarray] = None
+    w_o: Optional[np.ndarray] = None
+    head: Optional[int] = None  # which head this is, for the per-head traces
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_qkv(
+        cls,
+        q: Any,
+        k: Any,
+        v: Any,
+        *,
+        is_causal: CausalArg = False,
+        attn_mask: Any = None,
+        tokens: Optional[Sequence[str]] = None,
+    ) -> "Trace":
+        """Trace attention starting from given matrices ``q, k (N, d_k)`` and ``v (N, d_v)``.
+
+        Use this to check a hand calculation: the steps from ``scores`` on are filled in,
+        ``x`` and the weight matrices are None.
+        """
+        q = _matrix(q, "q", "(N, d_k): one query row per token")
+        k = _matrix(k, "k", "(N, d_k): one key row per token")
+        v = _matrix(v, "v", "(N, d_v): one value row per token")
+        n = q.shape[0]
+        if k.shape[0] != n or v.shape[0] != n:
+            raise ValueError(
+                f"q, k, v have {n}, {k.shape[0]}, {v.shape[0]} rows; Trace.from_qkv traces "
+                "self-attention, where every token has one query, one key and one value row"
+            )
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(
+                f"q has {q.shape[1]} columns but k has {k.shape[1]}; a query is compared with "
+                "a key by a dot product, so both must have the same length d_k"
+            )
+        labels = _tokens(tokens, n, "q")
+        allowed, bias, kinds = _masks(n, attn_mask, is_causal)
+        return _single_head(labels, None, q, k, v, allowed, bias, kinds, is_causal)
+
+    # -- derived facts ------------------------------------------------------------------
+
+    @property
+    def n(self) -> int:
+        """Number of tokens N."""
+        return len(self.tokens)
+
+    @property
+    def d_model(self) -> Optional[int]:
+        """Width of the input rows, or None when the trace started from Q, K, V."""
+        return None if self.x is None else int(self.x.shape[1])
+
+    @property
+    def scale(self) -> float:
+        """The factor the scores are multiplied by: 1/√d_k."""
+        return 1.0 / float(np.sqrt(self.d_k))
+
+    @property
+    def row_sums(self) -> np.ndarray:
+        """Sum of each weights row: 1, or 0 for a query whose every key is masked. (N,) | (H, N)."""
+        return self.weights.sum(axis=-1)
+
+    @property
+    def top_keys(self) -> np.ndarray:
+        """Index of the key each query attends to most; −1 for a fully masked row. (N,) | (H, N)."""
+        top = self.weights.argmax(axis=-1)
+        return np.where(self.row_sums > 0, top, -1)
+
+    @property
+    def result(self) -> np.ndarray:
+        """The layer's final answer: ``projected`` if W_O was given, else ``concat`` or ``output``."""
+        if self.projected is not None:
+            return self.projected
+        if self.concat is not None:
+            return self.concat
+        return self.output
+
+    def attends_most(self) -> list[tuple[str, Optional[str], float]]:
+        """(query token, key token it weighs most or None, that weight), one per query row.
+
+        Single head only; use ``heads[h].attends_most()`` for a multi-head trace.
+        """
+        if self.num_heads > 1:
+            raise ValueError("attends_most() is per head; call it on trace.heads[h]")
+        out: list[tuple[str, Optional[str], float]] = []
+        for i, j in enumerate(self.top_keys):
+            key = None if j < 0 else self.tokens[int(j)]
+            out.append((self.tokens[i], key, float(self.weights[i, j]) if j >= 0 else 0.0))
+        return out
+
+    def step(self, name: str) -> Optional[np.ndarray]:
+        """The array stored for step ``name`` (one of :data:`STEPS`, ``concat``, ``projected``)."""
+        if name not in STEPS + ("concat", "projected"):
+            raise KeyError(f"unknown step {name!r}; the steps are {', '.join(STEPS)}, concat, projected")
+        return getattr(self, name)
+
+    # -- presentation -------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        def shape(a: Optional[np.ndarray]) -> str:
+            return "None" if a is None else "×".join(str(s) for s in a.shape)
+
+        names = list(STEPS)
+        if self.num_heads > 1:
+            names.append("concat")
+        if self.projected is not None:
+            names.append("projected")
+        parts = ", ".join(f"{s}={shape(getattr(self, s))}" for s in names)
+        head = "" if self.head is None else f", head={self.head}"
+        return (
+            f"Trace(tokens={self.tokens!r}, d_k={self.d_k}, d_v={self.d_v}, "
+            f"num_heads={self.num_heads}{head}, is_causal={self.is_causal!r}; {parts})"
+        )
+
+    def to_string(self, precision: int = 3, steps: Optional[Sequence[str]] = None, lang: str = "en") -> str:
+        """Every step as labelled, aligned matrices with its formula, for a terminal.
+
+        ``steps`` limits the output to some step names (e.g. ``("scores", "weights")``);
+        ``lang`` ("en" or "zh") is the language of the notes beside each formula.
+        """
+        from .render import trace_to_string
+
+        return trace_to_string(self, precision=precision, steps=steps, lang=lang)
+
+    def explain(self, lang: str = "en", *, token: Union[int, str] = 0, precision: int = 3) -> str:
+        """A step-by-step narrative in English (``"en"``) or Chinese (``"zh"``) quoting this
+        trace's numbers for one query token (index or label; the first token by default)."""
+        from .explain import explain
+
+        return explain(self, lang=lang, token=token, precision=precision)
+
+    def _repr_html_(self) -> str:
+        from .render import trace_to_html
+
+        return trace_to_html(self)
+
+    def to_html(self, precision: int = 3, lang: str = "en") -> str:
+        """Self-contained HTML tables (no scripts, no external resources)."""
+        from .render import trace_to_html
+
+        return trace_to_html(self, precision=precision, lang=lang)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists and floats, ready for ``json.dumps(..., allow_nan=False)``.
+
+        Masked (−∞) entries become ``None`` (JSON ``null``); :meth:`from_dict` reverses this.
+        """
+        d: dict[str, Any] = {
+            "tokens": list(self.tokens),
+            "d_k": self.d_k,
+            "d_v": self.d_v,
+            "num_heads": self.num_heads,
+            "is_causal": self.is_causal,
+            "mask": list(self.mask_kinds),
+            "head": self.head,
+            "steps": {name: _to_json(getattr(self, name)) for name in STEPS + ("lse",)},
+            "row_sums": _to_json(self.row_sums),
+            "top_keys": self.top_keys.tolist(),
+            "concat": _to_json(self.concat),
+            "projected": _to_json(self.projected),
+            "params": {n: _to_json(getattr(self, n)) for n in ("w_q", "w_k", "w_v", "w_o")},
+            "heads": [h.to_dict() for h in self.heads],
+        }
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Trace":
+        """Rebuild a trace from :meth:`to_dict` output (after a JSON round trip, too)."""
+        steps = {name: _from_json(d["steps"][name]) for name in STEPS + ("lse",)}
+        mats = {n: _from_json(a) for n, a in d.get("params", {}).items()}
+        return cls(
+            tokens=list(d["tokens"]),
+            d_k=int(d["d_k"]),
+            d_v=int(d["d_v"]),
+            num_heads=int(d["num_heads"]),
+            is_causal=d["is_causal"],
+            mask_kinds=tuple(d["mask"]),
+            head=d.get("head"),
+            heads=[cls.from_dict(h) for h in d.get("heads", [])],
+            concat=_from_json(d.get("concat")),
+            projected=_from_json(d.get("projected")),
+            **steps,  # type: ignore[arg-type]
+            **mats,
+        )
+
+
+def trace(
+    x: Any,
+    w_q: Any,
+    w_k: Any,
+    w_v: Any,
+    *,
+    w_o: Any = None,
+    num_heads: int = 1,
+    is_causal: CausalArg = False,
+    attn_mask: Any = None,
+    tokens: Optional[Sequence[str]] = None,
+) -> Trace:
+    """Run self-attention on ``x`` in float64 and keep every intermediate step.
+
+    Shapes: ``x (N, d_model)``, ``w_q, w_k (d_model, H·d_k)``, ``w_v (d_model, H·d_v)``,
+    ``w_o (H·d_v, d_model_out)`` (optional), ``attn_mask (N, N)`` boolean (True = may attend)
+    or float (added to the scaled scores). NumPy arrays, torch tensors or nested lists.
+    ``tokens`` labels the rows (default ``t1 … tN``).
+    """
+    x = _matrix(x, "x", "(N, d_model): one row per token")
+    n, d_model = x.shape
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads={num_heads!r} must be a positive int (1 for single-head attention)")
+    num_heads = int(num_heads)
+    mats: dict[str, np.ndarray] = {}
+    for name, given, what in (("w_q", w_q, "d_k"), ("w_k", w_k, "d_k"), ("w_v", w_v, "d_v")):
+        w = _matrix(given, name, f"(d_model, {what}·num_heads)")
+        if w.shape[0] != d_model:
+            raise ValueError(
+                f"{name} has {w.shape[0]} rows but x has d_model={d_model} columns; "
+                f"{name} must be (d_model, {what}·num_heads) so that x·{name} is defined"
+            )
+        if w.shape[1] % num_heads:
+            lo = num_heads * (w.shape[1] // num_heads)
+            near = f"{lo} or {lo + num_heads}" if lo else str(num_heads)
+            raise ValueError(
+                f"{name} has {w.shape[1]} columns, which does not split evenly into "
+                f"num_heads={num_heads}; give it {what}·num_heads columns (e.g. {near})"
+            )
+        mats[name] = w
+    if mats["w_k"].shape[1] != mats["w_q"].shape[1]:
+        raise ValueError(
+            f"w_q has {mats['w_q'].shape[1]} columns but w_k has {mats['w_k'].shape[1]}; queries "
+            "and keys meet in a dot product, so both must be (d_model, d_k·num_heads)"
+        )
+    d_k = mats["w_q"].shape[1] // num_heads
+    d_v = mats["w_v"].shape[1] // num_heads
+    w_o_arr = None
+    if w_o is not None:
+        w_o_arr = _matrix(w_o, "w_o", "(num_heads·d_v, d_model_out)")
+        if w_o_arr.shape[0] != num_heads * d_v:
+            raise ValueError(
+                f"w_o has {w_o_arr.shape[0]} rows but the concatenated heads have "
+                f"num_heads·d_v = {num_heads}·{d_v} = {num_heads * d_v} columns; "
+                "w_o must be (num_heads·d_v, d_model_out)"
+            )
+    labels = _tokens(tokens, n, "x")
+    allowed, bias, kinds = _masks(n, attn_mask, is_causal)
+
+    q = x @ mats["w_q"]  # (N, H·d_k)
+    k = x @ mats["w_k"]  # (N, H·d_k)
+    v = x @ mats["w_v"]  # (N, H·d_v)
+    heads = [
+        _single_head(
+            labels,
+            x,
+            q[:, h * d_k : (h + 1) * d_k],  # head h owns a contiguous block of columns
+            k[:, h * d_k : (h + 1) * d_k],
+            v[:, h * d_v : (h + 1) * d_v],
+            allowed,
+            bias,
+            kinds,
+            is_causal,
+            head=h if num_heads > 1 else None,
+        )
+        for h in range(num_heads)
+    ]
+
+    if num_heads == 1:
+        t = heads[0]
+        t.q, t.k, t.v = q, k, v
+        t.w_q, t.w_k, t.w_v, t.w_o = mats["w_q"], mats["w_k"], mats["w_v"], w_o_arr
+        if w_o_arr is not None:
+            t.projected = t.output @ w_o_arr  # (N, d_model_out)
+        return t
+
+    concat = np.concatenate([h.output for h in heads], axis=-1)  # (N, H·d_v)
+
+    def stack(name: str) -> np.ndarray:
+        return np.stack([getattr(h, name) for h in heads])  # (H, N, ·)
+
+    return Trace(
+        tokens=labels,
+        x=x,
+        q=q,
+        k=k,
+        v=v,
+        scores=stack("scores"),
+        scaled=stack("scaled"),
+        masked=None if heads[0].masked is None else stack("masked"),
+        weights=stack("weights"),
+        output=stack("output"),
+        lse=stack("lse"),
+        d_k=d_k,
+        d_v=d_v,
+        num_heads=num_heads,
+        is_causal=is_causal,
+        mask_kinds=kinds,
+        heads=heads,
+        concat=concat,
+        projected=None if w_o_arr is None else concat @ w_o_arr,  # (N, d_model_out)
+        w_q=mats["w_q"],
+        w_k=mats["w_k"],
+        w_v=mats["w_v"],
+        w_o=w_o_arr,
+    )
+
+
+# -- private machinery ----------------------------------------------------------------------
+
+
+def _single_head(
+    tokens: list[str],
+    x: Optional[np.ndarray],
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    allowed: Optional[np.ndarray],
+    bias: Optional[np.ndarray],
+    kinds: tuple[str, ...],
+    is_causal: CausalArg,
+    head: Optional[int] = None,
+) -> Trace:
+    d_k = q.shape[1]
+    scores = q @ k.T  # (N, N)
+    scaled = scores / np.sqrt(d_k)
+    masked = None
+    if bias is not None or allowed is not None:
+        masked = scaled if bias is None else scaled + bias
+        if allowed is not None:
+            masked = np.where(allowed, masked, -np.inf)
+    weights, lse = softmax_rows(scaled if masked is None else masked)
+    return Trace(
+        tokens=tokens,
+        x=x,
+        q=q,
+        k=k,
+        v=v,
+        scores=scores,
+        scaled=scaled,
+        masked=masked,
+        weights=weights,
+        output=weights @ v,  # (N, d_v)
+        lse=lse,
+        d_k=d_k,
+        d_v=v.shape[1],
+        is_causal=is_causal,
+        mask_kinds=kinds,
+        head=head,
+    )
+
+
+def _matrix(a: Any, name: str, expected: str) -> np.ndarray:
+    arr = as_float64(a, name)
+    if arr.ndim != 2:
+        hint = f" (for a single row use {name}.reshape(1, -1))" if arr.ndim == 1 else ""
+        raise ValueError(f"{name} must be a 2-D matrix {expected}, got shape {tuple(arr.shape)}{hint}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty matrix {expected}, got shape {tuple(arr.shape)}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} contains NaN or infinite values; every entry must be a finite number")
+    return arr
+
+
+def _tokens(tokens: Optional[Sequence[str]], n: int, source: str) -> list[str]:
+    if tokens is None:
+        return [f"t{i + 1}" for i in range(n)]
+    if isinstance(tokens, str):
+        raise TypeError(f"tokens must be a list of strings, not one string; try tokens={tokens!r}.split()")
+    labels = [str(t) for t in tokens]
+    if len(labels) != n:
+        raise ValueError(
+            f"tokens has {len(labels)} entries but {source} has N={n} rows; "
+            "pass exactly one label per token"
+        )
+    return labels
+
+
+def _masks(
+    n: int, attn_mask: Any, is_causal: CausalArg
+) -> tuple[Optional[np.ndarray], Optional[np.ndarray], tuple[str, ...]]:
+    """Validate the mask arguments and fold them into (allowed, bias, human-readable kinds)."""
+    causal, _ = parse_causal(is_causal)  # validates the value early, with its own message
+    kinds: list[str] = []
+    if causal:
+        kinds.append("causal")
+    if attn_mask is not None:
+        if hasattr(attn_mask, "detach") and hasattr(attn_mask, "cpu"):
+            attn_mask = attn_mask.detach().cpu().numpy()
+        attn_mask = np.asarray(attn_mask)  # nested lists of bools must stay boolean
+        if attn_mask.shape != (n, n):
+            raise ValueError(
+                f"attn_mask has shape {tuple(attn_mask.shape)} but the scores are (N, N) = ({n}, {n}); "
+                "pass one entry per (query, key) pair"
+            )
+        if attn_mask.dtype == bool:
+            kinds.append("bool")
+        else:
+            attn_mask = as_float64(attn_mask, "attn_mask")
+            if np.isnan(attn_mask).any() or (attn_mask == np.inf).any():
+                raise ValueError("attn_mask contains NaN or +inf; use -inf to hide a key, finite values to bias it")
+            kinds.append("float")
+    allowed, bias = combined_mask(n, n, attn_mask=attn_mask, is_causal=is_causal)
+    return allowed, bias, tuple(kinds)
+
+
+def _to_json(a: Optional[np.ndarray]) -> Any:
+    if a is None:
+        return None
+    obj = np.where(np.isfinite(a), a, np.nan).astype(object)
+    obj[~np.isfinite(a)] = None  # −∞ (masked) has no JSON spelling
+    return obj.tolist() if obj.ndim else obj.item()
+
+
+def _from_json(a: Any) -> Optional[np.ndarray]:
+    if a is None:
+        return None
+    arr = np.array(a, dtype=object)
+    out = np.where(arr == None, -np.inf, arr)  # noqa: E711  (elementwise test for null)
+    return out.astype(np.float64)

@@ -1,0 +1,134 @@
+"""The ``qkv`` command: trace, demo, --version (``qkv info`` is tested with qkv.info)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qkv import cli
+from qkv.cli import main, sentence_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONIOENCODING"] = "utf-8"
+    return env
+
+
+def test_trace_prints_every_step_then_the_story(capsys):
+    assert main(["trace", "Thinking Machines"]) == 0
+    out = capsys.readouterr().out
+    for text in ("X ", "Q = X·W_Q", "K = X·W_K", "V = X·W_V", "scores = Q·Kᵀ", "scaled = scores / √d_k",
+                 "weights = softmax", "output = weights·V", "each row sums to 1 ✓",
+                 'How self-attention rewrites "Thinking"', "attends most to"):
+        assert text in out
+    assert out.index("scores = Q·Kᵀ") < out.index("How self-attention")
+
+
+def test_trace_numbers_are_the_traced_ones(capsys):
+    main(["trace", "Thinking Machines", "--seed", "3", "--precision", "2"])
+    out = capsys.readouterr().out
+    t = sentence_trace("Thinking Machines", seed=3)
+    assert f"{t.weights[0, 0]:.2f}" in out and f"{t.scores[1, 0]:.2f}" in out
+    assert np.array_equal(t.x, t.x.round(1))  # readable inputs
+
+
+def test_trace_options(capsys):
+    assert main(["trace", "the cat sat", "--heads", "2", "--d-k", "2", "--d-model", "5", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "Head 2 of 2" in out and "masked₁ = scaled₁ + mask" in out and "projected = concat·W_O" in out
+    assert "-inf" in out and "d_model = 5" in out
+
+
+def test_trace_chinese(capsys):
+    assert main(["trace", "Thinking Machines", "--lang", "zh"]) == 0
+    out = capsys.readouterr().out
+    assert "自注意力" in out and "查询" in out and "缩放" in out and "最关注" in out
+
+
+def test_trace_json(capsys):
+    assert main(["trace", "Thinking Machines", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["tokens"] == ["Thinking", "Machines"] and d["d_k"] == 3 and d["num_heads"] == 1
+    assert np.allclose(np.sum(d["steps"]["weights"], axis=1), 1.0)
+
+
+def test_repeated_words_share_an_embedding():
+    t = sentence_trace("the cat saw the dog", seed=7)
+    np.testing.assert_array_equal(t.x[0], t.x[3])
+    assert not np.array_equal(t.x[0], t.x[1])
+
+
+def test_bad_arguments_exit_with_2(capsys):
+    assert main(["trace", "   "]) == 2
+    assert "sentence is empty" in capsys.readouterr().err
+    assert main(["trace", "a b", "--heads", "0"]) == 2
+    assert "too small" in capsys.readouterr().err
+    assert main(["trace", "a b", "--lang", "fr"]) == 2
+    assert main([]) == 2
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("qkv ")
+
+
+def test_demo_walks_through_and_is_quick(capsys):
+    start = time.perf_counter()
+    assert main(["demo"]) == 0
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert elapsed < 2.0
+    assert 'Self-attention on "Thinking Machines"' in out
+    assert "112" in out and "96" in out and "14" in out and "12" in out
+    assert "softmax([14, 12]) = [0.881, 0.119]" in out
+    assert "Two heads and a causal mask" in out and "Head 2 of 2" in out and "-inf" in out
+
+
+def test_demo_chinese(capsys):
+    assert main(["demo", "--lang", "zh"]) == 0
+    out = capsys.readouterr().out
+    assert "教程中的数值例子" in out and "因果掩码" in out
+
+
+def test_demo_can_be_extended(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "DEMO_PARTS", cli.DEMO_PARTS + [lambda args: "4. A pretrained model"])
+    assert main(["demo"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("4. A pretrained model")
+
+
+def test_python_m_qkv_trace_json():
+    r = subprocess.run(
+        [sys.executable, "-m", "qkv", "trace", "Thinking Machines", "--json"],
+        capture_output=True, text=True, encoding="utf-8", cwd=ROOT, env=_env(), timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["tokens"] == ["Thinking", "Machines"]
+    assert d["steps"]["masked"] is None and len(d["steps"]["weights"]) == 2
+
+
+def test_trace_and_demo_do_not_import_torch():
+    code = (
+        "import sys, io, contextlib; import qkv; before = 'torch' in sys.modules\n"
+        "from qkv.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['trace', 'a b']); main(['demo'])\n"
+        "print(before, 'torch' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=60)
+    assert r.returncode == 0, r.stderr
+    before, after = r.stdout.split()
+    if before == "True":
+        pytest.skip("the qkv package itself imports torch")
+    assert after == "False"
