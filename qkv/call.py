@@ -205,12 +205,10 @@ def validate(
     q = _check_tensor("query", query)
     k = _check_tensor("key", key)
     v = _check_tensor("value", value)
+    rank = max(q.dim(), k.dim(), v.dim())
+    if rank > 2:  # missing leading dims broadcast, as in torch SDPA: (N, D) acts as (1, 1, N, D)
+        q, k, v = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) for t in (q, k, v))
     for name, t in (("key", k), ("value", v)):
-        if t.dim() != q.dim():
-            raise ValueError(
-                f"{name} has {t.dim()} dims {_shape(t.shape)} but query has {q.dim()} {_shape(q.shape)}; "
-                "all three must share the layout (..., heads, seq_len, head_dim)"
-            )
         if t.dtype != q.dtype:
             raise TypeError(f"{name} is {t.dtype} but query is {q.dtype}; cast with {name}.to(query.dtype)")
         if t.device != q.device:
@@ -235,7 +233,7 @@ def validate(
         batch = _broadcast("query", batch, "value", tuple(v.shape[:-3]))
     if hv != hk:
         raise ValueError(f"value has {hv} heads but key has {hk}; keys and values come in pairs")
-    if hq != hk:
+    if hq != hk and hk != 1:  # a single key/value head broadcasts to every query head
         if hq % hk:
             raise ValueError(
                 f"key has {hk} heads but query has {hq}; {hq} is not a multiple of {hk} — grouped-query "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -66,9 +67,11 @@ def attention(
         and not return_lse
         and generator is None
         and is_causal.__class__ is bool
+        and (scale is None or math.isfinite(scale))
     ):
         try:
-            if empty_rows_are_zero(query.device.type):
+            # torch does not check that values and keys pair up; qkv must (see validate)
+            if value.shape[-2] == key.shape[-2] and empty_rows_are_zero(query.device.type):
                 return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         except Exception:
             pass
