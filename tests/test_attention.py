@@ -339,3 +339,28 @@ def test_named_backend_never_falls_back():
 def test_every_backend_has_description():
     for b in BACKENDS.values():
         assert b.DESCRIPTION and b.available() is None
+
+
+@pytest.mark.parametrize("growth", ["rising", "falling"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_chunked_tiles_with_scores_far_from_the_first_tile(growth, dtype):
+    """Later key tiles with scores hundreds above (or below) the first tile's maximum: the
+    lazily shifted fast path must detect overflow and fall back to an exact rescaling."""
+    from qkv.backends.chunked import ChunkedBackend
+
+    n, d = 64, 8
+    q, k, v = make_qkv(1, 2, 2, n, n, d, dtype=torch.float64)
+    ramp = torch.linspace(0, 200, n, dtype=torch.float64)[:, None]
+    k = k.abs() * (ramp if growth == "rising" else ramp.flip(0))
+    q = q.abs()
+    kp = torch.ones(1, n, dtype=torch.bool)
+    kp[0, :8] = False  # every row's first tile is empty
+    small = ChunkedBackend(block_q=16, block_k=8)
+    for kw in ({}, {"key_padding_mask": kp}):
+        call = qkv.call.validate(q.to(dtype), k.to(dtype), v.to(dtype), return_lse=True, **kw)
+        out, lse = small.forward(call)
+        ref_out, ref_lse = attention_ref(q, k, v, return_lse=True, **kw)
+        base = qkv.attention(q.to(dtype), k.to(dtype), v.to(dtype), backend="math", **kw)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert_within_rule(out, base, ref_out, dtype, what=f"{growth} {kw.keys()}")
+        assert max_err(lse, ref_lse) < 1e-4 * np.abs(ref_lse).max()
