@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # one thread per worker: xdist already runs one worker per core
 
 # Absolute error floors per dtype: what rounding alone may cost on outputs of size ~1.
 FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
@@ -44,7 +49,7 @@ def make_qkv(b=2, hq=4, hk=None, nq=33, nk=None, d=16, dv=None, dtype=torch.floa
 @pytest.fixture(autouse=True)
 def _fresh_seed():
     """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     print(f"torch seed {seed}")
     yield

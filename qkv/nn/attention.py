@@ -1,0 +1,348 @@
+"""Multi-head attention as a module: projections around :func:`qkv.attention`.
+
+Shape legend::
+
+    B batch        Nq query length      Nk key length (all cached keys when decoding)
+    H query heads  Hk key/value heads   Dh head dim = d_model / H
+    E d_model      Ek kdim              Ev vdim
+
+Conventions that differ from ``torch.nn.MultiheadAttention``:
+
+* inputs are always batch-first, ``(B, N, E)``;
+* boolean masks are True where a query **may attend** (``key_padding_mask`` included; a
+  torch padding mask converts with ``~mask``);
+* a 3-D ``attn_mask`` is ``(B, Nq, Nk)`` (torch uses ``(B·H, Nq, Nk)``);
+* grouped-query / multi-query attention: ``num_kv_heads < num_heads`` shrinks the key and
+  value projections; query head ``h`` reads key/value head ``h // (H / Hk)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..functional import attention, attention_weights
+from .cache import KVCache
+from .positional import RotaryEmbedding
+
+__all__ = ["MultiHeadAttention"]
+
+CausalArg = Union[bool, str]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (optionally grouped-query) attention, batch-first.
+
+    Args:
+        d_model: model width E; the query input and the output are ``(B, N, E)``.
+        num_heads: query heads H; ``d_model`` must be divisible by it.
+        num_kv_heads: key/value heads Hk (default H). ``Hk < H`` is grouped-query attention,
+            ``Hk = 1`` multi-query attention; H must be a multiple of Hk.
+        bias: add biases to the four projections.
+        dropout: dropout on the attention weights, active in training mode only.
+        kdim, vdim: feature sizes of the key and value inputs (default ``d_model``).
+
+    Parameters: ``q_proj`` (E → E), ``k_proj`` (Ek → Hk·Dh), ``v_proj`` (Ev → Hk·Dh),
+    ``out_proj`` (E → E).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: Optional[int] = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        device: Optional[Union[torch.device, str]] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        if num_heads <= 0 or d_model <= 0:
+            raise ValueError(f"d_model={d_model} and num_heads={num_heads} must be positive")
+        if d_model % num_heads:
+            raise ValueError(
+                f"d_model={d_model} is not divisible by num_heads={num_heads}; each head gets "
+                f"d_model / num_heads features, so pick num_heads from {_divisors(d_model)}"
+            )
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; each "
+                f"key/value head serves a whole group of query heads, so pick num_kv_heads "
+                f"from {_divisors(num_heads)}"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout={dropout} must be in [0, 1)")
+        factory = {"device": device, "dtype": dtype}
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = d_model // num_heads
+        self.kdim = d_model if kdim is None else kdim
+        self.vdim = d_model if vdim is None else vdim
+        self.dropout = dropout
+        kv_width = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+
+    # ----------------------------------------------------------------------------- checks
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool) -> None:
+        for name, x, width, width_name in (
+            ("query", query, self.d_model, "d_model"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            if x.dim() != 3:
+                raise ValueError(
+                    f"{name} must be 3-D (B, N, {width}) batch-first, got shape {tuple(x.shape)}; "
+                    f"add a batch dimension with {name}.unsqueeze(0), or, for sequence-first "
+                    f"(N, B, E) inputs as in torch.nn.MultiheadAttention, use {name}.transpose(0, 1)"
+                )
+            if x.shape[-1] != width:
+                hint = (
+                    "; for self-attention with kdim/vdim != d_model pass key and value explicitly"
+                    if self_attention and name != "query"
+                    else ""
+                )
+                raise ValueError(
+                    f"{name} has last dimension {x.shape[-1]} but this module expects "
+                    f"{width_name}={width}{hint}"
+                )
+        if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}; "
+                "query, key and value must hold the same batch of sequences (lengths may differ)"
+            )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(
+                f"key has {key.shape[1]} positions but value has {value.shape[1]}; each key needs a value"
+            )
+
+    def _head_mask(self, attn_mask: Tensor, b: int, nq: int, nk: int) -> Tensor:
+        """attn_mask (Nq, Nk) | (B, Nq, Nk) | (B, H, Nq, Nk) → broadcastable to (B, H, Nq, Nk)."""
+        given = tuple(attn_mask.shape)
+        if attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)  # (B, 1, Nq, Nk)
+        ok = attn_mask.dim() in (2, 4) and attn_mask.shape[-2:] == (nq, nk)
+        if ok and attn_mask.dim() == 4:
+            ok = attn_mask.shape[0] in (1, b) and attn_mask.shape[1] in (1, self.num_heads)
+        if not ok:
+            raise ValueError(
+                f"attn_mask has shape {given}; expected (Nq, Nk), (B, Nq, Nk) or "
+                f"(B, H, Nq, Nk) with B={b}, H={self.num_heads}, Nq={nq}, Nk={nk} "
+                "(Nk counts cached keys too). Note: a torch.nn.MultiheadAttention (B*H, Nq, Nk) mask "
+                f"must be reshaped to (B, H, Nq, Nk)"
+            )
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(
+                f"attn_mask must be bool (True = may attend) or float (added to the scores), got {attn_mask.dtype}"
+            )
+        return attn_mask
+
+    # ---------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor] = None,
+        value: Optional[Tensor] = None,
+        *,
+        attn_mask: Optional[Tensor] = None,
+        key_padding_mask: Optional[Tensor] = None,
+        is_causal: CausalArg = False,
+        need_weights: bool = False,
+        average_attn_weights: bool = True,
+        cache: Optional[KVCache] = None,
+        rotary: Optional[RotaryEmbedding] = None,
+        positions: Optional[Tensor] = None,
+        window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+        backend: str = "auto",
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """Attend from ``query`` (B, Nq, E) to ``key`` (B, Nk, Ek) / ``value`` (B, Nk, Ev).
+
+        Self-attention when ``key`` and ``value`` are None; ``value`` defaults to ``key``.
+
+        Args:
+            attn_mask: bool (True = may attend) or float (added to scaled scores), shaped
+                ``(Nq, Nk)``, ``(B, Nq, Nk)`` or ``(B, H, Nq, Nk)``.
+            key_padding_mask: bool ``(B, Nk)``, True = real key, False = padding.
+            is_causal: False, True (query i sees keys 0..i) or ``"bottom_right"``. With a
+                ``cache``, True means ``"bottom_right"``: the new queries follow the cache.
+            need_weights: also return the attention weights (computed on the materialising
+                path, with the pre-dropout probabilities returned), averaged over heads to
+                ``(B, Nq, Nk)`` unless ``average_attn_weights=False`` → ``(B, H, Nq, Nk)``.
+            cache: a :class:`KVCache`; new keys/values are appended and the queries attend
+                to every cached position. ``key_padding_mask`` may cover the new keys
+                ``(B, n)`` or all ``(B, N)`` keys; ``attn_mask`` must span all N keys.
+            rotary: a :class:`RotaryEmbedding` applied to queries and new keys after the
+                head split, at positions ``cache.length, cache.length + 1, ...`` (0-based
+                without a cache) unless ``positions`` ((N,) or (B, N)) says otherwise.
+            window: sliding window ``(left, right)``, aligned like ``is_causal`` (so with a
+                cache, pass ``is_causal=True`` too: ``window=(w, 0)`` is causal local attention).
+            backend: passed to :func:`qkv.attention`.
+
+        Returns:
+            ``(out (B, Nq, E), weights or None)``.
+        """
+        self_attention = key is None and value is None
+        if key is None and value is not None:
+            raise ValueError("value was given without key; pass key too (or neither for self-attention)")
+        if key is None:
+            key = query
+        if value is None:
+            value = key
+        self._check_inputs(query, key, value, self_attention)
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            raise TypeError(
+                f"key_padding_mask must be bool with True = may attend, got {key_padding_mask.dtype}; "
+                "a torch.nn.MultiheadAttention mask (True = ignore) converts with ~mask"
+            )
+        b, nq, _ = query.shape
+        past = 0 if cache is None else cache.length
+        h, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
+
+        # 1. project
+        q = self.q_proj(query)  # (B, Nq, H·Dh)
+        k = self.k_proj(key)  # (B, n, Hk·Dh)
+        v = self.v_proj(value)  # (B, n, Hk·Dh)
+
+        # 2. split heads: (B, N, heads·Dh) -> (B, heads, N, Dh)
+        n = key.shape[1]  # new keys: Nk without a cache
+        q = q.view(b, nq, h, dh).transpose(1, 2)  # (B, H, Nq, Dh)
+        k = k.view(b, n, hk, dh).transpose(1, 2)  # (B, Hk, n, Dh)
+        v = v.view(b, n, hk, dh).transpose(1, 2)  # (B, Hk, n, Dh)
+        if rotary is not None:
+            if positions is not None and n != nq:
+                raise ValueError(
+                    "positions= applies to queries and keys alike, so it needs as many new keys as "
+                    f"queries; got {nq} queries and {n} keys"
+                )
+            q = rotary.rotate(q, offset=past, positions=positions)  # (B, H, Nq, Dh)
+            k = rotary.rotate(k, offset=past, positions=positions)  # (B, Hk, n, Dh)
+        elif positions is not None:
+            raise ValueError("positions= only has an effect together with rotary=")
+        nk = past + n  # every key the queries will see
+        if attn_mask is not None:  # checked before the cache is touched, so a bad call changes nothing
+            attn_mask = self._head_mask(attn_mask, b, nq, nk)
+        if cache is not None:
+            k, v, key_padding_mask = cache.update(k, v, key_padding_mask)  # (B, Hk, Nk, Dh) each
+            if is_causal is True:
+                is_causal = "bottom_right"
+        elif key_padding_mask is not None and key_padding_mask.shape != (b, nk):
+            raise ValueError(
+                f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, Nk) = ({b}, {nk})"
+            )
+
+        # 3. attention: (B, H, Nq, Dh) x (B, Hk, Nk, Dh) -> (B, H, Nq, Dh)
+        gqa = hk != h
+        weights: Optional[Tensor] = None
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            weights = attention_weights(
+                q,
+                k,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                enable_gqa=gqa,
+                window=window,
+                key_padding_mask=key_padding_mask,
+            )  # (B, H, Nq, Nk)
+            p = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
+            p = p.reshape(b, hk, h // hk, nq, nk)  # (B, Hk, G, Nq, Nk): G query heads per kv head
+            out = (p @ v.unsqueeze(2)).view(b, h, nq, dh)  # (B, H, Nq, Dh)
+        else:
+            out = attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                enable_gqa=gqa,
+                window=window,
+                key_padding_mask=key_padding_mask,
+                backend=backend,
+            )  # (B, H, Nq, Dh)
+
+        # 4. merge heads: (B, H, Nq, Dh) -> (B, Nq, H·Dh)
+        out = out.transpose(1, 2).reshape(b, nq, h * dh)  # (B, Nq, E)
+
+        # 5. output projection
+        out = self.out_proj(out)  # (B, Nq, E)
+
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)  # (B, Nq, Nk)
+        return out, weights
+
+    # ------------------------------------------------------------------------ conversion
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """Copy a ``torch.nn.MultiheadAttention`` into a new :class:`MultiHeadAttention`.
+
+        The result computes the same function, but with qkv conventions:
+
+        * it is always batch-first: inputs ``(B, N, E)`` whatever ``m.batch_first`` was
+          (transpose sequence-first inputs with ``x.transpose(0, 1)``);
+        * ``key_padding_mask`` is True = **attend** (pass ``~torch_mask``), and boolean
+          ``attn_mask`` likewise (pass ``~torch_mask``; float masks carry over unchanged);
+        * a 3-D ``attn_mask`` is ``(B, Nq, Nk)``, not torch's ``(B·H, Nq, Nk)``.
+
+        ``add_bias_kv`` and ``add_zero_attn`` are not supported.
+        """
+        if m.bias_k is not None or m.bias_v is not None:
+            raise ValueError("from_torch: add_bias_kv=True is not supported by MultiHeadAttention")
+        if m.add_zero_attn:
+            raise ValueError("from_torch: add_zero_attn=True is not supported by MultiHeadAttention")
+        ref = m.out_proj.weight
+        has_bias = m.in_proj_bias is not None
+        if has_bias != (m.out_proj.bias is not None):
+            raise ValueError("from_torch: input and output projections must both have biases or neither")
+        new = cls(
+            m.embed_dim,
+            m.num_heads,
+            bias=has_bias,
+            dropout=float(m.dropout),
+            kdim=m.kdim,
+            vdim=m.vdim,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        e = m.embed_dim
+        with torch.no_grad():
+            if m.in_proj_weight is not None:
+                wq, wk, wv = m.in_proj_weight.split(e, dim=0)  # (E, E) each
+            else:
+                wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+            new.q_proj.weight.copy_(wq)
+            new.k_proj.weight.copy_(wk)
+            new.v_proj.weight.copy_(wv)
+            new.out_proj.weight.copy_(m.out_proj.weight)
+            if has_bias:
+                bq, bk, bv = m.in_proj_bias.split(e)
+                new.q_proj.bias.copy_(bq)
+                new.k_proj.bias.copy_(bk)
+                new.v_proj.bias.copy_(bv)
+                new.out_proj.bias.copy_(m.out_proj.bias)
+        new.train(m.training)
+        return new
+
+    def extra_repr(self) -> str:
+        s = f"d_model={self.d_model}, num_heads={self.num_heads}"
+        if self.num_kv_heads != self.num_heads:
+            s += f", num_kv_heads={self.num_kv_heads}"
+        if self.kdim != self.d_model or self.vdim != self.d_model:
+            s += f", kdim={self.kdim}, vdim={self.vdim}"
+        if self.dropout:
+            s += f", dropout={self.dropout}"
+        return s
