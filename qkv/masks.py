@@ -43,9 +43,17 @@ class MaskTiles:
     def from_call(cls, call: AttentionCall) -> "MaskTiles":
         return cls(call.positional, call.grouped_attn_mask(), call.grouped_key_padding(), call.device)
 
-    @property
-    def has_bias(self) -> bool:
-        return self.attn is not None and self.attn.dtype != torch.bool
+    def narrow(self, batch: slice, heads: slice) -> "MaskTiles":
+        """The masks of a sub-block of batch entries and key/value heads (grouped dims 0 and 1)."""
+
+        def cut(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            if t.shape[0] > 1:
+                t = t[batch]
+            return t[:, heads] if t.shape[1] > 1 else t
+
+        return MaskTiles(self.positional, cut(self.attn), cut(self.padding), self.device)
 
     def status(self, q0: int, q1: int, k0: int, k1: int) -> TileStatus:
         """Structural status from the positional rules alone (data masks may hide more)."""

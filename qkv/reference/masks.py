@@ -133,3 +133,10 @@ class PositionalMask:
         k_lo = 0 if lo is None else max(0, q0 + self.offset + lo)
         k_hi = self.nk if hi is None else min(self.nk, q1 - 1 + self.offset + hi + 1)
         return k_lo, max(k_lo, k_hi)
+
+    def full_key_range(self, q0: int, q1: int) -> tuple[int, int]:
+        """Keys ``[a, b)`` that *every* query row in ``[q0, q1)`` may see (``a == b``: none)."""
+        lo, hi = self.bounds()
+        a = 0 if lo is None else max(0, q1 - 1 + self.offset + lo)
+        b = self.nk if hi is None else min(self.nk, q0 + self.offset + hi + 1)
+        return a, max(a, b)
