@@ -176,14 +176,31 @@ def _check_tensor(name: str, t: Any) -> torch.Tensor:
     return t
 
 
+def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> Optional[tuple[int, ...]]:
+    """NumPy broadcasting of two shapes, or None if they do not broadcast (plain Python: fast)."""
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x != y and x != 1 and y != 1:
+            return None
+        out.append(y if x == 1 else x)
+    return tuple(out)
+
+
+def _fits(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Does ``shape`` broadcast to exactly ``target``?"""
+    return len(shape) <= len(target) and broadcast_shape(shape, target) == target
+
+
 def _broadcast(name_a: str, a: tuple[int, ...], name_b: str, b: tuple[int, ...]) -> tuple[int, ...]:
-    try:
-        return tuple(torch.broadcast_shapes(a, b))
-    except RuntimeError:
+    out = broadcast_shape(a, b)
+    if out is None:
         raise ValueError(
             f"batch dims of {name_a} {_shape(a)} and {name_b} {_shape(b)} do not broadcast; "
             "every dim before (heads, seq_len, head_dim) must match or be 1"
-        ) from None
+        )
+    return out
 
 
 def validate(
@@ -267,13 +284,7 @@ def validate(
             )
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}; move it with attn_mask.to(query.device)")
-        ok = attn_mask.dim() <= len(scores_shape)
-        if ok:
-            try:
-                ok = tuple(torch.broadcast_shapes(attn_mask.shape, scores_shape)) == scores_shape
-            except RuntimeError:
-                ok = False
-        if not ok:
+        if not _fits(tuple(attn_mask.shape), scores_shape):
             raise ValueError(
                 f"attn_mask of shape {_shape(attn_mask.shape)} does not broadcast to the scores "
                 f"{_shape(scores_shape)} (..., heads, query_len, key_len); give it shape "
@@ -294,13 +305,7 @@ def validate(
                 "move it with key_padding_mask.to(query.device)"
             )
         want = (*batch, nk)
-        ok = key_padding_mask.dim() <= len(want)
-        if ok:
-            try:
-                ok = tuple(torch.broadcast_shapes(key_padding_mask.shape, want)) == want
-            except RuntimeError:
-                ok = False
-        if not ok:
+        if not _fits(tuple(key_padding_mask.shape), want):
             raise ValueError(
                 f"key_padding_mask of shape {_shape(key_padding_mask.shape)} should be (batch, key_len) = "
                 f"{_shape(want)}: one flag per key, True where the key is real"

@@ -13,6 +13,7 @@ from .backends.sdpa import empty_rows_are_zero
 from .call import validate
 
 _sdpa = F.scaled_dot_product_attention
+_CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
 
 
 def attention(
@@ -67,12 +68,14 @@ def attention(
         and not return_lse
         and generator is None
         and is_causal.__class__ is bool
-        and (scale is None or math.isfinite(scale))
     ):
         try:
-            # torch does not check that values and keys pair up; qkv must (see validate)
-            if value.shape[-2] == key.shape[-2] and empty_rows_are_zero(query.device.type):
-                return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            # torch does not check that values pair with keys or that scale is finite; qkv must
+            if query.is_cpu and _CPU_EMPTY_ROWS_ZERO and value.size(-2) == key.size(-2):
+                if scale is None and not enable_gqa:
+                    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal)
+                if scale is None or math.isfinite(scale):
+                    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         except Exception:
             pass
     call = validate(

@@ -16,9 +16,11 @@ from ..masks import MaskTiles, apply_tile
 from .base import Backend, dropout_weights, half_to_float
 
 
-def grouped_scores(call: AttentionCall) -> torch.Tensor:
-    """Masked, scaled scores ``(B, Hk, G, Nq, Nk)`` in the compute dtype (``-inf`` = masked)."""
-    q, k, _ = call.grouped_qkv()
+def grouped_scores(call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Masked, scaled scores ``(B, Hk, G, Nq, Nk)`` in the compute dtype (``-inf`` = masked).
+
+    ``q``/``k`` are ``call.grouped_qkv()``'s first two tensors.
+    """
     s = half_to_float(q) @ half_to_float(k).transpose(-1, -2) * call.scale
     allowed, bias = MaskTiles.from_call(call).tile(0, call.nq, 0, call.nk)
     return apply_tile(s, allowed, bias)
@@ -38,8 +40,8 @@ class MathBackend(Backend):
     MATERIALIZES_SCORES = True
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        _, _, v = call.grouped_qkv()
-        w, lse = softmax_with_lse(grouped_scores(call))
+        q, k, v = call.grouped_qkv()
+        w, lse = softmax_with_lse(grouped_scores(call, q, k))
         if call.dropout_p > 0:
             w = dropout_weights(w, call.dropout_p, call.generator)
         out = (w @ half_to_float(v)).to(call.dtype)  # (B, Hk, G, Nq, Dv)
@@ -47,5 +49,6 @@ class MathBackend(Backend):
 
     def weights(self, call: AttentionCall) -> torch.Tensor:
         """Softmax weights in the caller's layout ``(..., Hq, Nq, Nk)``, dtype of the inputs."""
-        w, _ = softmax_with_lse(grouped_scores(call))
+        q, k, _ = call.grouped_qkv()
+        w, _ = softmax_with_lse(grouped_scores(call, q, k))
         return call.ungroup(w).to(call.dtype)

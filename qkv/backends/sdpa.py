@@ -40,9 +40,22 @@ def empty_rows_are_zero(device_type: str) -> bool:
     return known
 
 
+def sdpa_is_causal(call: AttentionCall) -> Optional[bool]:
+    """The ``is_causal`` that expresses the call's positional rules to SDPA, or None when qkv
+    must fold them (and the padding) into a dense mask."""
+    if call.key_padding_mask is not None:
+        return None
+    pm = call.positional
+    if pm.trivial or call.nq == 0 or call.nk == 0 or pm.block_status(0, call.nq, 0, call.nk) == "full":
+        return False  # e.g. bottom-right causal with one query row (a decoding step) sees every key
+    if pm.causal and pm.window is None and pm.offset == 0:
+        return True  # includes bottom-right alignment when Nq == Nk
+    return None
+
+
 def needs_dense_mask(call: AttentionCall) -> bool:
     """Would qkv have to build an ``Nq × Nk`` mask to express this call to SDPA?"""
-    return call.window is not None or call.key_padding_mask is not None or (call.causal and call.alignment != "top_left")
+    return sdpa_is_causal(call) is None
 
 
 class SdpaBackend(Backend):
@@ -68,10 +81,11 @@ class SdpaBackend(Backend):
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if call.return_lse:
             return self._with_lse(call)
-        if needs_dense_mask(call):
+        is_causal = sdpa_is_causal(call)
+        if is_causal is None:
             mask, is_causal = dense_sdpa_mask(call), False
         else:
-            mask, is_causal = call.attn_mask, call.causal
+            mask = call.attn_mask
         out = F.scaled_dot_product_attention(
             call.query, call.key, call.value, mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=call.hq != call.hk
         )
