@@ -14,7 +14,7 @@ from .math import MathBackend
 from .sdpa import DENSE_MASK_LIMIT, SdpaBackend, needs_dense_mask
 
 # Below this many scores per head the one-shot math path beats chunked's loop on a CPU.
-MATH_MAX_SCORES = 1 << 16
+MATH_MAX_SCORES = 1 << 14
 
 BACKENDS: dict[str, Backend] = {b.NAME: b for b in (SdpaBackend(), ChunkedBackend(), MathBackend())}
 

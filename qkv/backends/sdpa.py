@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..call import AttentionCall
-from ..masks import dense_bool_mask, dense_sdpa_mask
+from ..masks import dense_sdpa_mask
 from .base import Backend
 
 # Above this many scores, a mask that qkv has to build for SDPA costs more than it saves.
@@ -72,6 +72,8 @@ class SdpaBackend(Backend):
                 reasons.append("return_lse=True with gradients: torch's log-sum-exp output is not differentiable")
             elif call.dropout_p > 0:
                 reasons.append("return_lse=True with dropout is not supported")
+            if call.hq != call.hk:
+                reasons.append("return_lse=True with grouped-query heads: torch's kernel would need K/V copied per head")
             if call.dv != call.d:
                 reasons.append(f"return_lse=True needs value head dim == query head dim (got {call.dv} vs {call.d})")
         if call.rows_may_be_empty and not empty_rows_are_zero(call.device.type):
@@ -92,24 +94,19 @@ class SdpaBackend(Backend):
         return out, None
 
     def _with_lse(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = call.grouped_qkv()  # the kernel wants (B, H, N, D) with equal head counts
+        q, k, v = call.grouped_qkv()  # the kernel wants (B, H, N, D)
         b = q.shape[0]
-        q = q.reshape(b, call.hq, call.nq, call.d)
-        k = k.expand(b, call.hk, call.group, call.nk, call.d).reshape(b, call.hq, call.nk, call.d)
-        v = v.expand(b, call.hk, call.group, call.nk, call.dv).reshape(b, call.hq, call.nk, call.dv)
-        allowed = dense_bool_mask(call)  # includes causal/window, so empty rows show in the mask
-        bias = None
-        if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
-            bias = call.attn_mask
+        q, k, v = (t.reshape(b, call.hq, t.shape[3], t.shape[4]) for t in (q, k, v))
+        is_causal = sdpa_is_causal(call)
         mask = None
-        if allowed is not None or bias is not None:
-            zeros = torch.zeros((), dtype=call.dtype, device=call.device)
-            mask = zeros if bias is None else bias
-            if allowed is not None:
-                mask = mask.masked_fill(~allowed, float("-inf"))
+        if is_causal is None or call.attn_mask is not None:
+            is_causal = False
+            mask = dense_sdpa_mask(call)  # every rule in one float mask, so empty rows show in it
+            if mask.dtype == torch.bool:
+                mask = torch.zeros(mask.shape, dtype=call.dtype, device=call.device).masked_fill_(~mask, float("-inf"))
             mask = mask.expand(*call.batch_shape, call.hq, call.nq, call.nk).reshape(b, call.hq, call.nq, call.nk)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, call.dropout_p, call.causal and mask is None, attn_mask=mask, scale=call.scale
+            q, k, v, call.dropout_p, is_causal, attn_mask=mask, scale=call.scale
         )
         if mask is not None:  # rows with no finite score: torch reports lse 0, qkv defines -inf
             empty = torch.isneginf(mask).all(-1)
