@@ -71,7 +71,7 @@ def attention(
     ):
         try:
             # torch does not check that values pair with keys or that scale is finite; qkv must
-            if query.is_cpu and _CPU_EMPTY_ROWS_ZERO and value.size(-2) == key.size(-2):
+            if _CPU_EMPTY_ROWS_ZERO and query.is_cpu and value.shape[-2] == key.shape[-2]:
                 if scale is None and not enable_gqa:
                     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal)
                 if scale is None or math.isfinite(scale):

@@ -11,15 +11,12 @@ a float mask is added to the scaled scores; a row with nothing to attend to outp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 
 from .call import AttentionCall
 from .reference.masks import PositionalMask
-
-TileStatus = Literal["empty", "full", "partial"]
-
 
 def positional_tile(pm: PositionalMask, q0: int, q1: int, k0: int, k1: int, device: torch.device) -> Optional[torch.Tensor]:
     """Allowed pairs ``(q1-q0, k1-k0)`` from causal/window rules; None when all are allowed."""
@@ -54,10 +51,6 @@ class MaskTiles:
             return t[:, heads] if t.shape[1] > 1 else t
 
         return MaskTiles(self.positional, cut(self.attn), cut(self.padding), self.device)
-
-    def status(self, q0: int, q1: int, k0: int, k1: int) -> TileStatus:
-        """Structural status from the positional rules alone (data masks may hide more)."""
-        return self.positional.block_status(q0, q1, k0, k1)
 
     def tile(self, q0: int, q1: int, k0: int, k1: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(allowed bool, additive bias) for rows ``[q0, q1)`` × keys ``[k0, k1)``; None = nothing."""
