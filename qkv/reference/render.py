@@ -48,7 +48,8 @@ def vec(values: np.ndarray, precision: int = 3, max_items: int = 8) -> str:
     items = [short(float(v), precision) for v in values]
     if len(items) <= max_items:
         return "[" + ", ".join(items) + "]"
-    return "[" + ", ".join(items[:4]) + ", …, " + ", ".join(items[-2:]) + f"] ({len(items)} numbers)"
+    dim = str(len(items)).translate(str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹"))
+    return "[" + ", ".join(items[:4]) + ", …, " + ", ".join(items[-2:]) + f"] ∈ ℝ{dim}"  # language-neutral length
 
 
 def root(d: int, precision: int = 3) -> str:

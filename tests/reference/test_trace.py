@@ -246,7 +246,7 @@ def test_narratives_quote_the_numbers(rng):
 
 def test_long_vectors_are_abbreviated_in_prose(rng):
     t = Trace.from_qkv(rng.normal(size=(2, 64)), rng.normal(size=(2, 64)), rng.normal(size=(2, 2)))
-    assert "(64 numbers)" in t.explain()
+    assert "∈ ℝ⁶⁴" in t.explain() and "∈ ℝ⁶⁴" in t.explain(lang="zh")
 
 
 def test_to_string_layout(rng):
