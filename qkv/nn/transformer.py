@@ -67,6 +67,29 @@ class _FeedForward:
     def _ff_block(self, x: Tensor) -> Tensor:
         return self.linear2(self.dropout(self.activation(self.linear1(x))))  # (B, N, E)
 
+    def _init_ff_and_norms(
+        self,
+        sublayers: int,
+        d_model: int,
+        dim_feedforward: Optional[int],
+        dropout: float,
+        activation: "Activation",
+        norm_first: bool,
+        layer_norm_eps: float,
+        bias: bool,
+        factory: dict[str, Any],
+    ) -> None:
+        """The feed-forward block, plus ``normN``/``dropoutN`` for each of ``sublayers`` residual blocks."""
+        dim_feedforward = 4 * d_model if dim_feedforward is None else dim_feedforward
+        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
+        self.activation = _get_activation(activation)
+        self.norm_first = norm_first
+        for i in range(1, sublayers + 1):  # torch.nn's names, so state dicts line up
+            setattr(self, f"norm{i}", nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory))
+            setattr(self, f"dropout{i}", nn.Dropout(dropout))
+
 
 class TransformerEncoderLayer(nn.Module, _FeedForward):
     """Self-attention then feed-forward, each wrapped in residual + LayerNorm.
@@ -77,6 +100,11 @@ class TransformerEncoderLayer(nn.Module, _FeedForward):
 
     Input and output ``(B, N, E)``. ``dim_feedforward`` defaults to ``4 * d_model``.
     """
+
+    norm1: nn.LayerNorm
+    norm2: nn.LayerNorm
+    dropout1: nn.Dropout
+    dropout2: nn.Dropout
 
     def __init__(
         self,
@@ -95,19 +123,10 @@ class TransformerEncoderLayer(nn.Module, _FeedForward):
     ) -> None:
         super().__init__()
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        dim_feedforward = 4 * d_model if dim_feedforward is None else dim_feedforward
         self.self_attn = MultiHeadAttention(
             d_model, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout, **factory
         )
-        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
-        self.dropout = nn.Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
-        self.norm_first = norm_first
-        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.activation = _get_activation(activation)
+        self._init_ff_and_norms(2, d_model, dim_feedforward, dropout, activation, norm_first, layer_norm_eps, bias, factory)
 
     def _sa_block(self, x: Tensor, **attn_kwargs: Any) -> Tensor:
         return self.dropout1(self.self_attn(x, **attn_kwargs)[0])  # (B, N, E)
@@ -142,6 +161,13 @@ class TransformerDecoderLayer(nn.Module, _FeedForward):
     with ``norm_first=True``. ``x`` (B, T, E), ``memory`` (B, S, E) → (B, T, E).
     """
 
+    norm1: nn.LayerNorm
+    norm2: nn.LayerNorm
+    norm3: nn.LayerNorm
+    dropout1: nn.Dropout
+    dropout2: nn.Dropout
+    dropout3: nn.Dropout
+
     def __init__(
         self,
         d_model: int,
@@ -159,21 +185,10 @@ class TransformerDecoderLayer(nn.Module, _FeedForward):
     ) -> None:
         super().__init__()
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        dim_feedforward = 4 * d_model if dim_feedforward is None else dim_feedforward
         mha = partial(MultiHeadAttention, d_model, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout)
         self.self_attn = mha(**factory)
         self.cross_attn = mha(**factory)
-        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
-        self.dropout = nn.Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
-        self.norm_first = norm_first
-        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.dropout3 = nn.Dropout(dropout)
-        self.activation = _get_activation(activation)
+        self._init_ff_and_norms(3, d_model, dim_feedforward, dropout, activation, norm_first, layer_norm_eps, bias, factory)
 
     def forward(
         self,

@@ -190,15 +190,18 @@ class _En(_Story):
             s += ", but it spreads its attention almost evenly over what it may see"
         return "In short: " + s + "."
 
+    # The one-line-per-head summary; the Chinese story swaps these words and punctuation.
+    GLANCE_HEAD, GLANCE_NOTHING, GLANCE_PAIR, GLANCE_SEP = "  head {k}: ", "nothing", "{tok} ({w})", ", "
+
     def glance(self) -> list[str]:
         out = []
         for k, h in enumerate(self.head_list()):
-            pre = f"  head {k + 1}: " if self.t.num_heads > 1 else "  "
+            pre = self.GLANCE_HEAD.format(k=k + 1) if self.t.num_heads > 1 else "  "
             items = []
             for i, j in enumerate(h.top_keys):
-                items.append(f"{self.tok(i)} → " + ("nothing" if j < 0 else
-                                                    f"{self.tok(int(j))} ({self.n(h.weights[i, j])})"))
-            out.append(pre + ", ".join(items))
+                seen = self.GLANCE_NOTHING if j < 0 else self.GLANCE_PAIR.format(tok=self.tok(int(j)), w=self.n(h.weights[i, j]))
+                items.append(f"{self.tok(i)} → {seen}")
+            out.append(pre + self.GLANCE_SEP.join(items))
         return out
 
     def head_list(self) -> list["Trace"]:
@@ -301,14 +304,5 @@ class _Zh(_En):
             s += "，不过它的注意力在能看到的词元之间分布得相当均匀"
         return "总结：" + s + "。"
 
-    def glance(self) -> list[str]:
-        out = []
-        for k, h in enumerate(self.head_list()):
-            pre = f"  第 {k + 1} 个头：" if self.t.num_heads > 1 else "  "
-            items = []
-            for i, j in enumerate(h.top_keys):
-                items.append(f"{self.tok(i)} → " + ("（无）" if j < 0 else
-                                                    f"{self.tok(int(j))}（{self.n(h.weights[i, j])}）"))
-            out.append(pre + "，".join(items))
-        return out
+    GLANCE_HEAD, GLANCE_NOTHING, GLANCE_PAIR, GLANCE_SEP = "  第 {k} 个头：", "（无）", "{tok}（{w}）", "，"
 
