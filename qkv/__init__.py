@@ -1,6 +1,7 @@
 """qkv — self-attention from the equations to the metal.
 
-- :func:`qkv.attention` — exact attention, a drop-in superset of torch's SDPA.
+- :func:`qkv.attention` — exact attention, a drop-in superset of torch's SDPA;
+  :func:`qkv.attention_varlen` for packed variable-length batches.
 - :func:`qkv.trace` / :class:`qkv.Trace` — the glass box: every step, with the numbers.
 - :mod:`qkv.nn` — multi-head attention, Transformer layers, positional encodings, KV cache.
 - :mod:`qkv.reference` — the NumPy float64 oracle.
@@ -20,6 +21,10 @@ def __getattr__(name: str):
         from . import functional
 
         value = getattr(functional, name)
+    elif name == "attention_varlen":
+        from .varlen import attention_varlen
+
+        value = attention_varlen
     elif name in ("nn", "backends", "functional"):
         import importlib
 
@@ -37,6 +42,7 @@ def __getattr__(name: str):
 __all__ = [
     "attention",
     "attention_weights",
+    "attention_varlen",
     "attention_ref",
     "trace",
     "Trace",

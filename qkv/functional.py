@@ -55,7 +55,8 @@ def attention(
     - ``return_lse``: also return the natural-log log-sum-exp of each query row's scores.
     - A query row with nothing to attend to gets output 0, lse ``-inf`` and zero gradient.
     - ``backend``: ``"auto"`` (fastest that supports the call), ``"sdpa"``, ``"chunked"``
-      (never materialises ``Nq × Nk``) or ``"math"``; a named backend never falls back.
+      (never materialises ``Nq × Nk``), ``"triton"`` (fused GPU kernels) or ``"math"``; a
+      named backend never falls back.
     - ``generator``: makes dropout reproducible (math backend).
     """
     # Fast path: a plain SDPA call goes straight to torch's kernel with no Python validation,

@@ -12,11 +12,12 @@ from .base import Backend
 from .chunked import ChunkedBackend
 from .math import MathBackend
 from .sdpa import DENSE_MASK_LIMIT, SdpaBackend, needs_dense_mask
+from .triton import TritonBackend
 
 # Below this many scores per head the one-shot math path beats chunked's loop on a CPU.
 MATH_MAX_SCORES = 1 << 14
 
-BACKENDS: dict[str, Backend] = {b.NAME: b for b in (SdpaBackend(), ChunkedBackend(), MathBackend())}
+BACKENDS: dict[str, Backend] = {b.NAME: b for b in (SdpaBackend(), ChunkedBackend(), MathBackend(), TritonBackend())}
 
 
 class BackendError(RuntimeError):
@@ -35,8 +36,15 @@ def auto_order(call: AttentionCall) -> list[Backend]:
     sdpa, chunked, math = BACKENDS["sdpa"], BACKENDS["chunked"], BACKENDS["math"]
     scores = call.nq * call.nk
     if needs_dense_mask(call) and scores * call.hq > DENSE_MASK_LIMIT:
-        return [chunked, sdpa, math]
-    return [sdpa, math, chunked] if scores <= MATH_MAX_SCORES else [sdpa, chunked, math]
+        order = [chunked, sdpa, math]
+    else:
+        order = [sdpa, math, chunked] if scores <= MATH_MAX_SCORES else [sdpa, chunked, math]
+    if call.device.type == "cuda":  # never on CPU, where triton would run in its slow interpreter
+        triton = BACKENDS["triton"]
+        # SDPA has no native form for these (it would need a dense mask, or has no lse gradient)
+        sdpa_lacks = needs_dense_mask(call) or (call.return_lse and call.requires_grad)
+        order.insert(0 if sdpa_lacks else order.index(sdpa) + 1, triton)
+    return order
 
 
 def reasons_by_backend(call: AttentionCall) -> dict[str, list[str]]:

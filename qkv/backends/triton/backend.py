@@ -1,0 +1,265 @@
+"""``triton``: the fused kernels of :mod:`.kernels` behind torch custom ops, with autograd.
+
+The forward and backward are registered as ``qkv::triton_attention_fwd`` /
+``qkv::triton_attention_bwd`` (``torch.library.custom_op`` with fake implementations and a
+registered autograd formula), so ``torch.compile`` traces through a call instead of breaking
+the graph. Both ops take the grouped layout of :meth:`AttentionCall.grouped_qkv`, and, for
+packed variable-length batches, ``cu_seqlens`` tensors (see :mod:`qkv.varlen`).
+
+This module imports triton; :mod:`qkv.backends.triton` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+
+from ...call import AttentionCall
+from . import kernels as K
+
+# fp32 inputs: tl.dot precision on a GPU. "tf32" runs on tensor cores (10-bit mantissa
+# products, fp32 sums), as torch does with allow_tf32; set QKV_TRITON_FP32_DOT=ieee for full
+# fp32 products (slower). The interpreter always computes in fp32.
+FP32_DOT = os.environ.get("QKV_TRITON_FP32_DOT", "tf32")
+
+
+def interpreting() -> bool:
+    """Is Triton running kernels through its CPU interpreter (``TRITON_INTERPRET=1``)?"""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))  # tl.dot needs every dim >= 16
+
+
+def launch_config(kind: str, d: int, dv: int, itemsize: int = 2) -> dict:
+    """Tile sizes per kernel, head dim and element size: 16×16 in the interpreter (each tile is
+    NumPy work, so small tiles keep tests fast), FlashAttention-like sizes on a GPU, chosen to
+    keep the staged Q/K/V tiles within an H100's shared memory (not autotuned)."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    width = max(d, dv) * itemsize // 2  # head dim in 16-bit units: fp32 tiles take twice the room
+    if kind == "fwd":
+        if width <= 64:
+            return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+        if width <= 128:
+            return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if width <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    if width <= 128:
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+
+
+def _fp32_dot() -> str:
+    return "ieee" if interpreting() else FP32_DOT
+
+
+def _mask_args(mask: Optional[torch.Tensor], dummy: torch.Tensor):
+    """(tensor, 5 strides, HAS_MASK, MASK_BOOL); size-1 dims get stride 0 (broadcast)."""
+    if mask is None:
+        return dummy, (0, 0, 0, 0, 0), False, False
+    is_bool = mask.dtype == torch.bool
+    if is_bool:
+        mask = mask.view(torch.uint8)  # same bytes; Triton loads bytes more portably than i1
+    strides = tuple(0 if s == 1 else st for s, st in zip(mask.shape, mask.stride()))
+    return mask, strides, True, is_bool
+
+
+def _kp_args(kp: Optional[torch.Tensor], dummy: torch.Tensor):
+    if kp is None:
+        return dummy, (0, 0), False
+    kp = kp.view(torch.uint8)
+    return kp, (0 if kp.shape[0] == 1 else kp.stride(0), kp.stride(1)), True
+
+
+def _common(q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right):
+    b, hk, g, nq, d = q.shape
+    nk = k.shape[3]
+    varlen = cu_q is not None
+    if varlen:
+        b = cu_q.shape[0] - 1
+        nq_grid, nk_grid = max_q, max_k
+    else:
+        nq_grid, nk_grid = nq, nk
+    m, m_strides, has_mask, mask_bool = _mask_args(mask, q)
+    kpt, kp_strides, has_kp = _kp_args(kp, q)
+    meta = dict(
+        BOTTOM_RIGHT=bool(bottom_right), HAS_LO=lo is not None, HAS_HI=hi is not None,
+        HAS_KP=has_kp, HAS_MASK=has_mask, MASK_BOOL=mask_bool, VARLEN=varlen, FP32_DOT=_fp32_dot(),
+        UPCAST=interpreting() and q.dtype == torch.bfloat16,  # see kernels._dot
+    )
+    cuq = cu_q if varlen else q
+    cuk = cu_k if varlen else q
+    return b, hk, g, nq, nk, nq_grid, nk_grid, m, m_strides, kpt, kp_strides, cuq, cuk, meta
+
+
+def _batch_stride(t: torch.Tensor, varlen: bool) -> int:
+    return 0 if varlen else t.stride(0)
+
+
+def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right):
+    """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` → out ``(B, Hk, G, Nq, Dv)``, lse float32."""
+    b, hk, g, nq, nk, nq_grid, _, m, ms, kpt, kps, cuq, cuk, meta = _common(q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right)
+    d, dv = q.shape[-1], v.shape[-1]
+    out = torch.empty(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    cfg = launch_config("fwd", d, dv, q.element_size())
+    varlen = meta["VARLEN"]
+    grid = (triton.cdiv(max(nq_grid, 1), cfg["BLOCK_M"]), b * hk * g)
+    K._fwd_kernel[grid](
+        q, k, v, out, lse, m, kpt, cuq, cuk,
+        _batch_stride(q, varlen), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
+        _batch_stride(k, varlen), k.stride(1), k.stride(3), k.stride(4),
+        _batch_stride(v, varlen), v.stride(1), v.stride(3), v.stride(4),
+        _batch_stride(out, varlen), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
+        _batch_stride(lse, varlen), lse.stride(1), lse.stride(2), lse.stride(3),
+        *ms, *kps,
+        hk, g, nq, nk, d, dv, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi,
+        BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), **meta, **cfg,
+    )  # fmt: skip
+    return out, lse
+
+
+def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right):
+    """Gradients for q, k, v (same shapes); deterministic (no atomics)."""
+    b, hk, g, nq, nk, nq_grid, nk_grid, m, ms, kpt, kps, cuq, cuk, meta = _common(
+        q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right
+    )
+    d, dv = q.shape[-1], v.shape[-1]
+    varlen = meta["VARLEN"]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dvt = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if dq.numel() == 0 and dk.numel() == 0 and dvt.numel() == 0:
+        return dq, dk, dvt
+    delta = torch.empty_like(lse)
+    cfg = launch_config("bwd", d, dv, q.element_size())
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    lse_strides = (_batch_stride(lse, varlen), lse.stride(1), lse.stride(2), lse.stride(3))
+    do_strides = (_batch_stride(dout, varlen), dout.stride(1), dout.stride(2), dout.stride(3), dout.stride(4))
+    has_dlse = dlse is not None
+    if has_dlse:
+        dlse = dlse.float().contiguous()  # shares lse's (contiguous) strides in the kernel
+    if nq > 0:
+        K._bwd_preprocess[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
+            out, dout, dlse if has_dlse else lse, delta, cuq,
+            _batch_stride(out, varlen), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
+            *do_strides, *lse_strides, hk, g, nq, dv,
+            HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=bm, BLOCK_DV=_pow2(dv), num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    qkv_strides = (
+        _batch_stride(q, varlen), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
+        _batch_stride(k, varlen), k.stride(1), k.stride(3), k.stride(4),
+        _batch_stride(v, varlen), v.stride(1), v.stride(3), v.stride(4),
+        *do_strides, *lse_strides,
+    )
+    tail = (hk, g, nq, nk, d, dv, scale, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi)
+    consts = dict(BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), **meta, **cfg)
+    if nk > 0:
+        K._bwd_dkdv_kernel[(triton.cdiv(max(nk_grid, 1), bn), b * hk)](
+            q, k, v, dout, lse, delta, dk, dvt, m, kpt, cuq, cuk, *qkv_strides,
+            _batch_stride(dk, varlen), dk.stride(1), dk.stride(3), dk.stride(4),
+            _batch_stride(dvt, varlen), dvt.stride(1), dvt.stride(3), dvt.stride(4),
+            *ms, *kps, *tail, **consts,
+        )  # fmt: skip
+    if nq > 0:
+        K._bwd_dq_kernel[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
+            q, k, v, dout, lse, delta, dq, m, kpt, cuq, cuk, *qkv_strides,
+            _batch_stride(dq, varlen), dq.stride(1), dq.stride(2), dq.stride(3), dq.stride(4),
+            *ms, *kps, *tail, **consts,
+        )  # fmt: skip
+    return dq, dk, dvt
+
+
+# ---- torch custom ops ----------------------------------------------------------------------
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("qkv::triton_attention_fwd", mutates_args=())
+def attention_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+    scale: float, lo: Optional[int], hi: Optional[int], bottom_right: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    return triton_fwd(q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right)
+
+
+@attention_fwd_op.register_fake
+def _(q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right):
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("qkv::triton_attention_bwd", mutates_args=())
+def attention_bwd_op(
+    dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    attn_mask: Optional[Tensor], key_padding: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+    scale: float, lo: Optional[int], hi: Optional[int], bottom_right: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return triton_bwd(
+        dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right,
+    )  # fmt: skip
+
+
+@attention_bwd_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_SCALARS = ("max_seqlen_q", "max_seqlen_k", "scale", "lo", "hi", "bottom_right")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, attn_mask, key_padding, cu_q, cu_k, *scalars = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k)
+    ctx.scalars = scalars
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = attention_bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * (4 + len(_SCALARS))
+
+
+attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run_attention(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, key_padding: Optional[Tensor] = None,
+    cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0, *, scale: float, lo: Optional[int] = None, hi: Optional[int] = None, bottom_right: bool = False,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The custom op on grouped tensors (see :func:`triton_fwd`); masks are never differentiated."""
+    if attn_mask is not None:
+        attn_mask = attn_mask.detach()
+    return attention_fwd_op(
+        q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        float(scale), lo, hi, bool(bottom_right),
+    )  # fmt: skip
+
+
+# ---- the backend ---------------------------------------------------------------------------
+
+class TritonBackendImpl:
+    """Mixin holding the forward; :class:`qkv.backends.triton.TritonBackend` owns the flags."""
+
+    def forward(self, call: AttentionCall) -> tuple[Tensor, Optional[Tensor]]:
+        q, k, v = call.grouped_qkv()
+        kp = call.grouped_key_padding()
+        lo, hi = call.positional.bounds()
+        out, lse = run_attention(
+            q, k, v, call.grouped_attn_mask(), None if kp is None else kp[:, 0, 0, 0, :],
+            scale=call.scale, lo=lo, hi=hi, bottom_right=call.positional.offset != 0,
+        )  # fmt: skip
+        return call.ungroup(out), (call.ungroup(lse) if call.return_lse else None)

@@ -1,0 +1,382 @@
+"""Fused attention kernels in Triton: forward, and a deterministic FlashAttention-2 backward.
+
+What they support
+-----------------
+- Layout: the grouped view of :meth:`qkv.call.AttentionCall.grouped_qkv` — q ``(B, Hk, G, Nq, D)``,
+  k/v ``(B, Hk, 1, Nk, D|Dv)`` — read through their real strides (non-contiguous and
+  zero-stride broadcast inputs work, nothing is copied). GQA/MQA: a program for query head
+  ``(hk, g)`` reads key/value head ``hk`` in place.
+- Packed variable-length batches (``VARLEN``): sequence ``b`` occupies rows
+  ``cu_seqlens[b] .. cu_seqlens[b+1]`` of a ``(total, H, D)`` tensor; the batch stride is 0 and
+  each program reads its own offsets, so no padding is ever computed.
+- Positional rules as scalars: key ``j`` is allowed for query row ``i`` iff
+  ``p + lo <= j <= p + hi`` with ``p = i + offset`` (``offset = Nk - Nq`` for bottom-right
+  alignment, else 0); ``HAS_LO``/``HAS_HI`` switch the open sides off. Each program loops only
+  over the key (or query) blocks that can hold an allowed pair, so a sliding window costs
+  O(window) per row; the element-wise rule is still applied on every visited tile.
+- A key padding mask ``(B|1, Nk)`` and a dense bool or float ``attn_mask`` broadcastable to
+  ``(B, Hk, G, Nq, Nk)`` (broadcast dims passed with stride 0), both read tile by tile.
+- Head dims up to 256 (any size: ``BLOCK_D`` is the next power of two, at least 16 for
+  ``tl.dot``, and loads are masked); fp16, bf16, fp32.
+
+What differs from the float64 reference
+---------------------------------------
+- Scores, softmax statistics and accumulators are fp32; ``P`` is rounded to the input dtype
+  before ``P @ V`` (as in FlashAttention). fp32 inputs use the ``FP32_DOT`` precision on a
+  GPU ("tf32" by default: ~10-bit mantissa products, fp32 accumulation; ``ieee`` via
+  ``QKV_TRITON_FP32_DOT``); the interpreter computes in full fp32, and widens bf16 tiles to
+  fp32 before ``tl.dot`` (``UPCAST``: its bf16 dot is wrong in Triton 3.6).
+- No gradient for a float ``attn_mask``; no dropout.
+- Offsets inside one (batch, head) matrix are int32 (the backend declines larger slices);
+  batch, head and sequence-start offsets are int64.
+- Inside ``@triton.jit`` code the constants are literals (globals would have to be
+  ``tl.constexpr``): ``1.44269504`` = 1/ln 2, ``0.6931471805599453`` = ln 2.
+- The backward is deterministic by construction: dK/dV and dQ come from separate kernels,
+  each program owning the rows it writes (GQA sums the G query heads in a loop inside the
+  dK/dV program), so there are no atomics and repeated runs are bit-identical.
+
+A query row with nothing to attend to gets output 0, lse ``-inf`` and zero gradients.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.44269504  # 1/ln 2: scores are kept in base 2 so the kernels use exp2
+
+
+@triton.jit
+def _dot(a, b, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` with fp32 accumulation. ``UPCAST`` (interpreter + bf16 only): Triton 3.6's
+    interpreter multiplies bf16 tiles as raw integers, so they are widened first; bf16
+    products are exact in fp32, so only the summation order differs from the GPU."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=FP32_DOT)
+
+
+@triton.jit
+def _seq_bounds(cu_ptr, b, N, VARLEN: tl.constexpr):
+    """(first row, length) of sequence ``b``: from cu_seqlens when packed, else (0, N)."""
+    if VARLEN:
+        start = tl.load(cu_ptr + b).to(tl.int32)
+        n = tl.load(cu_ptr + b + 1).to(tl.int32) - start
+    else:
+        start = tl.program_id(0) * 0  # a tensor (not the literal 0), so .to() works on it
+        n = N + start
+    return start, n
+
+
+@triton.jit
+def _tile_allowed(
+    offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
+    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_KP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+):
+    """Allowed (BLOCK_M, BLOCK_N) pairs of one tile (bounds, positions, padding, bool mask)."""
+    ok = (offs_m[:, None] < nq) & (offs_n[None, :] < nk)
+    rel = offs_n[None, :] - (offs_m[:, None] + offset)  # key position relative to the query's
+    if HAS_LO:
+        ok = ok & (rel >= lo)
+    if HAS_HI:
+        ok = ok & (rel <= hi)
+    if HAS_KP:
+        kp = tl.load(kp_row + offs_n * stride_kpn, mask=offs_n < nk, other=0)
+        ok = ok & (kp != 0)[None, :]
+    if HAS_MASK:
+        if MASK_BOOL:
+            mb = tl.load(m_row + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=ok, other=0)
+            ok = ok & (mb != 0)
+    return ok
+
+
+@triton.jit
+def _tile_scores(
+    q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Masked scores of one tile in base 2: ``(q·kᵀ·scale + bias)·log2e``, -inf where masked."""
+    s = _dot(q, tl.trans(k), FP32_DOT, UPCAST) * qk_scale
+    if HAS_MASK:
+        if not MASK_BOOL:
+            bias = tl.load(m_row + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=ok, other=0.0)
+            s += bias.to(tl.float32) * 1.44269504  # 1/ln 2: the bias is in natural-log units
+    return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, Lse, Mask, KP, CuQ, CuK,
+    stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_og, stride_on, stride_od,
+    stride_lb, stride_lh, stride_lg, stride_ln,
+    stride_mb, stride_mh, stride_mg, stride_mm, stride_mn,
+    stride_kpb, stride_kpn,
+    HK, G, NQ, NK, D, DV, qk_scale, lo, hi,
+    BOTTOM_RIGHT: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+    HAS_KP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, VARLEN: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # b * HK * G + hk * G + g
+    g = pid_bh % G
+    hk = (pid_bh // G) % HK
+    b = pid_bh // (G * HK)
+    q_start, nq = _seq_bounds(CuQ, b, NQ, VARLEN)
+    k_start, nk = _seq_bounds(CuK, b, NK, VARLEN)
+    q0 = pid_m * BLOCK_M
+    if q0 >= nq:
+        return
+    offset = (nk - nq) if BOTTOM_RIGHT else 0
+
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + hk * stride_qh + g * stride_qg + q_start.to(tl.int64) * stride_qn
+    k_base = K + b64 * stride_kb + hk * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b64 * stride_vb + hk * stride_vh + k_start.to(tl.int64) * stride_vn
+    m_row = Mask + b64 * stride_mb + hk * stride_mh + g * stride_mg
+    kp_row = KP + b64 * stride_kpb
+
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D), other=0.0)
+
+    # Key blocks that can hold an allowed pair for rows [q0, q1).
+    q1 = tl.minimum(q0 + BLOCK_M, nq)
+    k_lo = 0
+    k_hi = nk
+    if HAS_LO:
+        k_lo = tl.maximum(0, q0 + offset + lo)
+    if HAS_HI:
+        k_hi = tl.minimum(nk, q1 - 1 + offset + hi + 1)
+    k_lo = (k_lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(k_lo, k_hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D), other=0.0)
+        ok = _tile_allowed(offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
+                           HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL)
+        s = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, HAS_MASK, MASK_BOOL, FP32_DOT, UPCAST)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf - 0) = 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT, UPCAST)
+        m_i = m_new
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # ln 2: back to natural log
+    o_base = Out + b64 * stride_ob + hk * stride_oh + g * stride_og + q_start.to(tl.int64) * stride_on
+    tl.store(o_base + offs_m[:, None] * stride_on + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
+             mask=(offs_m[:, None] < nq) & (offs_dv[None, :] < DV))
+    l_base = Lse + b64 * stride_lb + hk * stride_lh + g * stride_lg + q_start.to(tl.int64) * stride_ln
+    tl.store(l_base + offs_m * stride_ln, lse, mask=offs_m < nq)
+
+
+@triton.jit
+def _bwd_preprocess(
+    Out, DOut, DLse, Delta, CuQ,
+    stride_ob, stride_oh, stride_og, stride_on, stride_od,
+    stride_db, stride_dh, stride_dg, stride_dn, stride_dd,
+    stride_lb, stride_lh, stride_lg, stride_ln,
+    HK, G, NQ, DV,
+    HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """delta = rowsum(dO ∘ O) − dlse (dlse: the gradient reaching a returned log-sum-exp).
+
+    Delta and dlse share the lse layout (strides ``stride_l*``)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    g = pid_bh % G
+    hk = (pid_bh // G) % HK
+    b = pid_bh // (G * HK)
+    q_start, nq = _seq_bounds(CuQ, b, NQ, VARLEN)
+    q0 = pid_m * BLOCK_M
+    if q0 >= nq:
+        return
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    rows = q_start.to(tl.int64) + offs_m
+    msk = (offs_m[:, None] < nq) & (offs_dv[None, :] < DV)
+    o = tl.load(Out + b64 * stride_ob + hk * stride_oh + g * stride_og + rows[:, None] * stride_on
+                + offs_dv[None, :] * stride_od, mask=msk, other=0.0).to(tl.float32)
+    do = tl.load(DOut + b64 * stride_db + hk * stride_dh + g * stride_dg + rows[:, None] * stride_dn
+                 + offs_dv[None, :] * stride_dd, mask=msk, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    l_off = b64 * stride_lb + hk * stride_lh + g * stride_lg + rows * stride_ln
+    if HAS_DLSE:
+        delta -= tl.load(DLse + l_off, mask=offs_m < nq, other=0.0)
+    tl.store(Delta + l_off, delta, mask=offs_m < nq)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV_, Mask, KP, CuQ, CuK,
+    stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_db, stride_dh, stride_dg, stride_dn, stride_dd,
+    stride_lb, stride_lh, stride_lg, stride_ln,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_mb, stride_mh, stride_mg, stride_mm, stride_mn,
+    stride_kpb, stride_kpn,
+    HK, G, NQ, NK, D, DV, sm_scale, qk_scale, lo, hi,
+    BOTTOM_RIGHT: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+    HAS_KP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, VARLEN: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """dK, dV for one key block of one key/value head, looping over its G query heads and the
+    query blocks that can see it (transposed tiles: rows are keys)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # b * HK + hk
+    hk = pid_bh % HK
+    b = pid_bh // HK
+    q_start, nq = _seq_bounds(CuQ, b, NQ, VARLEN)
+    k_start, nk = _seq_bounds(CuK, b, NK, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= nk:
+        return
+    offset = (nk - nq) if BOTTOM_RIGHT else 0
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    k = tl.load(K + b64 * stride_kb + hk * stride_kh + (k_start.to(tl.int64) + offs_n[:, None]) * stride_kn
+                + offs_d[None, :] * stride_kd, mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(V + b64 * stride_vb + hk * stride_vh + (k_start.to(tl.int64) + offs_n[:, None]) * stride_vn
+                + offs_dv[None, :] * stride_vd, mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV), other=0.0)
+    kp_row = KP + b64 * stride_kpb
+
+    # Query rows i that can see a key in [n0, n1): p + lo <= j <= p + hi, p = i + offset.
+    n1 = tl.minimum(n0 + BLOCK_N, nk)
+    m_lo = 0
+    m_hi = nq
+    if HAS_HI:
+        m_lo = tl.maximum(0, n0 - hi - offset)
+    if HAS_LO:
+        m_hi = tl.minimum(nq, n1 - 1 - lo - offset + 1)
+    m_lo = (m_lo // BLOCK_M) * BLOCK_M
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    for g in range(0, G):
+        q_base = Q + b64 * stride_qb + hk * stride_qh + g * stride_qg + q_start.to(tl.int64) * stride_qn
+        do_base = DOut + b64 * stride_db + hk * stride_dh + g * stride_dg + q_start.to(tl.int64) * stride_dn
+        l_base = b64 * stride_lb + hk * stride_lh + g * stride_lg + q_start.to(tl.int64) * stride_ln
+        m_row = Mask + b64 * stride_mb + hk * stride_mh + g * stride_mg
+        for m0 in range(m_lo, m_hi, BLOCK_M):
+            offs_m = m0 + offs_m0
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                        mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D), other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dn + offs_dv[None, :] * stride_dd,
+                         mask=(offs_m[:, None] < nq) & (offs_dv[None, :] < DV), other=0.0)
+            lse = tl.load(Lse + l_base + offs_m * stride_ln, mask=offs_m < nq, other=0.0)
+            delta = tl.load(Delta + l_base + offs_m * stride_ln, mask=offs_m < nq, other=0.0)
+            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.44269504)  # 1/ln 2; empty rows: every score is -inf
+            ok = _tile_allowed(offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
+                               HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL)
+            s = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, HAS_MASK, MASK_BOOL, FP32_DOT, UPCAST)
+            p = tl.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N) softmax weights
+            dv += _dot(tl.trans(p.to(do.dtype)), do, FP32_DOT, UPCAST)
+            dp = _dot(do, tl.trans(v), FP32_DOT, UPCAST)
+            ds = p * (dp - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, FP32_DOT, UPCAST)
+    dk = dk * sm_scale
+    tl.store(DK + b64 * stride_dkb + hk * stride_dkh + (k_start.to(tl.int64) + offs_n[:, None]) * stride_dkn
+             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D))
+    tl.store(DV_ + b64 * stride_dvb + hk * stride_dvh + (k_start.to(tl.int64) + offs_n[:, None]) * stride_dvn
+             + offs_dv[None, :] * stride_dvd, dv.to(DV_.dtype.element_ty), mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, Mask, KP, CuQ, CuK,
+    stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_db, stride_dh, stride_dg, stride_dn, stride_dd,
+    stride_lb, stride_lh, stride_lg, stride_ln,
+    stride_dqb, stride_dqh, stride_dqg, stride_dqn, stride_dqd,
+    stride_mb, stride_mh, stride_mg, stride_mm, stride_mn,
+    stride_kpb, stride_kpn,
+    HK, G, NQ, NK, D, DV, sm_scale, qk_scale, lo, hi,
+    BOTTOM_RIGHT: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+    HAS_KP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, VARLEN: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """dQ for one query block of one query head, looping over the key blocks it can see."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    g = pid_bh % G
+    hk = (pid_bh // G) % HK
+    b = pid_bh // (G * HK)
+    q_start, nq = _seq_bounds(CuQ, b, NQ, VARLEN)
+    k_start, nk = _seq_bounds(CuK, b, NK, VARLEN)
+    q0 = pid_m * BLOCK_M
+    if q0 >= nq:
+        return
+    offset = (nk - nq) if BOTTOM_RIGHT else 0
+
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    rows = q_start.to(tl.int64) + offs_m
+    q = tl.load(Q + b64 * stride_qb + hk * stride_qh + g * stride_qg + rows[:, None] * stride_qn
+                + offs_d[None, :] * stride_qd, mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D), other=0.0)
+    do = tl.load(DOut + b64 * stride_db + hk * stride_dh + g * stride_dg + rows[:, None] * stride_dn
+                 + offs_dv[None, :] * stride_dd, mask=(offs_m[:, None] < nq) & (offs_dv[None, :] < DV), other=0.0)
+    l_off = b64 * stride_lb + hk * stride_lh + g * stride_lg + rows * stride_ln
+    lse = tl.load(Lse + l_off, mask=offs_m < nq, other=0.0)
+    delta = tl.load(Delta + l_off, mask=offs_m < nq, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.44269504)  # 1/ln 2
+    k_base = K + b64 * stride_kb + hk * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b64 * stride_vb + hk * stride_vh + k_start.to(tl.int64) * stride_vn
+    m_row = Mask + b64 * stride_mb + hk * stride_mh + g * stride_mg
+    kp_row = KP + b64 * stride_kpb
+
+    q1 = tl.minimum(q0 + BLOCK_M, nq)
+    k_lo = 0
+    k_hi = nk
+    if HAS_LO:
+        k_lo = tl.maximum(0, q0 + offset + lo)
+    if HAS_HI:
+        k_hi = tl.minimum(nk, q1 - 1 + offset + hi + 1)
+    k_lo = (k_lo // BLOCK_N) * BLOCK_N
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(k_lo, k_hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV), other=0.0)
+        ok = _tile_allowed(offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
+                           HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL)
+        s = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, HAS_MASK, MASK_BOOL, FP32_DOT, UPCAST)
+        p = tl.exp2(s - lse2[:, None])
+        dp = _dot(do, tl.trans(v), FP32_DOT, UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, FP32_DOT, UPCAST)
+    dq = dq * sm_scale
+    tl.store(DQ + b64 * stride_dqb + hk * stride_dqh + g * stride_dqg + rows[:, None] * stride_dqn
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D))

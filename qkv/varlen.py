@@ -1,0 +1,173 @@
+"""``attention_varlen``: attention over a packed batch of sequences of different lengths.
+
+Shape legend::
+
+    Tq, Tk   total query / key rows over the batch      Hq, Hk   query / key-value heads
+    S        number of sequences                         D, Dv    head dims
+
+    q (Tq, Hq, D)   k (Tk, Hk, D)   v (Tk, Hk, Dv)   cu_seqlens_q (S+1,)   cu_seqlens_k (S+1,)
+    out (Tq, Hq, Dv)   lse (Hq, Tq) float32
+
+Sequence ``s`` is rows ``cu_seqlens_q[s] : cu_seqlens_q[s+1]`` of ``q`` and attends only to rows
+``cu_seqlens_k[s] : cu_seqlens_k[s+1]`` of ``k``/``v`` (flash-attn's ``flash_attn_varlen_func``
+layout). The triton backend reads the offsets in the kernel, so no padding is computed;
+every other backend runs one :func:`qkv.attention` call per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .call import _check_tensor
+from .reference.masks import PositionalMask, parse_causal, parse_window
+
+
+def _check_cu(name: str, cu: torch.Tensor, total: int, total_name: str) -> list[int]:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"{name} has dtype {cu.dtype}; it must hold integer offsets: "
+            f"build it with torch.tensor([0, len0, len0 + len1, ...], dtype=torch.int32)"
+        )
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries (0 first, the total last), got shape {tuple(cu.shape)}")
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name}[0] is {vals[0]}; the offsets must start at 0")
+    bad = next((i for i in range(len(vals) - 1) if vals[i + 1] < vals[i]), None)
+    if bad is not None:
+        raise ValueError(
+            f"{name} is not increasing: {name}[{bad + 1}] = {vals[bad + 1]} < {name}[{bad}] = {vals[bad]}; "
+            "it holds cumulative sequence lengths, e.g. torch.cumsum(lengths, 0) with a 0 in front"
+        )
+    if vals[-1] != total:
+        raise ValueError(
+            f"{name}[-1] is {vals[-1]} but {total_name} has {total} rows; the last offset must equal the packed total"
+        )
+    return vals
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    *,
+    is_causal: Union[bool, str] = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact attention within each sequence of a packed batch (see the module docstring for shapes).
+
+    ``is_causal`` and ``window`` apply per sequence, with the positions of :func:`qkv.attention`
+    (``"bottom_right"`` aligns each sequence's last query with its last key). ``max_seqlen_*``
+    default to the longest sequence. ``backend="auto"`` uses the triton kernel on CUDA when it
+    can run the call, else loops over sequences; a named backend never falls back.
+    Validation reads the offsets on the host (one device sync).
+    """
+    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be packed as (total_len, heads, head_dim), got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} is {t.dtype} but q is {q.dtype}; cast with {name}.to(q.dtype)")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with {name}.to(q.device)")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k head dim is {k.shape[2]} but q head dim is {q.shape[2]}; they must be equal")
+    if v.shape[0] != k.shape[0] or v.shape[1] != k.shape[1]:
+        raise ValueError(f"v {tuple(v.shape)} must have the rows and heads of k {tuple(k.shape)}")
+    hq, hk = q.shape[1], k.shape[1]
+    if hq != hk and hk != 1:
+        if hq % hk:
+            raise ValueError(f"k has {hk} heads but q has {hq}; {hq} is not a multiple of {hk}")
+        if not enable_gqa:
+            raise ValueError(f"k has {hk} heads but q has {hq}; pass enable_gqa=True for grouped-query attention")
+    cq = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
+    ck = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
+    if len(cq) != len(ck):
+        raise ValueError(
+            f"cu_seqlens_q describes {len(cq) - 1} sequences but cu_seqlens_k describes {len(ck) - 1}; "
+            "every query sequence needs its key sequence"
+        )
+    lens_q = [b - a for a, b in zip(cq, cq[1:])]
+    lens_k = [b - a for a, b in zip(ck, ck[1:])]
+    for name, given, lens in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
+        if given is not None and given < max(lens):
+            raise ValueError(f"{name}={given} is shorter than the longest sequence ({max(lens)}); pass None to compute it")
+    causal, alignment = parse_causal(is_causal)
+    win = parse_window(window)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+
+    from .backends import BACKENDS, BackendError, get_backend
+
+    triton = BACKENDS.get("triton")
+    why = _triton_reasons(triton, q, v) if triton is not None else ["triton backend is not registered"]
+    if backend == "triton" and why:
+        raise BackendError("backend 'triton' cannot run this varlen call:\n  - " + "\n  - ".join(why))
+    if backend == "triton" or (backend == "auto" and q.device.type == "cuda" and not why):
+        from .backends.triton.backend import run_attention
+
+        g = hq // hk
+        total_q, d = q.shape[0], q.shape[2]
+        qg = q.unflatten(1, (hk, g)).permute(1, 2, 0, 3).unsqueeze(0)  # (1, Hk, G, Tq, D)
+        kg = k.permute(1, 0, 2)[None, :, None]  # (1, Hk, 1, Tk, D)
+        vg = v.permute(1, 0, 2)[None, :, None]
+        lo, hi = PositionalMask(0, 0, causal, win, alignment).bounds()
+        out, lse = run_attention(
+            qg, kg, vg, None, None, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
+            max(lens_q), max(lens_k), scale=scale, lo=lo, hi=hi, bottom_right=alignment == "bottom_right",
+        )  # fmt: skip
+        out = out[0].permute(2, 0, 1, 3).reshape(total_q, hq, v.shape[2])  # (Tq, Hq, Dv)
+        lse = lse[0].reshape(hq, total_q)  # (Hq, Tq)
+        return (out, lse) if return_lse else out
+    if backend != "auto":
+        get_backend(backend)  # unknown names raise here
+    outs, lses = [], []
+    for s in range(len(lens_q)):
+        qs = q[cq[s] : cq[s + 1]].transpose(0, 1)  # (Hq, n, D)
+        ks = k[ck[s] : ck[s + 1]].transpose(0, 1)  # (Hk, m, D)
+        vs = v[ck[s] : ck[s + 1]].transpose(0, 1)
+        from .functional import attention
+
+        res = attention(
+            qs, ks, vs, is_causal=is_causal, window=win, scale=scale, enable_gqa=enable_gqa,
+            return_lse=return_lse, backend=backend,
+        )  # fmt: skip
+        o, l = res if return_lse else (res, None)
+        outs.append(o.transpose(0, 1))  # (n, Hq, Dv)
+        if l is not None:
+            lses.append(l)  # (Hq, n)
+    out = torch.cat(outs, 0)
+    if return_lse:
+        return out, torch.cat(lses, 1).float()
+    return out
+
+
+def _triton_reasons(triton, q: torch.Tensor, v: torch.Tensor) -> list[str]:
+    """Why the triton kernel cannot run a varlen call with these tensors (empty: it can)."""
+    reasons = []
+    why = triton.available()
+    if why:
+        reasons.append(why)
+    if q.dtype not in triton.DTYPES:
+        reasons.append(f"dtype {q.dtype} is not supported (supported: {', '.join(str(d) for d in triton.DTYPES)})")
+    if q.device.type not in triton.DEVICES:
+        reasons.append("needs a CUDA device (or TRITON_INTERPRET=1 for the slow CPU interpreter)")
+    if max(q.shape[2], v.shape[2]) > 256:
+        reasons.append(f"head dim {max(q.shape[2], v.shape[2])} > 256")
+    return reasons
+
+
+__all__ = ["attention_varlen"]
