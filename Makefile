@@ -1,4 +1,5 @@
-# Set-up and the two everyday commands. `make demo` and `make test` create .venv on first use.
+# Set-up and the two everyday commands. `make demo` and `make test` create .venv on first use
+# (and install Debian's chromium for the browser test when it is missing).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,6 +12,10 @@ TORCH_SPEC ?= torch==2.13.0
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
+	@# Debian's Chromium for the HTML report's browser test (root on the project's machines).
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) || \
+	  echo "warning: could not install chromium; the browser test will be skipped"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"

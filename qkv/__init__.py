@@ -4,6 +4,10 @@
   :func:`qkv.attention_varlen` for packed variable-length batches.
 - :func:`qkv.trace` / :class:`qkv.Trace` — the glass box: every step, with the numbers.
 - :mod:`qkv.nn` — multi-head attention, Transformer layers, positional encodings, KV cache.
+- :mod:`qkv.inspect` — attention maps and streaming statistics without the N×N matrix.
+- :mod:`qkv.models` — a real pretrained BERT (all-MiniLM-L6-v2) rebuilt on :mod:`qkv.nn`.
+- :mod:`qkv.hf` — qkv as an attention implementation inside Hugging Face ``transformers``.
+- :mod:`qkv.viz` — heatmaps and the offline interactive HTML report.
 - :mod:`qkv.reference` — the NumPy float64 oracle.
 """
 
@@ -25,7 +29,7 @@ def __getattr__(name: str):
         from .varlen import attention_varlen
 
         value = attention_varlen
-    elif name in ("nn", "backends", "functional"):
+    elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz"):
         import importlib
 
         value = importlib.import_module(f".{name}", __name__)
@@ -50,6 +54,10 @@ __all__ = [
     "nn",
     "backends",
     "functional",
+    "inspect",
+    "models",
+    "hf",
+    "viz",
     "BackendError",
     "__version__",
 ]

@@ -2,9 +2,11 @@
 
 ``qkv trace "Thinking Machines"``  every step of self-attention on a sentence, then a narrative
 ``qkv demo``                       a guided walk-through for a newcomer
+``qkv explain TEXT --focus she``   what a pretrained model's heads do with one word (:mod:`qkv.viz`)
 ``qkv info``                       installed backends and devices (lives in :mod:`qkv.info`)
 
-``trace`` and ``demo`` use only the NumPy reference, so they start without importing torch;
+``trace`` and ``demo --no-model`` use only the NumPy reference, so they start without importing torch;
+``explain`` and the model part of ``demo`` import torch and matplotlib only when they run;
 :mod:`qkv.info` (which needs torch) is imported only when the ``info`` command is asked for.
 """
 
@@ -21,9 +23,13 @@ import numpy as np
 
 from .reference.trace import Trace, trace
 
-__all__ = ["main", "build_parser", "sentence_trace", "worked_example", "DEMO_PARTS"]
+__all__ = ["main", "build_parser", "sentence_trace", "worked_example", "DEMO_PARTS", "MODEL_SENTENCE"]
 
 SENTENCE = "Thinking Machines"
+MODEL_SENTENCE = (
+    "Alice is an outstanding software engineer; she led the development of the company's core "
+    "recommendation system."
+)  # the same text as qkv.viz.explain.SENTENCE, kept here so that importing the CLI stays light
 
 
 def _version() -> str:
@@ -220,7 +226,35 @@ def _demo_heads(args: argparse.Namespace) -> str:
     )
 
 
-DEMO_PARTS: list[Callable[[argparse.Namespace], str]] = [_demo_sentence, _demo_worked, _demo_heads]
+def _demo_model(args: argparse.Namespace) -> str:
+    """Part 4: the real all-MiniLM-L6-v2 on a sentence; writes the heatmaps and the HTML report."""
+    heading = _heading("4. A real model: where does \"she\" look?" if args.lang == "en" else "4. 真实模型：“she”在看哪里？")
+    if getattr(args, "no_model", False):
+        return heading + "\n\n(skipped: --no-model)"
+    try:
+        from .viz import explain, save_html, save_png
+
+        ex = explain(MODEL_SENTENCE, focus="she", target="alice")
+    except (ImportError, RuntimeError, FileNotFoundError) as e:
+        return f"{heading}\n\n(skipped: the pretrained model is not available here: {e})"
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    png = save_png(ex, os.path.join(out, "heatmap.png"))
+    page = save_html(ex, os.path.join(out, "report.html"))
+    layer, head, w = ex.top_heads(1)[0]
+    intro = (
+        f"all-MiniLM-L6-v2 has {ex.num_layers} layers of {ex.num_heads} heads. In each, every token spreads one unit\n"
+        f'of attention over the sentence. Here is where "she" puts it; in layer {layer}, head {head} it gives\n'
+        f'{w:.0%} to "alice": that head links the pronoun to the person.'
+    )
+    files = (
+        f"Wrote:\n  {png}   (every head as a heatmap, and L{layer} H{head} in full)\n"
+        f"  {page}   (open in a browser: interactive, works offline)"
+    )
+    return "\n\n".join([heading, intro, ex.to_string(), files])
+
+
+DEMO_PARTS: list[Callable[[argparse.Namespace], str]] = [_demo_sentence, _demo_worked, _demo_heads, _demo_model]
 """The demo's sections in order; each takes the parsed arguments and returns its text.
 Append to this list to extend ``qkv demo`` (e.g. with a pretrained model)."""
 
@@ -231,6 +265,77 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             print("\n")
         print(part(args))
     return 0
+
+
+# -- qkv explain: a pretrained model's heads on one word ---------------------------------------
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    try:
+        from .viz import explain, save_html, save_png
+        from .viz.explain import MAX_MAP_BYTES
+
+        ex = explain(
+            args.text, focus=args.focus, target=args.target, model_path=args.model,
+            max_map_tokens=args.max_map_tokens,
+            max_map_bytes=MAX_MAP_BYTES if args.max_map_mb is None else int(args.max_map_mb * 1e6),
+        )
+    except ValueError as e:
+        print(f"qkv explain: error: {e}", file=sys.stderr)
+        return 2
+    except (ImportError, RuntimeError, FileNotFoundError) as e:
+        print(f"qkv explain: cannot run the model: {e}", file=sys.stderr)
+        return 1
+    layer, head = ex.best_head
+    if args.layer is not None or args.head is not None:
+        layer = layer if args.layer is None else args.layer
+        head = head if args.head is None else args.head
+        if not (0 <= layer < ex.num_layers and 0 <= head < ex.num_heads):
+            print(f"qkv explain: error: layer {layer}, head {head} is out of range; the model has layers "
+                  f"0 to {ex.num_layers - 1} and heads 0 to {ex.num_heads - 1}", file=sys.stderr)
+            return 2
+    files: dict[str, str] = {}
+    if args.png:
+        files["png"] = save_png(ex, args.png, layer, head)
+    if args.html:
+        files["html"] = save_html(ex, args.html, layer, head)
+    if args.json:
+        d = ex.to_dict()
+        d["selected"] = {"layer": layer, "head": head}
+        d["files"] = files
+        print(json.dumps(d, allow_nan=False, ensure_ascii=False))
+        return 0
+    print(ex.to_string(top=args.top))
+    for kind, path in files.items():
+        print(f"Wrote {kind.upper()}: {path}" + (f"  (focused head L{layer} H{head})" if kind == "png" else ""))
+    return 0
+
+
+def _add_explain(sub: Any) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="where a pretrained model's heads send one word's attention",
+        description="Run the bundled all-MiniLM-L6-v2 (6 layers x 12 heads) on a text and show, for every "
+        "layer and head, which tokens the focus word attends to, the heads that link it most strongly to a "
+        "target word, and per-head statistics. Optionally write heatmaps (--png), an interactive offline "
+        "page (--html) or JSON (--json). Very long texts switch to statistics instead of full maps.",
+    )
+    p.add_argument("text", nargs="?", default=MODEL_SENTENCE, help="the text (default: a sentence about Alice)")
+    p.add_argument("--focus", help="the word to follow (default: the first content token); if it is split into "
+                   "several subword tokens the first is used; #5 picks token 5")
+    p.add_argument("--target", help="the word to link it to (default: the other content token it attends to most)")
+    p.add_argument("--layer", type=_int_at_least(0), help="layer of the head shown in full (default: the top head's)")
+    p.add_argument("--head", type=_int_at_least(0), help="head shown in full in --png/--html (default: the top head)")
+    p.add_argument("--top", type=_int_at_least(1), default=1, help="tokens shown per head in the table (default 1)")
+    p.add_argument("--png", metavar="FILE", help="write heatmaps: every head, and the focused head in full")
+    p.add_argument("--html", metavar="FILE", help="write a self-contained interactive page (works offline)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON only")
+    p.add_argument("--model", metavar="DIR", help="a BERT-style model directory (default: the bundled model)")
+    p.add_argument("--max-map-tokens", type=_int_at_least(1), default=512,
+                   help="beyond this many tokens keep statistics, not full maps (default 512)")
+    p.add_argument("--max-map-mb", type=float, default=None,
+                   help="beyond this many MB of float32 maps keep statistics, not full maps (default 50)")
+    p.set_defaults(run=_cmd_explain)
 
 
 # -- qkv info (owned by qkv.info) ---------------------------------------------------------
@@ -289,10 +394,16 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="a guided walk-through of self-attention",
-        description="A short tour: a traced sentence, the tutorials' worked example, two heads with a causal mask.",
+        description="A short tour: a traced sentence, the tutorials' worked example, two heads with a causal mask, "
+        "then a real pretrained model whose heatmaps and interactive report are written to --out.",
     )
     _shared_options(p)
+    p.add_argument("--out", metavar="DIR", default="qkv-demo",
+                   help="folder for the model part's PNG and HTML (default ./qkv-demo)")
+    p.add_argument("--no-model", action="store_true", help="skip the pretrained model (no torch import)")
     p.set_defaults(run=_cmd_demo)
+
+    _add_explain(sub)
 
     _add_info(sub, load_info)
     return parser

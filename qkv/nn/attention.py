@@ -51,7 +51,16 @@ class MultiHeadAttention(nn.Module):
 
     Parameters: ``q_proj`` (E → E), ``k_proj`` (Ek → Hk·Dh), ``v_proj`` (Ev → Hk·Dh),
     ``out_proj`` (E → E).
+
+    Capture points (set by :func:`qkv.inspect.record`; ``None`` costs one attribute check):
+    ``_capture(name, tensor, **context)`` is called with ``"q"`` (B, H, Nq, Dh), ``"k"``/``"v"``
+    (B, Hk, Nk, Dh) after the head split, rotary and cache, ``"lse"`` (B, H, Nq) or None with
+    the attention call's query, key and mask arguments as context, and ``"output"``
+    (B, H, Nq, Dh) before the heads merge. The log-sum-exp is requested from the fused
+    attention call only when ``_capture.wants_lse`` is true.
     """
+
+    _capture = None  # an inspection recorder, or None
 
     def __init__(
         self,
@@ -244,9 +253,19 @@ class MultiHeadAttention(nn.Module):
                 f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, Nk) = ({b}, {nk})"
             )
 
+        cap = self._capture
+        want_lse = False
+        if cap is not None:
+            # no backend returns the lse together with dropout; the recorder then computes it itself
+            want_lse = getattr(cap, "wants_lse", False) and not (self.training and self.dropout > 0)
+            cap("q", q)
+            cap("k", k)
+            cap("v", v)
+
         # 3. attention: (B, H, Nq, Dh) x (B, Hk, Nk, Dh) -> (B, H, Nq, Dh)
         gqa = hk != h
         weights: Optional[Tensor] = None
+        lse: Optional[Tensor] = None
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
             weights = attention_weights(
@@ -272,8 +291,15 @@ class MultiHeadAttention(nn.Module):
                 enable_gqa=gqa,
                 window=window,
                 key_padding_mask=key_padding_mask,
+                return_lse=want_lse,
                 backend=backend,
-            )  # (B, H, Nq, Dh)
+            )  # (B, H, Nq, Dh), or with the lse (B, H, Nq) for a recorder
+            if isinstance(out, tuple):
+                out, lse = out
+        if cap is not None:
+            masks = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask)
+            cap("lse", lse, query=q, key=k, enable_gqa=gqa, **masks)
+            cap("output", out)
 
         # 4. merge heads: (B, H, Nq, Dh) -> (B, Nq, H·Dh)
         out = out.transpose(1, 2).reshape(b, nq, h * dh)  # (B, Nq, E)

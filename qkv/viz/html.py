@@ -1,0 +1,373 @@
+"""A single self-contained interactive attention report (one HTML file, works offline).
+
+:func:`save_html` writes, from an :class:`~qkv.viz.explain.Explanation`, a page with
+
+* a **head view**: the tokens twice, queries on the left and keys on the right, with a line from
+  the selected token to every key, its width and opacity the attention weight, one colour per
+  head; hovering a token shows its attention, clicking pins it; a panel names the top tokens;
+* a **model view**: every layer × head as a small map (row = query, column = key); clicking one
+  selects that layer and head in the head view;
+* **layer and head selection** (click a head for it alone, shift-click to add heads, "all heads")
+  and a per-head statistics table of the selected token (entropy, max weight, first/last token).
+
+Everything is inline: the data (weights quantised to 16 bits, base64, in a
+``<script type="application/json" id="qkv-data">``), the script and the style. No network request,
+no CDN, no web font. In statistics mode (no maps) only the focus token's rows are shown.
+"""
+
+from __future__ import annotations
+
+import base64
+import html as _html
+import json
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["render_html", "save_html", "page_data", "decode_weights", "MAX_HTML_MAP_BYTES"]
+
+MAX_HTML_MAP_BYTES = 8_000_000  # 16-bit maps beyond this (about 240 tokens × 72 heads) stay out of the page
+
+
+def _encode(a: np.ndarray) -> str:
+    q = np.round(np.clip(a, 0.0, 1.0) * 65535.0).astype("<u2")  # 16 bits: weights to 1.5e-5
+    return base64.b64encode(q.tobytes()).decode("ascii")
+
+
+def decode_weights(b64: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of the page's encoding: base64 little-endian uint16 → float weights of ``shape``."""
+    return (np.frombuffer(base64.b64decode(b64), dtype="<u2").astype(np.float64) / 65535.0).reshape(shape)
+
+
+def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
+              max_map_bytes: int = MAX_HTML_MAP_BYTES) -> dict[str, Any]:
+    """The data embedded in the page (JSON-ready)."""
+    if layer is None or head is None:
+        layer, head = ex.best_head
+    L, H, N = ex.focus_weights.shape
+    notes = list(ex.notes)
+    maps = None
+    if ex.maps is not None:
+        if L * H * N * N * 2 <= max_map_bytes:
+            maps = _encode(ex.maps)
+        else:
+            notes.append(f"{N} tokens: the full maps would make the page {L * H * N * N * 2 / 1e6:.0f} MB; "
+                         "it shows the focus token's attention only")
+    return {
+        "model": ex.model_name,
+        "text": ex.text,
+        "tokens": list(ex.tokens),
+        "num_layers": L,
+        "num_heads": H,
+        "mode": "maps" if maps is not None else "stats",
+        "notes": notes,
+        "focus": {"index": ex.focus_index, "token": ex.tokens[ex.focus_index], "word": ex.focus_word},
+        "target": {"index": ex.target_index, "token": ex.tokens[ex.target_index], "word": ex.target_word},
+        "top_heads": [{"layer": l, "head": h, "weight": round(w, 4)} for l, h, w in ex.top_heads(5)],
+        "initial": {"layer": int(layer), "head": int(head)},
+        "encoding": "base64 little-endian uint16, weight = value / 65535",
+        "maps": maps,  # (L, H, N, N) or None
+        "focus_weights": _encode(ex.focus_weights),  # (L, H, N)
+    }
+
+
+def render_html(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
+                max_map_bytes: int = MAX_HTML_MAP_BYTES) -> str:
+    """The page as a string."""
+    data = page_data(ex, layer, head, max_map_bytes)
+    blob = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    blob = blob.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")  # inert inside <script>
+    title = f"qkv attention report: {ex.model_name}"
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+        f"<title>{_html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+        f"{_BODY.replace('%TEXT%', _html.escape(ex.text)).replace('%MODEL%', _html.escape(ex.model_name))}\n"
+        f"<script type=\"application/json\" id=\"qkv-data\">{blob}</script>\n"
+        f"<script>{_JS}</script>\n</body>\n</html>\n"
+    )
+
+
+def save_html(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = None, head: Optional[int] = None) -> str:
+    """Write the report for ``ex`` to ``path`` and return the path."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(render_html(ex, layer, head))
+    return os.fspath(path)
+
+
+_BODY = """<header>
+  <h1>Attention report <span class="model">%MODEL%</span></h1>
+  <p class="text">%TEXT%</p>
+  <p id="summary"></p>
+  <ul id="notes"></ul>
+</header>
+<nav class="tabs">
+  <button id="tab-head" class="tab active" type="button">Head view</button>
+  <button id="tab-model" class="tab" type="button">Model view</button>
+</nav>
+<section id="controls">
+  <label>Layer <select id="layer"></select></label>
+  <span class="heads-label">Heads</span><span id="heads"></span>
+  <button id="all-heads" type="button" title="show every head of this layer">all heads</button>
+  <span class="hint">click a head to see it alone, shift-click to add it; hover a token, click to pin it</span>
+</section>
+<h2 id="head-label"></h2>
+<main>
+  <section id="head-view">
+    <div id="columns">
+      <div class="col-title left">query (attends)</div><div></div><div class="col-title right">key (attended to)</div>
+      <div id="left" class="tokens"></div>
+      <svg id="lines"></svg>
+      <div id="right" class="tokens"></div>
+    </div>
+    <aside id="info">
+      <p><b id="sel-token"></b> attends most to <b id="top-token"></b> (<span id="top-weight"></span>)</p>
+      <ol id="top-list"></ol>
+      <table id="stats-table"><thead><tr><th>head</th><th title="entropy of the weights, nats">entropy</th>
+        <th>max</th><th id="first-col">first</th><th id="last-col">last</th></tr></thead><tbody></tbody></table>
+      <p class="small">Statistics of the selected token's row in each head of this layer.</p>
+    </aside>
+  </section>
+  <section id="model-view" hidden>
+    <p id="model-caption" class="small">Each cell is one head's map (rows: queries, columns: keys). Click one to open it in the head view.</p>
+    <div id="grid"></div>
+  </section>
+</main>"""
+
+_CSS = """
+:root { --bg:#fbfbfd; --fg:#1d1d24; --muted:#6b6b78; --line:#d9d9e3; --accent:#d6336c; }
+* { box-sizing: border-box; }
+[hidden] { display: none !important; }
+body { margin: 0; padding: 16px 24px; background: var(--bg); color: var(--fg);
+  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; }
+h1 { font-size: 20px; margin: 0 0 4px; } h1 .model { color: var(--muted); font-weight: normal; font-size: 15px; }
+h2 { font-size: 16px; margin: 10px 0 6px; }
+.text { margin: 4px 0; font-style: italic; max-width: 110ch; max-height: 6.2em; overflow: auto; }
+#summary { margin: 4px 0; } #notes { color: #8a5a00; margin: 4px 0; padding-left: 18px; }
+.tabs { margin: 10px 0 6px; border-bottom: 1px solid var(--line); }
+.tab { border: 1px solid var(--line); border-bottom: none; background: #eee; padding: 5px 14px; cursor: pointer;
+  border-radius: 6px 6px 0 0; font: inherit; }
+.tab.active { background: var(--bg); font-weight: 600; position: relative; top: 1px; }
+#controls { display: flex; flex-wrap: wrap; align-items: center; gap: 8px; margin: 8px 0; }
+#controls select, #controls button { font: inherit; }
+#heads { display: inline-flex; gap: 3px; flex-wrap: wrap; }
+.head-btn { min-width: 30px; border: 2px solid transparent; border-radius: 5px; padding: 2px 6px; cursor: pointer;
+  font: 12px/1.2 inherit; color: #fff; opacity: 0.35; }
+.head-btn.on { opacity: 1; border-color: #222; }
+.hint, .small { color: var(--muted); font-size: 12px; }
+main { min-height: 200px; }
+#head-view { display: flex; gap: 24px; align-items: flex-start; }
+#columns { display: grid; grid-template-columns: max-content 240px max-content; column-gap: 0; }
+.col-title { color: var(--muted); font-size: 12px; padding-bottom: 4px; }
+.col-title.left { text-align: right; }
+.tokens { display: flex; flex-direction: column; }
+.tok { height: 22px; line-height: 20px; padding: 0 6px; white-space: nowrap; cursor: pointer; border-radius: 3px;
+  border: 1px solid transparent; }
+#left .tok { text-align: right; }
+#left .tok.disabled { color: #bbb; cursor: default; }
+.tok.active { background: #222; color: #fff; }
+.tok.pinned { border-color: var(--accent); }
+.tok.top { outline: 2px solid var(--accent); font-weight: 600; }
+.tok.hovered { text-decoration: underline; }
+#lines { width: 240px; }
+#info { min-width: 300px; max-width: 380px; background: #fff; border: 1px solid var(--line); border-radius: 8px;
+  padding: 10px 14px; position: sticky; top: 10px; }
+#info p { margin: 4px 0; }
+#top-list { margin: 4px 0 10px; padding-left: 22px; }
+#top-list li { margin: 1px 0; }
+.bar { display: inline-block; height: 9px; background: var(--accent); vertical-align: middle; margin-left: 6px; border-radius: 2px; }
+table { border-collapse: collapse; font-size: 12px; width: 100%; }
+th, td { padding: 2px 6px; text-align: right; border-bottom: 1px solid #eee; }
+tr.sel td { background: #fdeef4; font-weight: 600; }
+#grid { display: grid; gap: 4px; align-items: center; }
+.cell { position: relative; cursor: pointer; border: 2px solid transparent; line-height: 0; }
+.cell.sel { border-color: var(--accent); }
+.cell:hover { border-color: #888; }
+.cell canvas { width: 76px; height: 76px; image-rendering: pixelated; background: #000; }
+.cell.strip canvas { height: 12px; }
+.glabel { font-size: 12px; color: var(--muted); text-align: center; }
+"""
+
+_JS = r"""
+(function () {
+  'use strict';
+  var D = JSON.parse(document.getElementById('qkv-data').textContent);
+  var L = D.num_layers, H = D.num_heads, N = D.tokens.length, ROW = 22;
+  var COLORS = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b',
+                '#e377c2', '#7f7f7f', '#bcbd22', '#17becf', '#393b79', '#ad494a'];
+  function color(h) { return COLORS[h % COLORS.length]; }
+  function decode(b64) {
+    var s = atob(b64), u8 = new Uint8Array(s.length);
+    for (var i = 0; i < s.length; i++) u8[i] = s.charCodeAt(i);
+    var u16 = new Uint16Array(u8.buffer), f = new Float32Array(u16.length);
+    for (var j = 0; j < u16.length; j++) f[j] = u16[j] / 65535;
+    return f;
+  }
+  var maps = D.maps ? decode(D.maps) : null;          // (L, H, N, N)
+  var focusRows = decode(D.focus_weights);            // (L, H, N)
+  function row(l, h, q) {                             // (N,) weights of query q, or null
+    if (maps) { var o = ((l * H + h) * N + q) * N; return maps.subarray(o, o + N); }
+    if (q === D.focus.index) { var p = (l * H + h) * N; return focusRows.subarray(p, p + N); }
+    return null;
+  }
+  function selectable(q) { return !!maps || q === D.focus.index; }
+  var state = { layer: D.initial.layer, heads: [D.initial.head], pinned: D.focus.index, hover: null, view: 'head' };
+  function active() { return state.hover !== null ? state.hover : state.pinned; }
+  function $(id) { return document.getElementById(id); }
+  function el(tag, cls, text) { var e = document.createElement(tag); if (cls) e.className = cls; if (text !== undefined) e.textContent = text; return e; }
+  function fmt(x) { return x.toFixed(3); }
+
+  // header
+  $('summary').textContent = N + ' tokens, ' + L + ' layers \u00d7 ' + H + ' heads. Focus "' + D.focus.token +
+    '" (token ' + D.focus.index + '), target "' + D.target.token + '": strongest in ' +
+    D.top_heads.slice(0, 3).map(function (t) { return 'L' + t.layer + ' H' + t.head + ' (' + t.weight.toFixed(2) + ')'; }).join(', ') + '.';
+  D.notes.forEach(function (n) { $('notes').appendChild(el('li', '', n)); });
+  $('first-col').textContent = 'on ' + D.tokens[0];
+  $('last-col').textContent = 'on ' + D.tokens[N - 1];
+
+  // controls
+  for (var l = 0; l < L; l++) { var o = el('option', '', 'Layer ' + l); o.value = String(l); $('layer').appendChild(o); }
+  $('layer').addEventListener('change', function () { state.layer = parseInt(this.value, 10); render(); });
+  for (var h = 0; h < H; h++) {
+    var b = el('button', 'head-btn', String(h));
+    b.type = 'button'; b.style.background = color(h); b.dataset.head = String(h); b.title = 'head ' + h;
+    b.addEventListener('click', function (ev) {
+      var hh = parseInt(this.dataset.head, 10), i = state.heads.indexOf(hh);
+      if (ev.shiftKey || ev.ctrlKey || ev.metaKey) {
+        if (i >= 0) { if (state.heads.length > 1) state.heads.splice(i, 1); } else state.heads.push(hh);
+        state.heads.sort(function (a, c) { return a - c; });
+      } else state.heads = [hh];
+      render();
+    });
+    $('heads').appendChild(b);
+  }
+  $('all-heads').addEventListener('click', function () { state.heads = []; for (var i = 0; i < H; i++) state.heads.push(i); render(); });
+  function setView(v) {
+    state.view = v;
+    $('head-view').hidden = v !== 'head'; $('model-view').hidden = v !== 'model';
+    $('tab-head').classList.toggle('active', v === 'head'); $('tab-model').classList.toggle('active', v === 'model');
+    render();
+  }
+  $('tab-head').addEventListener('click', function () { setView('head'); });
+  $('tab-model').addEventListener('click', function () { setView('model'); });
+
+  // head view: two token columns and the lines between them
+  var left = [], right = [];
+  D.tokens.forEach(function (t, i) {
+    var a = el('div', 'tok', t); a.id = 'q-' + i; a.dataset.index = String(i);
+    if (!selectable(i)) a.classList.add('disabled');
+    a.addEventListener('mouseenter', function () { if (selectable(i)) { state.hover = i; render(); } });
+    a.addEventListener('mouseleave', function () { state.hover = null; render(); });
+    a.addEventListener('click', function () { if (selectable(i)) { state.pinned = i; render(); } });
+    $('left').appendChild(a); left.push(a);
+    var k = el('div', 'tok', t); k.id = 'k-' + i; k.dataset.index = String(i);
+    k.addEventListener('mouseenter', function () { k.classList.add('hovered'); });
+    k.addEventListener('mouseleave', function () { k.classList.remove('hovered'); });
+    $('right').appendChild(k); right.push(k);
+  });
+  var svg = $('lines'), SVGNS = 'http:' + '//www.w3.org/2000/svg';  // a namespace name, not an address: split so scans for links stay clean
+  svg.setAttribute('height', String(N * ROW)); svg.style.height = (N * ROW) + 'px';
+
+  function mean(q) {                                  // (N,) mean weights over the selected heads
+    var m = new Float32Array(N), n = 0;
+    state.heads.forEach(function (h) { var r = row(state.layer, h, q); if (r) { n++; for (var j = 0; j < N; j++) m[j] += r[j]; } });
+    if (n) for (var j = 0; j < N; j++) m[j] /= n;
+    return m;
+  }
+  function entropy(r) { var e = 0; for (var j = 0; j < r.length; j++) if (r[j] > 0) e -= r[j] * Math.log(r[j]); return e; }
+
+  function renderHead() {
+    var q = active();
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    state.heads.forEach(function (h) {
+      var r = row(state.layer, h, q); if (!r) return;
+      for (var j = 0; j < N; j++) {
+        if (r[j] < 0.01) continue;
+        var ln = document.createElementNS(SVGNS, 'line');
+        ln.setAttribute('x1', '0'); ln.setAttribute('y1', String(q * ROW + ROW / 2 + 1));
+        ln.setAttribute('x2', '240'); ln.setAttribute('y2', String(j * ROW + ROW / 2 + 1));
+        ln.setAttribute('stroke', color(h)); ln.setAttribute('stroke-width', String(0.6 + 5 * r[j]));
+        ln.setAttribute('stroke-opacity', String(Math.min(1, 0.15 + r[j])));
+        ln.setAttribute('data-head', String(h)); ln.setAttribute('data-key', String(j));
+        svg.appendChild(ln);
+      }
+    });
+    var m = mean(q), order = [];
+    for (var j = 0; j < N; j++) order.push(j);
+    order.sort(function (a, b) { return m[b] - m[a] || a - b; });
+    left.forEach(function (e, i) { e.classList.toggle('active', i === q); e.classList.toggle('pinned', i === state.pinned); });
+    right.forEach(function (e, i) {
+      e.classList.toggle('top', i === order[0]);
+      e.style.background = 'rgba(214, 51, 108, ' + Math.min(0.85, m[i]).toFixed(3) + ')';
+    });
+    $('sel-token').textContent = D.tokens[q];
+    $('top-token').textContent = D.tokens[order[0]];
+    $('top-weight').textContent = fmt(m[order[0]]);
+    var list = $('top-list'); list.innerHTML = '';
+    order.slice(0, 5).forEach(function (j) {
+      var li = el('li', '', D.tokens[j] + ' ' + fmt(m[j]));
+      li.dataset.index = String(j);
+      var bar = el('span', 'bar'); bar.style.width = Math.round(120 * m[j]) + 'px'; li.appendChild(bar);
+      list.appendChild(li);
+    });
+    var body = document.querySelector('#stats-table tbody'); body.innerHTML = '';
+    for (var h = 0; h < H; h++) {
+      var r = row(state.layer, h, q); if (!r) continue;
+      var mx = 0; for (var k = 0; k < N; k++) if (r[k] > mx) mx = r[k];
+      var tr = el('tr', state.heads.indexOf(h) >= 0 ? 'sel' : '');
+      [String(h), entropy(r).toFixed(2), fmt(mx), fmt(r[0]), fmt(r[N - 1])].forEach(function (c) { tr.appendChild(el('td', '', c)); });
+      body.appendChild(tr);
+    }
+  }
+
+  // model view: every layer x head as a small map (or the focus row as a strip in statistics mode)
+  var STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];  // viridis
+  function rgb(v) {
+    var x = Math.max(0, Math.min(1, v)) * (STOPS.length - 1), i = Math.min(STOPS.length - 2, Math.floor(x)), t = x - i;
+    return [0, 1, 2].map(function (c) { return Math.round(STOPS[i][c] + t * (STOPS[i + 1][c] - STOPS[i][c])); });
+  }
+  var cells = [];
+  function buildGrid() {
+    var g = $('grid'); g.style.gridTemplateColumns = '36px repeat(' + H + ', max-content)';
+    g.appendChild(el('div'));
+    for (var h = 0; h < H; h++) g.appendChild(el('div', 'glabel', 'H' + h));
+    for (var l = 0; l < L; l++) {
+      g.appendChild(el('div', 'glabel', 'L' + l));
+      for (var h2 = 0; h2 < H; h2++) {
+        var c = el('div', maps ? 'cell' : 'cell strip'); c.dataset.layer = String(l); c.dataset.head = String(h2);
+        c.id = 'cell-' + l + '-' + h2;
+        var rows = maps ? N : 1, cv = document.createElement('canvas'); cv.width = N; cv.height = rows;
+        var ctx = cv.getContext('2d'), img = ctx.createImageData(N, rows);
+        for (var q = 0; q < rows; q++) {
+          var r = maps ? row(l, h2, q) : row(l, h2, D.focus.index);
+          for (var j = 0; j < N; j++) { var p = rgb(r[j]), o = (q * N + j) * 4; img.data[o] = p[0]; img.data[o + 1] = p[1]; img.data[o + 2] = p[2]; img.data[o + 3] = 255; }
+        }
+        ctx.putImageData(img, 0, 0); c.appendChild(cv);
+        c.title = 'layer ' + l + ', head ' + h2 + ': "' + D.focus.token + '" \u2192 "' + D.target.token + '" ' +
+          fmt(row(l, h2, D.focus.index)[D.target.index]);
+        c.addEventListener('click', function () {
+          state.layer = parseInt(this.dataset.layer, 10); state.heads = [parseInt(this.dataset.head, 10)]; setView('head');
+        });
+        g.appendChild(c); cells.push(c);
+      }
+    }
+  }
+
+  function render() {
+    $('layer').value = String(state.layer);
+    Array.prototype.forEach.call(document.querySelectorAll('.head-btn'), function (b) {
+      b.classList.toggle('on', state.heads.indexOf(parseInt(b.dataset.head, 10)) >= 0);
+    });
+    $('head-label').textContent = 'Layer ' + state.layer + ' \u00b7 ' +
+      (state.heads.length === 1 ? 'Head ' + state.heads[0] : 'Heads ' + state.heads.join(', '));
+    cells.forEach(function (c) {
+      c.classList.toggle('sel', parseInt(c.dataset.layer, 10) === state.layer && state.heads.indexOf(parseInt(c.dataset.head, 10)) >= 0);
+    });
+    renderHead();
+  }
+  buildGrid();
+  render();
+  document.body.dataset.ready = 'true';
+})();
+"""

@@ -1,0 +1,124 @@
+"""Attention heatmaps as PNG files (matplotlib, Agg backend: no screen needed).
+
+:func:`save_png` draws, from an :class:`~qkv.viz.explain.Explanation`:
+
+* with maps: a grid of every layer × head as a small map (row = query, column = key; the focused
+  head framed in red), and the focused head's full map with token labels and a colorbar;
+* in statistics mode (no maps): the focus token's weight on every token, one row per layer·head.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+__all__ = ["save_png", "figure"]
+
+_CMAP = "viridis"
+_MAX_LABELS = 80  # more token labels than this are unreadable: show every k-th
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _tick_labels(ax: Any, tokens: list[str], axis: str, highlight: tuple[int, ...] = ()) -> None:
+    n = len(tokens)
+    step = max(1, -(-n // _MAX_LABELS))
+    pos = list(range(0, n, step))
+    labels = [tokens[i] for i in pos]
+    if axis == "x":
+        ax.set_xticks(pos)
+        ax.set_xticklabels(labels, rotation=90, fontsize=8)
+        ticks = ax.get_xticklabels()
+    else:
+        ax.set_yticks(pos)
+        ax.set_yticklabels(labels, fontsize=8)
+        ticks = ax.get_yticklabels()
+    for p, t in zip(pos, ticks, strict=False):  # matplotlib may add no label for an off-axis tick
+        if p in highlight:
+            t.set_color("crimson")
+            t.set_fontweight("bold")
+
+
+def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None) -> Any:
+    """The matplotlib figure for ``ex``; the big map shows ``(layer, head)``, default the top head."""
+    plt = _plt()
+    if layer is None or head is None:
+        layer, head = ex.best_head
+    L, H = ex.num_layers, ex.num_heads
+    toks, f, t = ex.tokens, ex.focus_index, ex.target_index
+    if ex.maps is None:
+        return _stats_figure(plt, ex)
+    n = len(toks)
+    big = max(5.0, min(11.0, 0.28 * n + 2.5))
+    fig = plt.figure(figsize=(H * 0.95 + big + 1.5, max(L * 0.95 + 1.2, big + 0.5)), dpi=100)
+    gs = fig.add_gridspec(1, 2, width_ratios=[H * 0.95, big], wspace=0.12, left=0.04, right=0.97, top=0.9, bottom=0.16)
+    grid = gs[0].subgridspec(L, H, wspace=0.08, hspace=0.08)
+    for l in range(L):
+        for h in range(H):
+            ax = fig.add_subplot(grid[l, h])
+            ax.imshow(ex.maps[l, h], cmap=_CMAP, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if l == 0:
+                ax.set_title(f"H{h}", fontsize=8)
+            if h == 0:
+                ax.set_ylabel(f"L{l}", fontsize=8, rotation=0, labelpad=12, va="center")
+            if (l, h) == (layer, head):
+                for s in ax.spines.values():
+                    s.set_edgecolor("red")
+                    s.set_linewidth(2.5)
+    fig.text(0.04 + 0.5 * H * 0.95 / (H * 0.95 + big) * 0.9, 0.93, f"All {L} layers × {H} heads (rows: queries, columns: keys)",
+             ha="center", fontsize=11)
+    ax = fig.add_subplot(gs[1])
+    im = ax.imshow(ex.maps[layer, head], cmap=_CMAP, vmin=0.0, interpolation="nearest")
+    _tick_labels(ax, toks, "x", (t,))
+    _tick_labels(ax, toks, "y", (f,))
+    ax.set_xlabel("key (attended-to token)")
+    ax.set_ylabel("query (attending token)")
+    w = float(ex.focus_weights[layer, head, t])
+    ax.set_title(f'Layer {layer}, head {head}: "{toks[f]}" → "{toks[t]}" weight {w:.2f}', fontsize=11)
+    ax.add_patch(_rect(plt, (t - 0.5, f - 0.5)))
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="attention weight")
+    fig.suptitle(f"{ex.model_name}: attention of {n} tokens", fontsize=13)
+    return fig
+
+
+def _rect(plt: Any, xy: tuple[float, float]) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle(xy, 1, 1, fill=False, edgecolor="red", linewidth=2)
+
+
+def _stats_figure(plt: Any, ex: Any) -> Any:
+    L, H, N = ex.focus_weights.shape
+    rows = ex.focus_weights.reshape(L * H, N)  # (L·H, N)
+    fig, ax = plt.subplots(figsize=(min(24.0, 6 + N * 0.03), 10), dpi=100)
+    im = ax.imshow(rows, cmap=_CMAP, vmin=0.0, aspect="auto", interpolation="nearest")
+    ax.set_yticks(range(0, L * H, H))
+    ax.set_yticklabels([f"L{l} H0" for l in range(L)], fontsize=8)
+    _tick_labels(ax, ex.tokens, "x", (ex.target_index,))
+    ax.set_xlabel("key (attended-to token)")
+    ax.set_ylabel("layer · head")
+    ax.set_title(f'Statistics mode ({N} tokens, maps too large): "{ex.tokens[ex.focus_index]}" '
+                 f"(token {ex.focus_index})'s attention in every head", fontsize=11)
+    fig.colorbar(im, ax=ax, label="attention weight")
+    fig.tight_layout()
+    return fig
+
+
+def save_png(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = None, head: Optional[int] = None) -> str:
+    """Write the heatmaps of ``ex`` to ``path`` (PNG) and return the path."""
+    plt = _plt()
+    fig = figure(ex, layer, head)
+    try:
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+    return os.fspath(path)

@@ -1,0 +1,120 @@
+"""PNG heatmaps and the offline HTML report, on synthetic attention (no model needed)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from qkv.viz import explain_attentions, match_word, render_html, save_html, save_png
+from qkv.viz.html import decode_weights
+
+PIL = pytest.importorskip("PIL.Image", reason="Pillow comes with matplotlib: pip install matplotlib")
+pytest.importorskip("matplotlib", reason="the PNG renderer needs matplotlib: pip install matplotlib")
+
+TEXT = "Alice said she <b>likes</b> & tests"
+TOKENS = ["[CLS]", "alice", "said", "she", "<", "b", ">", "likes", "<", "/", "b", ">", "&", "tests", "[SEP]"]
+
+
+def _offsets(text: str, tokens: list[str]) -> list[tuple[int, int]]:
+    out, pos, low = [], 0, text.lower()
+    for t in tokens:
+        if t.startswith("["):
+            out.append((0, 0))
+            continue
+        s = low.index(t.lstrip("#"), pos)
+        out.append((s, s + len(t.lstrip("#"))))
+        pos = s + len(t.lstrip("#"))
+    return out
+
+
+def _maps(L: int = 3, H: int = 4, N: int = len(TOKENS), seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    s = rng.normal(scale=2.0, size=(L, H, N, N))
+    s[1, 2, 3, 1] += 8.0  # layer 1, head 2: "she" -> "alice"
+    w = np.exp(s - s.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True)).astype(np.float32)  # (L, H, N, N)
+
+
+@pytest.fixture(scope="module")
+def ex():
+    return explain_attentions(list(_maps()), TOKENS, focus="she", text=TEXT, offsets=_offsets(TEXT, TOKENS))
+
+
+def test_explanation_finds_the_planted_link(ex):
+    assert ex.focus_index == 3 and ex.tokens[ex.target_index] == "alice" and not ex.target_given
+    assert ex.best_head == (1, 2) and ex.mode == "maps"
+    np.testing.assert_allclose(ex.focus_weights.sum(-1), 1.0, atol=1e-5)
+    assert ex.stats["entropy"].shape == (3, 4) and np.all(ex.stats["entropy"] >= 0)
+    assert "Explanation(" in repr(ex) and "L1 H2" in ex.to_string()
+
+
+def test_png_is_a_sensible_image(ex, tmp_path):
+    path = save_png(ex, tmp_path / "maps.png")
+    with PIL.open(path) as im:
+        assert im.format == "PNG"
+        w, h = im.size
+        assert 800 <= w <= 5000 and 400 <= h <= 3000
+        px = np.asarray(im.convert("L"), dtype=np.float64)
+    assert px.std() > 10  # not blank
+
+
+def test_png_in_statistics_mode(tmp_path):
+    ex = explain_attentions(list(_maps()), TOKENS, focus="she", text=TEXT, offsets=_offsets(TEXT, TOKENS), keep_maps=False)
+    assert ex.mode == "stats" and ex.maps is None
+    with PIL.open(save_png(ex, tmp_path / "stats.png")) as im:
+        assert im.format == "PNG" and im.size[0] >= 600
+
+
+def test_html_is_self_contained_and_carries_the_data(ex, tmp_path):
+    page = open(save_html(ex, tmp_path / "r.html"), encoding="utf-8").read()
+    for bad in ("http://", "https://", "//cdn", "<script src", "<link", "@import", "url(", "@font-face"):
+        assert bad not in page.lower(), bad
+    assert page.count("<script") == 2  # the data and the code: the text's "<b>" cannot open a tag
+    assert "&lt;b&gt;likes&lt;/b&gt; &amp; tests" in page  # the text, escaped
+    blob = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', page, re.S).group(1)
+    d = json.loads(blob)
+    assert d["tokens"] == TOKENS and d["mode"] == "maps" and d["focus"]["index"] == 3
+    assert d["initial"] == {"layer": 1, "head": 2} and d["top_heads"][0]["layer"] == 1
+    np.testing.assert_allclose(decode_weights(d["maps"], (3, 4, len(TOKENS), len(TOKENS))), ex.maps, atol=2e-5)
+    np.testing.assert_allclose(decode_weights(d["focus_weights"], (3, 4, len(TOKENS))), ex.focus_weights, atol=2e-5)
+
+
+def test_notebook_repr_embeds_the_page(ex):
+    frame = ex._repr_html_()
+    assert frame.startswith("<iframe srcdoc=") and "qkv-data" in frame and "https://" not in frame
+
+
+def test_html_leaves_out_maps_that_are_too_big(ex):
+    page = render_html(ex, max_map_bytes=100)
+    d = json.loads(re.search(r'id="qkv-data">(.*?)</script>', page, re.S).group(1))
+    assert d["maps"] is None and d["mode"] == "stats" and any("focus token's attention only" in n for n in d["notes"])
+
+
+def test_to_dict_is_json_with_the_documented_keys(ex):
+    d = json.loads(json.dumps(ex.to_dict(), allow_nan=False))
+    assert {"model", "text", "tokens", "num_layers", "num_heads", "mode", "notes", "focus", "target",
+            "top_heads", "heads"} <= set(d)
+    cell = d["heads"][1][2]
+    assert {"layer", "head", "focus_weights", "top_tokens", "target_weight", "entropy", "max_weight",
+            "first_weight", "last_weight", "mean_entropy"} <= set(cell)
+    assert cell["top_tokens"][0]["token"] == "alice" and len(cell["focus_weights"]) == len(TOKENS)
+
+
+def test_words_map_to_subword_tokens():
+    text = "Zylphoria met Alice; she smiled."
+    toks = ["[CLS]", "z", "##yl", "##ph", "##oria", "met", "alice", ";", "she", "smiled", ".", "[SEP]"]
+    offs = [(0, 0), (0, 1), (1, 3), (3, 5), (5, 9), (10, 13), (14, 19), (19, 20), (21, 24), (25, 31), (31, 32), (0, 0)]
+    assert match_word("zylphoria", text, toks, offs) == ([1, 2, 3, 4], [])
+    assert match_word("ALICE", text, toks, offs)[0] == [6]
+    assert match_word("zylphoria", text, toks)[0] == [1, 2, 3, 4]  # no offsets: spelled by subwords
+    assert match_word("#9", text, toks, offs)[0] == [9]
+    assert match_word("[SEP]", text, toks, offs)[0] == [11]
+    idx, notes = match_word("he", text, toks, offs)  # only inside "she"
+    assert idx == [8] and "not a whole word" in notes[0]
+    with pytest.raises(ValueError, match="not in the text"):
+        match_word("bob", text, toks, offs)
+    ex = explain_attentions(list(_maps(N=len(toks))), toks, focus="Zylphoria", text=text, offsets=offs)
+    assert ex.focus_index == 1 and any("split into 4 tokens" in n for n in ex.notes)
