@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -134,6 +134,34 @@ def observe(fn: Optional[Observer] = None) -> Iterator[List[HFAttentionCall]]:
         yield recorded
     finally:
         remove()
+
+
+@contextlib.contextmanager
+def record_stats(
+    *, topk: int = 5, key_positions: Sequence[int] = (0,), relative_positions: Sequence[int] = (-1, 0)
+) -> Iterator[List[Any]]:
+    """Streaming attention statistics of every layer of a Hugging Face model running on qkv.
+
+    Yields a list that receives one :class:`qkv.inspect.AttentionStats` per attention call, in
+    call order (``stats.layer_idx`` is set when the model numbers its layers). Computed from
+    each call's q, k and log-sum-exp tile by tile, so no N×N map is ever built — what
+    ``output_attentions=True`` cannot offer on long inputs.
+    """
+    from .inspect import attention_stats
+
+    collected: List[Any] = []
+
+    def on_call(c: HFAttentionCall) -> None:
+        st = attention_stats(
+            c.query, c.key, lse=c.lse, attn_mask=c.attn_mask, is_causal=c.is_causal, window=c.window,
+            scale=c.scale, enable_gqa=c.query.shape[1] != c.key.shape[1], topk=topk,
+            key_positions=key_positions, relative_positions=relative_positions,
+        )  # fmt: skip
+        st.layer_idx = c.layer_idx
+        collected.append(st)
+
+    with observe(on_call):
+        yield collected
 
 
 # ---------------------------------------------------------------------------------- the function

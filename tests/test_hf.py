@@ -269,3 +269,21 @@ def test_unsupported_kwargs_fail_clearly():
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(NotImplementedError, match="softcap"):
         qkv.hf.attention_forward(_Module(), q, q, q, None, softcap=30.0)
+
+
+def test_record_stats_matches_output_attentions():
+    """Streaming statistics of a HF model on qkv equal those of the eager attention maps."""
+    eager, mine = _pair(transformers.LlamaModel, _llama_config())
+    ids, mask = _ids(2, 10), _padding(2, 10, [10, 6])
+    with torch.no_grad(), qkv.hf.record_stats(topk=3) as stats:
+        mine(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        maps = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert [s.layer_idx for s in stats] == [0, 1, 2]
+    for st, w in zip(stats, maps, strict=True):  # w: (B, H, N, N) eager weights
+        real = mask.bool()[:, None, :].expand(w.shape[:3])  # rows of real query tokens
+        p = w.double()
+        entropy = -(p * torch.log(torch.where(p > 0, p, torch.ones_like(p)))).sum(-1)
+        assert float((st.entropy.double() - entropy).abs()[real].max()) < 1e-4
+        assert float((st.max_weight.double() - p.amax(-1)).abs()[real].max()) < 1e-5
+        assert torch.equal(st.topk_indices[..., 0][real], p.argmax(-1)[real])
