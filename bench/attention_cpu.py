@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import proc_status_kib  # noqa: E402
 import qkv  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -127,13 +128,6 @@ def time_extras(n: int, b: int, h: int, d: int) -> list[dict]:
 # ---- memory -------------------------------------------------------------------------------
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
-
-
 def measure_memory_child(backend: str, n: int, d: int, causal: bool) -> None:
     torch.set_num_threads(2)
     q, k, v = inputs(1, 1, n, d)
@@ -142,12 +136,12 @@ def measure_memory_child(backend: str, n: int, d: int, causal: bool) -> None:
         F.scaled_dot_product_attention(*warm)
     else:
         qkv.attention(*warm, backend=backend)
-    before = _rss_kib("VmRSS")
+    before = proc_status_kib("VmRSS")
     if backend == "torch-sdpa":
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     else:
         out = qkv.attention(q, k, v, is_causal=causal, backend=backend)
-    peak = _rss_kib("VmHWM")
+    peak = proc_status_kib("VmHWM")
     print(json.dumps({"extra_bytes": (peak - before) * 1024, "out_sum": float(out.sum())}))
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import proc_status_kib  # noqa: E402
 import qkv  # noqa: E402
 from qkv.inspect import attention_stats  # noqa: E402
 
@@ -72,13 +73,6 @@ def time_case(h: int, n: int, topk: int, rounds: int) -> dict:
 # ---- memory -------------------------------------------------------------------------------
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
-
-
 def memory_child(case: str, h: int, n: int, topk: int) -> None:
     q, k, v = inputs(h, n)
     small = inputs(h, 256)
@@ -89,14 +83,14 @@ def memory_child(case: str, h: int, n: int, topk: int) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     except OSError:
         reset = False
-    before = _status_kib("VmRSS")
+    before = proc_status_kib("VmRSS")
     if case == "stats":
         st = stats(q, k, lse, topk)
         check = float(st.entropy.sum())
     else:
         out, lse = forward(q, k, v)
         check = float(out.sum())
-    peak = _status_kib("VmHWM")
+    peak = proc_status_kib("VmHWM")
     print(json.dumps({"extra_bytes": (peak - before) * 1024, "hwm_reset": reset, "check": check}))
 
 

@@ -53,3 +53,58 @@ def _fresh_seed():
     torch.manual_seed(seed)
     print(f"torch seed {seed}")
     yield
+
+
+class LargestAllocation:
+    """Context manager recording the largest tensor (in elements) any torch op creates inside it."""
+
+    def __init__(self) -> None:
+        self.biggest = 0
+
+    def __enter__(self) -> "LargestAllocation":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        owner = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        owner.biggest = max(owner.biggest, t.numel())
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
+MASK_KINDS = ["none", "causal", "bottom_right", "window", "causal_window", "padding", "bool_mask", "float_mask", "bool_mask_causal"]
+
+
+def mask_kwargs(kind: str, b: int, h: int, nq: int, nk: int, dtype: torch.dtype = torch.float64) -> dict:
+    """Keyword arguments of qkv.attention for one masking scenario (fresh random masks)."""
+    if kind == "none":
+        return {}
+    if kind == "causal":
+        return {"is_causal": True}
+    if kind == "bottom_right":
+        return {"is_causal": "bottom_right"}
+    if kind == "window":
+        return {"window": (7, 2)}
+    if kind == "causal_window":
+        return {"is_causal": "bottom_right", "window": (5, None)}
+    if kind == "padding":
+        kp = torch.rand(b, nk) > 0.3
+        kp[0] = False  # a whole sequence of padding: every row empty
+        return {"key_padding_mask": kp}
+    if kind == "bool_mask":
+        return {"attn_mask": torch.rand(h, nq, nk) > 0.5}
+    if kind == "float_mask":
+        return {"attn_mask": torch.randn(b, 1, nq, nk).to(dtype)}
+    if kind == "bool_mask_causal":
+        return {"attn_mask": torch.rand(nq, nk) > 0.3, "is_causal": True}
+    raise ValueError(kind)

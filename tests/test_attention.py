@@ -12,38 +12,13 @@ import qkv
 from qkv.backends import BACKENDS
 from qkv.reference import attention_ref
 
-from .conftest import FLOOR, assert_within_rule, make_qkv, max_err
+from .conftest import FLOOR, MASK_KINDS, LargestAllocation, assert_within_rule, make_qkv, mask_kwargs, max_err
 
 BACKEND_NAMES = ["math", "chunked", "sdpa"]
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
-def _masks(kind: str, b: int, h: int, nq: int, nk: int) -> dict:
-    """Keyword arguments for one masking scenario (fresh random masks)."""
-    if kind == "none":
-        return {}
-    if kind == "causal":
-        return {"is_causal": True}
-    if kind == "bottom_right":
-        return {"is_causal": "bottom_right"}
-    if kind == "window":
-        return {"window": (7, 2)}
-    if kind == "causal_window":
-        return {"is_causal": "bottom_right", "window": (5, None)}
-    if kind == "padding":
-        kp = torch.rand(b, nk) > 0.3
-        kp[0] = False  # a whole sequence of padding: every row empty
-        return {"key_padding_mask": kp}
-    if kind == "bool_mask":
-        return {"attn_mask": torch.rand(h, nq, nk) > 0.5}
-    if kind == "float_mask":
-        return {"attn_mask": torch.randn(b, 1, nq, nk)}
-    if kind == "bool_mask_causal":
-        return {"attn_mask": torch.rand(nq, nk) > 0.3, "is_causal": True}
-    raise ValueError(kind)
-
-
-MASK_KINDS = ["none", "causal", "bottom_right", "window", "causal_window", "padding", "bool_mask", "float_mask", "bool_mask_causal"]
+_masks = mask_kwargs
 
 
 def _ref(q, k, v, **kw):
@@ -248,25 +223,13 @@ def test_gqa_and_mqa_match_repeated_heads(backend, hq, hk):
 
 
 def test_chunked_never_allocates_the_score_matrix():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        biggest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.biggest = max(Largest.biggest, t.numel())
-            return out
-
     n = 2048
     q, k, v = make_qkv(1, 1, 1, n, n, 32, requires_grad=True)
     kp = torch.rand(1, n) > 0.1
-    with Largest():
+    with LargestAllocation() as largest:
         out = qkv.attention(q, k, v, key_padding_mask=kp, is_causal=True, backend="chunked")
         out.sum().backward()
-    assert Largest.biggest <= n * n // 8, f"largest tensor {Largest.biggest} vs N² = {n * n}"
+    assert largest.biggest <= n * n // 8, f"largest tensor {largest.biggest} vs N² = {n * n}"
 
 
 def test_window_skips_tiles():

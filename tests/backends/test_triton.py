@@ -21,7 +21,7 @@ from qkv.backends import BACKENDS, BackendError, auto_order, select  # noqa: E40
 from qkv.call import AttentionCall, validate  # noqa: E402
 from qkv.reference import attention_ref  # noqa: E402
 
-from ..conftest import FLOOR, assert_within_rule, make_qkv, max_err  # noqa: E402
+from ..conftest import FLOOR, assert_within_rule, make_qkv, mask_kwargs, max_err  # noqa: E402
 
 TRITON = BACKENDS["triton"]
 # Triton 3.6's interpreter indexes with 1-element arrays, which NumPy 2 deprecates (harmless)
@@ -48,27 +48,10 @@ def _run(q, k, v, backend, kw, grad=True):
 
 
 def _kw(kind: str, b: int, hq: int, nq: int, nk: int, dtype) -> dict:
-    if kind == "none":
-        return {}
-    if kind == "causal":
-        return {"is_causal": True}
-    if kind == "bottom_right":
-        return {"is_causal": "bottom_right"}
-    if kind == "window":
-        return {"window": (7, 2)}
-    if kind == "causal_window":
-        return {"is_causal": "bottom_right", "window": (5, None)}
-    if kind == "padding":
-        kp = torch.rand(b, nk) > 0.3
-        kp[0] = False  # a whole sequence of padding: every row empty
-        return {"key_padding_mask": kp}
-    if kind == "bool_mask":
-        return {"attn_mask": torch.rand(hq, nq, nk) > 0.5}
-    if kind == "float_mask":
-        return {"attn_mask": torch.randn(b, 1, nq, nk).to(dtype)}
+    kw = mask_kwargs(kind, b, hq, nq, nk, dtype)
     if kind == "bool_mask_causal":
-        return {"attn_mask": torch.rand(nq, nk) > 0.3, "is_causal": True, "window": (None, 3)}
-    raise ValueError(kind)
+        kw["window"] = (None, 3)  # the kernels also combine a dense mask with a window
+    return kw
 
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -10,7 +10,7 @@ import qkv
 from qkv.inspect import attention_stats
 from qkv.reference.masks import parse_causal
 
-from ..conftest import make_qkv
+from ..conftest import LargestAllocation, make_qkv
 from .test_maps import SHAPES, mask_cases, ref_scores_weights
 
 f64 = torch.float64
@@ -95,27 +95,15 @@ def test_stats_float32_and_fewer_keys_than_topk():
 
 
 def test_stats_never_allocate_anything_near_n_by_n():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        biggest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Largest.biggest = max(Largest.biggest, t.numel())
-            return out
-
     n = 2048
     q, k, v = make_qkv(1, 2, 1, n, n, 16)
     kp = torch.rand(1, n) > 0.1
     # the fused pass that yields the lse has its own test (tests/test_attention.py); this one is about the stats
     _, lse = qkv.attention(q, k, v, key_padding_mask=kp, is_causal=True, enable_gqa=True, return_lse=True, backend="chunked")
-    with Largest():
+    with LargestAllocation() as largest:
         st = attention_stats(q, k, lse=lse, key_padding_mask=kp, is_causal=True, enable_gqa=True, topk=8)
     assert st.entropy.shape == (1, 2, n)
-    assert Largest.biggest <= n * n // 16, f"largest tensor {Largest.biggest} vs N² = {n * n}"
+    assert largest.biggest <= n * n // 16, f"largest tensor {largest.biggest} vs N² = {n * n}"
 
 
 def test_stats_without_topk_or_positions_and_bad_positions():
