@@ -334,3 +334,18 @@ def validate(
         d=d,
         dv=v.shape[-1],
     )
+
+
+def validate_qk(
+    query: Any,
+    key: Any,
+    attn_mask: Any = None,
+    is_causal: Any = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    window: Any = None,
+    key_padding_mask: Any = None,
+) -> AttentionCall:
+    """:func:`validate` for a call about the weights alone (they do not depend on V)."""
+    value = key[..., :1]  # a one-column view satisfies validation and keeps an lse pass cheap
+    return validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window, key_padding_mask=key_padding_mask)

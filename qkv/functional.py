@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .backends import BACKENDS, select
 from .backends.sdpa import empty_rows_are_zero
-from .call import validate
+from .call import validate, validate_qk
 
 _sdpa = F.scaled_dot_product_attention
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
@@ -112,10 +112,7 @@ def attention_weights(
 
     Materialises the full matrix; for long inputs use the inspection tools instead.
     """
-    value = key[..., :0]  # the weights do not depend on V; a zero-width view satisfies validation
-    call = validate(
-        query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window, key_padding_mask=key_padding_mask
-    )
+    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
     return BACKENDS["math"].weights(call)  # type: ignore[attr-defined]
 
 

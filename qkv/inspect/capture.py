@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from ..nn.attention import MultiHeadAttention
-from .maps import Index, attention_map, attention_scores, fused_lse, validate_qk
+from ..call import validate_qk
+from .maps import Index, attention_map, attention_scores, fused_lse
 from .stats import AttentionStats, attention_stats
 
 __all__ = ["POINTS", "Recording", "record"]

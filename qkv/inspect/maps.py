@@ -20,7 +20,7 @@ from typing import Iterator, Optional, Sequence, Tuple, Union
 import torch
 
 from ..backends.base import half_to_float
-from ..call import AttentionCall, validate
+from ..call import AttentionCall, validate_qk
 from ..functional import attention
 from ..masks import MaskTiles
 
@@ -30,23 +30,6 @@ Index = Union[None, int, slice, Sequence[int], torch.Tensor]
 Window = Optional[Tuple[Optional[int], Optional[int]]]
 
 BLOCK = 256  # rows and keys per tile: the chunked backend's measured CPU sweet spot
-
-
-def validate_qk(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attn_mask: Optional[torch.Tensor] = None,
-    is_causal: Union[bool, str] = False,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    window: Window = None,
-    key_padding_mask: Optional[torch.Tensor] = None,
-) -> AttentionCall:
-    """:func:`qkv.call.validate` for a call without values (the weights do not depend on V)."""
-    value = key[..., :1]  # a one-column view satisfies validation and keeps the lse pass cheap
-    return validate(
-        query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window, key_padding_mask=key_padding_mask
-    )
 
 
 def fused_lse(call: AttentionCall, backend: str = "auto") -> torch.Tensor:

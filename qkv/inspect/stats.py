@@ -31,7 +31,8 @@ import torch
 from ..backends.base import half_to_float
 from ..backends.chunked import LN2, LOG2E, _augment, _head_groups, _key_blocks, plan_tiles
 from ..masks import MaskTiles
-from .maps import Window, fused_lse, grouped_lse, validate_qk
+from ..call import validate_qk
+from .maps import Window, fused_lse, grouped_lse
 
 __all__ = ["AttentionStats", "attention_stats"]
 
