@@ -8,6 +8,8 @@
 - :mod:`qkv.models` — a real pretrained BERT (all-MiniLM-L6-v2) rebuilt on :mod:`qkv.nn`.
 - :mod:`qkv.hf` — qkv as an attention implementation inside Hugging Face ``transformers``.
 - :mod:`qkv.viz` — heatmaps and the offline interactive HTML report.
+- :mod:`qkv.distributed` — context parallelism: ring and Ulysses attention over a sequence
+  sharded across the ranks of a ``torch.distributed`` group.
 - :mod:`qkv.reference` — the NumPy float64 oracle.
 """
 
@@ -29,7 +31,7 @@ def __getattr__(name: str):
         from .varlen import attention_varlen
 
         value = attention_varlen
-    elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz"):
+    elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz", "distributed"):
         import importlib
 
         value = importlib.import_module(f".{name}", __name__)
@@ -58,6 +60,7 @@ __all__ = [
     "models",
     "hf",
     "viz",
+    "distributed",
     "BackendError",
     "__version__",
 ]

@@ -1,0 +1,86 @@
+"""Ulysses attention on gloo ranks against single-device qkv.attention (outputs and gradients)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from . import ok_values, spawn
+
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+
+
+def _cases(world):
+    # (name, dtype, causal, hq, hk, backend); heads are multiples of the world size
+    return [
+        ("float64-full-mha", "float64", False, 2 * world, 2 * world, "chunked"),
+        ("float64-causal-mha", "float64", True, 2 * world, 2 * world, "chunked"),
+        ("float64-causal-gqa", "float64", True, 2 * world, world, "math"),
+        ("float32-causal-gqa", "float32", True, 2 * world, world, "auto"),
+    ]
+
+
+def _ulysses_worker(rank, world):
+    import qkv
+    from qkv.distributed import shard, ulysses_attention
+
+    errs = {}
+    for name, dt, causal, hq, hk, backend in _cases(world):
+        dtype = getattr(torch, dt)
+        g = torch.Generator().manual_seed(99)
+        n, d, dv = 7 * world, 8, 6
+        q = torch.randn(2, hq, n, d, generator=g, dtype=dtype)
+        k = torch.randn(2, hk, n, d, generator=g, dtype=dtype)
+        v = torch.randn(2, hk, n, dv, generator=g, dtype=dtype)
+        do = torch.randn(2, hq, n, dv, generator=g, dtype=dtype)
+        gqa = hq != hk
+        fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = qkv.attention(fq, fk, fv, is_causal=causal, enable_gqa=gqa, backend="math")
+        ref.backward(do)
+        lq, lk, lv = (shard(t).requires_grad_() for t in (q, k, v))
+        out = ulysses_attention(lq, lk, lv, is_causal=causal, enable_gqa=gqa, backend=backend)
+        out.backward(shard(do))
+        e = {"out": (out - shard(ref.detach())).abs().max().item()}
+        for nm, local, glob in (("dq", lq, fq), ("dk", lk, fk), ("dv", lv, fv)):
+            e[nm] = (local.grad - shard(glob.grad)).abs().max().item()
+        errs[name] = e
+
+    msgs = []
+    for hq, hk in ((world + 1, world + 1), (2 * world, 1)):
+        x, y = torch.zeros(1, hq, 4, 2), torch.zeros(1, hk, 4, 2)
+        try:
+            ulysses_attention(x, y, y, enable_gqa=hq != hk)
+            msgs.append(None)
+        except ValueError as ex:
+            msgs.append(str(ex))
+    return errs, msgs
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_matches_single_device(world):
+    t0 = time.monotonic()
+    per_rank = ok_values(spawn(_ulysses_worker, world, timeout=90))
+    print(f"world {world}: ulysses in {time.monotonic() - t0:.1f}s")
+    failures = []
+    for rank, (errs, msgs) in enumerate(per_rank):
+        for name, dt, *_ in _cases(world):
+            tol = TOL[getattr(torch, dt)]
+            for what, err in errs[name].items():
+                print(f"rank {rank} {name} {what}: {err:.2e}")
+                if not err <= tol:
+                    failures.append(f"rank {rank} {name} {what}: {err:.3e} > {tol}")
+        assert msgs[0] is not None and f"query has {world + 1} heads, not divisible by the world size {world}" in msgs[0], msgs
+        assert msgs[1] is not None and "key/value has 1 heads" in msgs[1], msgs
+    assert not failures, "\n".join(failures)
+
+
+def test_single_process_falls_back_to_plain_attention():
+    import qkv
+    from qkv.distributed import ring_attention, ulysses_attention
+
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    ref = qkv.attention(q, k, v, is_causal=True)
+    assert torch.allclose(ring_attention(q, k, v, is_causal=True), ref, atol=1e-12)
+    assert torch.allclose(ulysses_attention(q, k, v, is_causal=True), ref, atol=1e-12)
