@@ -4,6 +4,7 @@
 ``qkv demo``                       a guided walk-through for a newcomer
 ``qkv explain TEXT --focus she``   what a pretrained model's heads do with one word (:mod:`qkv.viz`)
 ``qkv info``                       installed backends and devices (lives in :mod:`qkv.info`)
+``qkv experiments run all --out D``  measured claims about attention, with a report (:mod:`qkv.experiments`)
 
 ``trace`` and ``demo --no-model`` use only the NumPy reference, so they start without importing torch;
 ``explain`` and the model part of ``demo`` import torch and matplotlib only when they run;
@@ -406,6 +407,10 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
     _add_explain(sub)
 
     _add_info(sub, load_info)
+
+    from .experiments.cli import add_parser as _add_experiments
+
+    _add_experiments(sub)
     return parser
 
 

@@ -1,0 +1,153 @@
+"""Shared pieces of the experiments: the result record, seeding, a progress bar, figures, CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+DPI = 90  # modest, so the committed report stays small
+
+
+@dataclass
+class Result:
+    """What one experiment found: the claim, how it was tested, the numbers, and the verdict.
+
+    ``held`` is computed from ``metrics`` by the experiment, never written by hand.
+    ``figures`` and ``csv`` are paths relative to the output folder.
+    """
+
+    name: str
+    title: str
+    claim: str
+    setup: str
+    result: str
+    held: bool
+    metrics: Dict[str, Any] = field(default_factory=dict)
+    figures: List[str] = field(default_factory=list)
+    csv: str = ""
+    seconds: float = 0.0
+    quick: bool = False
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def save(self, out: Path) -> Path:
+        """Write ``<out>/<name>.json`` (the run time is left out, so re-runs give the same file)."""
+        d = self.to_dict()
+        d.pop("seconds")
+        path = Path(out) / f"{self.name}.json"
+        path.write_text(json.dumps(d, indent=1, ensure_ascii=False, default=_plain) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> "Result":
+        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, (np.generic,)):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON serialisable")
+
+
+def seed_all(seed: int) -> None:
+    """Fix every random source the experiments use and ask torch for deterministic kernels."""
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class Progress:
+    """A one-line progress bar on stderr (only its last state when stderr is not a terminal;
+    silent when QKV_NO_PROGRESS is set)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.n = max(1, total), label, 0
+        self.quiet = bool(os.environ.get("QKV_NO_PROGRESS"))
+        self.t0 = time.perf_counter()
+
+    def step(self, info: str = "") -> None:
+        self.n += 1
+        tty = sys.stderr.isatty()
+        if self.quiet or (self.n % max(1, self.total // 50) and self.n != self.total):
+            return
+        if not tty and self.n != self.total:  # a log file gets the finished bar only, not 50 redraws
+            return
+        width = 30
+        filled = int(width * self.n / self.total)
+        bar = "#" * filled + "-" * (width - filled)
+        sys.stderr.write(f"\r{self.label:>16} [{bar}] {self.n}/{self.total} {time.perf_counter() - self.t0:5.1f}s {info}")
+        if self.n >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def write_csv(path: Path, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for r in rows:
+            w.writerow([f"{v:.6g}" if isinstance(v, float) else v for v in r])
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI, metadata={"Software": None})  # no version tag: same bytes across matplotlib versions
+    plt.close(fig)
+
+
+def pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def fit_exponent(x: Sequence[float], y: Sequence[float]) -> float:
+    """Slope of log y against log x: y ∝ x^slope."""
+    lx = np.log(np.asarray(x, dtype=float))
+    ly = np.log(np.asarray(y, dtype=float))
+    return float(np.polyfit(lx, ly, 1)[0])
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    if x == 0 or not math.isfinite(x):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+class single_thread:
+    """Run torch on one intra-op thread, restoring the previous count afterwards.
+
+    The experiments' tensors are small; on a shared machine, extra threads mostly wait for each
+    other (a tiny training step was measured 30× slower with two threads under load than with one).
+    """
+
+    def __enter__(self) -> "single_thread":
+        import torch
+
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        torch.set_num_threads(self.before)

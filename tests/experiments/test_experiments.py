@@ -1,0 +1,156 @@
+"""The experiments run end to end with ``--quick`` settings and their claims hold.
+
+Each quick run is seconds on two cores; the training ones use the same settings the CLI's
+``--quick`` uses. Reproducibility is checked on the deterministic experiments by running twice.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QKV_NO_PROGRESS", "1")
+
+from qkv import experiments
+from qkv.cli import main
+from qkv.experiments.report import write_report
+
+
+def _csv_rows(path: Path) -> list:
+    with open(path) as f:
+        return list(csv.reader(f))
+
+
+def _check_outputs(r: experiments.Result, out: Path) -> None:
+    assert r.figures, "every experiment draws at least one figure"
+    for f in r.figures:
+        data = (out / f).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = _csv_rows(out / r.csv)
+    assert len(rows) > 2 and all(len(row) == len(rows[0]) for row in rows)
+    assert r.claim and r.setup and r.result
+    assert isinstance(r.held, bool)
+
+
+def test_scaling_variance_saturation_and_training(tmp_path: Path) -> None:
+    r = experiments.run("scaling", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    m = r.metrics
+    print(m)
+    assert m["max_rel_err"] < 0.05 and m["max_rel_err_scaled"] < 0.05  # Var(q·k) = d_k within 5%
+    assert m["raw_max_weight_1024"] > 0.9 and m["raw_entropy_1024"] < 0.3
+    assert m["raw_jac_1024"] < 0.25 * m["raw_jac_4"]
+    assert m["loss_scaled"] < 0.8 * m["loss_unscaled"]
+    assert r.held
+
+
+def test_masking_jacobian_exactly_zero_above_diagonal(tmp_path: Path) -> None:
+    r = experiments.run("masking", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    assert r.metrics["masked_future_max"] == 0.0
+    assert r.metrics["unmasked_future_min"] > 1e-8
+    assert r.held
+
+
+def test_masking_is_reproducible(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    experiments.run("masking", a, quick=True)
+    experiments.run("masking", b, quick=True)
+    assert (a / "masking.csv").read_bytes() == (b / "masking.csv").read_bytes()
+
+
+def test_cost_memory_exponents(tmp_path: Path) -> None:
+    r = experiments.run("cost", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    m = r.metrics
+    print(m)
+    assert m["mem_exp_math"] > 1.7
+    assert m["mem_exp_chunked"] < 1.5
+    assert m["time_exp_math"] > 1.2 and m["time_exp_chunked"] > 1.2  # loose: timing noise on shared CPUs
+
+
+def test_cross_attention_learns_reversal(tmp_path: Path) -> None:
+    r = experiments.run("cross_attention", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    print(r.metrics)
+    assert r.metrics["token_acc"] > 0.9
+    assert r.metrics["anti_argmax_frac"] == 1.0
+    assert r.held
+
+
+def test_report_embeds_figures_and_verdicts(tmp_path: Path) -> None:
+    r = experiments.run("masking", tmp_path, quick=True)
+    md, page = write_report([r], tmp_path)
+    text = md.read_text(encoding="utf-8")
+    assert "**Claim.**" in text and "**Verdict:**" in text and "masking_jacobian.png" in text
+    h = page.read_text(encoding="utf-8")
+    assert "data:image/png;base64," in h
+    assert "http://" not in h and "https://" not in h  # self-contained
+
+
+def test_cli_list_and_unknown_name(capsys: pytest.CaptureFixture) -> None:
+    assert main(["experiments", "list"]) == 0
+    listed = capsys.readouterr().out
+    for name in experiments.EXPERIMENTS:
+        assert name in listed
+    assert main(["experiments", "run", "nonsense", "--out", "x"]) == 2
+    with pytest.raises(KeyError, match="choose one of"):
+        experiments.get("nonsense")
+
+
+def test_cli_run_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["experiments", "run", "masking", "--quick", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.html").exists()
+    assert "held" in capsys.readouterr().out
+
+
+def test_tied_qk_symmetric_scores_fail_asymmetric_task(tmp_path: Path) -> None:
+    r = experiments.run("tied_qk", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    m = r.metrics
+    print(m)
+    assert m["asym_tied"] < 1e-6 and m["asym_untied"] > 0.1
+    assert m["acc_untied"] > 0.9 and m["acc_tied"] < m["acc_untied"] - 0.2
+    assert r.held
+
+
+def test_heads_specialise(tmp_path: Path) -> None:
+    r = experiments.run("heads", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    m = r.metrics
+    print(m)
+    assert m["induction_head"][0] > m["prev_head"][0]
+    assert m["acc_repeat"] > 0.9 and m["acc_first"] < 0.2
+    assert r.held
+
+
+def test_training_is_reproducible_and_results_round_trip(tmp_path: Path) -> None:
+    a = experiments.run("tied_qk", tmp_path / "a", quick=True)
+    b = experiments.run("tied_qk", tmp_path / "b", quick=True)
+    assert a.metrics == b.metrics
+    assert (tmp_path / "a" / "tied_qk.csv").read_bytes() == (tmp_path / "b" / "tied_qk.csv").read_bytes()
+    loaded = experiments.load_results(tmp_path / "a")
+    assert [r.name for r in loaded] == ["tied_qk"] and loaded[0].held == a.held and loaded[0].quick
+
+
+def test_path_length_attention_flat_rnn_decays(tmp_path: Path) -> None:
+    r = experiments.run("path_length", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    acc = r.metrics["acc"]
+    print(acc)
+    assert min(acc["transformer"]) > 0.9
+    assert acc["gru"][-1] < acc["gru"][0] - 0.3
+    assert r.held
+
+
+def test_parallel_rnn_time_linear_attention_faster_when_short(tmp_path: Path) -> None:
+    r = experiments.run("parallel", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    m = r.metrics
+    print(m, r.result)
+    assert all(0.7 < e < 1.3 for e in m["rnn_time_exponent"].values())
+    assert m["faster_at_short"]
+    assert r.held
