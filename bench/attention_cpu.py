@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import proc_status_kib  # noqa: E402
+from bench.common import cpu_name, proc_status_kib  # noqa: E402
 import qkv  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -226,16 +226,6 @@ def write_report(meta: dict, times: list[dict], extras: list[dict], mem: list[di
     print(f"wrote {path}")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--memory-child":
         backend, n, d = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -252,7 +242,7 @@ def main() -> None:
         ns, mem_ns, extra_n = [16, 64, 256, 1024, 2048, 4096, 8192], [1024, 4096, 16384], 4096
     meta = {
         "date": dt.date.today().isoformat(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),

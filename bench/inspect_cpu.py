@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import proc_status_kib  # noqa: E402
+from bench.common import cpu_name, proc_status_kib  # noqa: E402
 import qkv  # noqa: E402
 from qkv.inspect import attention_stats  # noqa: E402
 
@@ -106,16 +106,6 @@ def memory_case(case: str, h: int, n: int, topk: int) -> dict:
 # ---- report -------------------------------------------------------------------------------
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def _mib(b: float) -> str:
     return f"{b / 2**20:.1f}"
 
@@ -181,7 +171,7 @@ def main() -> None:
     args = ap.parse_args()
     meta = {
         "date": dt.date.today().isoformat(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
