@@ -77,3 +77,23 @@ def ok_values(results: dict) -> list:
     bad = {r: v for r, v in results.items() if v[0] != "ok"}
     assert not bad, "\n".join(f"rank {r} {s}:\n{v}" for r, (s, v) in sorted(bad.items()))
     return [results[r][1] for r in sorted(results)]
+
+
+def global_case(seed: int, hq: int, hk: int, n: int, d: int, dv: int, dtype, causal, gqa: bool):
+    """The same global q, k, v, dO on every rank, and single-device reference gradients.
+
+    Returns ``(q, k, v, do, ref_out, (fq, fk, fv))`` where ``f*`` hold the reference ``.grad``.
+    """
+    import torch
+
+    import qkv
+
+    g = torch.Generator().manual_seed(seed)  # every rank builds the same global tensors
+    q = torch.randn(2, hq, n, d, generator=g, dtype=dtype)
+    k = torch.randn(2, hk, n, d, generator=g, dtype=dtype)
+    v = torch.randn(2, hk, n, dv, generator=g, dtype=dtype)
+    do = torch.randn(2, hq, n, dv, generator=g, dtype=dtype)
+    fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = qkv.attention(fq, fk, fv, is_causal=causal, enable_gqa=gqa, backend="math")
+    ref.backward(do)
+    return q, k, v, do, ref, (fq, fk, fv)

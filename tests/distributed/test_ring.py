@@ -10,7 +10,7 @@ import torch
 from qkv.distributed import shard_local, unshard_local
 from qkv.distributed.layout import check_length, chunk_slices
 
-from . import ok_values, spawn
+from . import global_case, ok_values, spawn
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
@@ -36,17 +36,8 @@ def _ring_worker(rank, world, cases):
 
     errs = {}
     for name, dt, causal, layout, hq, hk, backend in cases:
-        dtype = getattr(torch, dt)
-        g = torch.Generator().manual_seed(1234)  # every rank builds the same global tensors
-        n, d, dv = 10 * world, 8, 5
-        q = torch.randn(2, hq, n, d, generator=g, dtype=dtype)
-        k = torch.randn(2, hk, n, d, generator=g, dtype=dtype)
-        v = torch.randn(2, hk, n, dv, generator=g, dtype=dtype)
-        do = torch.randn(2, hq, n, dv, generator=g, dtype=dtype)
         gqa = hq != hk
-        fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
-        ref = qkv.attention(fq, fk, fv, is_causal=causal, enable_gqa=gqa, backend="math")
-        ref.backward(do)
+        q, k, v, do, ref, (fq, fk, fv) = global_case(1234, hq, hk, 10 * world, 8, 5, getattr(torch, dt), causal, gqa)
 
         lq, lk, lv = (shard(t, dim=-2, layout=layout).requires_grad_() for t in (q, k, v))
         out = ring_attention(lq, lk, lv, is_causal=causal, enable_gqa=gqa, backend=backend, layout=layout)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from . import ok_values, spawn
+from . import global_case, ok_values, spawn
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
@@ -23,22 +23,12 @@ def _cases(world):
 
 
 def _ulysses_worker(rank, world):
-    import qkv
     from qkv.distributed import shard, ulysses_attention
 
     errs = {}
     for name, dt, causal, hq, hk, backend in _cases(world):
-        dtype = getattr(torch, dt)
-        g = torch.Generator().manual_seed(99)
-        n, d, dv = 7 * world, 8, 6
-        q = torch.randn(2, hq, n, d, generator=g, dtype=dtype)
-        k = torch.randn(2, hk, n, d, generator=g, dtype=dtype)
-        v = torch.randn(2, hk, n, dv, generator=g, dtype=dtype)
-        do = torch.randn(2, hq, n, dv, generator=g, dtype=dtype)
         gqa = hq != hk
-        fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
-        ref = qkv.attention(fq, fk, fv, is_causal=causal, enable_gqa=gqa, backend="math")
-        ref.backward(do)
+        q, k, v, do, ref, (fq, fk, fv) = global_case(99, hq, hk, 7 * world, 8, 6, getattr(torch, dt), causal, gqa)
         lq, lk, lv = (shard(t).requires_grad_() for t in (q, k, v))
         out = ulysses_attention(lq, lk, lv, is_causal=causal, enable_gqa=gqa, backend=backend)
         out.backward(shard(do))
