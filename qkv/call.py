@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 import torch
 
-from .reference.masks import Alignment, PositionalMask, parse_causal, parse_window
+from .reference.attention import causal_bias_alignment
+from .reference.masks import Alignment, PositionalMask, parse_alignment, parse_causal, parse_window
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -39,6 +40,7 @@ class AttentionCall:
     causal: bool
     alignment: Alignment
     window: Optional[tuple[Optional[int], Optional[int]]]
+    window_alignment: Optional[Alignment]
     key_padding_mask: Optional[torch.Tensor]
     scale: float
     enable_gqa: bool
@@ -54,11 +56,21 @@ class AttentionCall:
 
     @property
     def positional(self) -> PositionalMask:
-        return PositionalMask(self.nq, self.nk, self.causal, self.window, self.alignment)
+        return PositionalMask(self.nq, self.nk, self.causal, self.window, self.alignment, self.window_alignment)
 
     @property
     def group(self) -> int:
-        return self.hq // self.hk
+        return self.hq // self.hk if self.hk else 1  # zero heads: an empty grouped layout
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Scores are computed in float32 for 16-bit inputs (large logits cannot overflow)."""
+        return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+
+    @property
+    def batch_size(self) -> int:
+        """The batch dims flattened into one."""
+        return math.prod(self.batch_shape)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,7 +108,7 @@ class AttentionCall:
         if self.causal:
             parts.append(f"causal ({self.alignment})")
         if self.window is not None:
-            parts.append(f"window={self.window}")
+            parts.append(f"window={self.window}" + (f" ({self.window_alignment})" if self.window_alignment else ""))
         if self.attn_mask is not None:
             parts.append(f"{'bool' if self.bool_mask else 'float'} attn_mask {_shape(self.attn_mask.shape)}")
         if self.key_padding_mask is not None:
@@ -111,10 +123,12 @@ class AttentionCall:
 
     # ---- normalised views for backends -------------------------------------------------
 
-    def grouped_qkv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``, v ``(B, Hk, 1, Nk, Dv)``; views when possible."""
-        b = math.prod(self.batch_shape)
-        q = self.query.expand(*self.batch_shape, self.hq, self.nq, self.d)
+    def grouped_qkv(self, query: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``, v ``(B, Hk, 1, Nk, Dv)``; views when possible.
+
+        ``query`` replaces the call's query (same shape), e.g. with its sign flipped."""
+        b = self.batch_size
+        q = (self.query if query is None else query).expand(*self.batch_shape, self.hq, self.nq, self.d)
         k = self.key.expand(*self.batch_shape, self.hk, self.nk, self.d)
         v = self.value.expand(*self.batch_shape, self.hk, self.nk, self.dv)
         q = q.reshape(b, self.hk, self.group, self.nq, self.d)
@@ -133,11 +147,11 @@ class AttentionCall:
         if all(s == 1 for s in lead):
             m = m.reshape(1, *m.shape[rank - 3 :])
         else:
-            m = m.expand(*self.batch_shape, *m.shape[rank - 3 :]).reshape(-1, *m.shape[rank - 3 :])
+            m = m.expand(*self.batch_shape, *m.shape[rank - 3 :]).reshape(self.batch_size, *m.shape[rank - 3 :])
         if h == 1:
             m = m.unsqueeze(1)  # (B|1, 1, 1, Nq|1, Nk|1)
         else:
-            m = m.reshape(m.shape[0], self.hk, self.group, *m.shape[-2:])
+            m = m.reshape(m.shape[0], self.hk, self.group, m.shape[-2], m.shape[-1])
         return m.expand(*m.shape[:-2], self.nq, self.nk)
 
     def grouped_key_padding(self) -> Optional[torch.Tensor]:
@@ -149,7 +163,7 @@ class AttentionCall:
         if all(s == 1 for s in kp.shape[:-1]):
             kp = kp.reshape(1, self.nk)
         else:
-            kp = kp.expand(*self.batch_shape, self.nk).reshape(-1, self.nk)
+            kp = kp.expand(*self.batch_shape, self.nk).reshape(self.batch_size, self.nk)
         return kp[:, None, None, None, :]
 
     def ungroup(self, out: torch.Tensor) -> torch.Tensor:
@@ -214,6 +228,7 @@ def validate(
     enable_gqa: bool = False,
     *,
     window: Any = None,
+    window_alignment: Any = None,
     key_padding_mask: Any = None,
     return_lse: bool = False,
     generator: Optional[torch.Generator] = None,
@@ -251,6 +266,8 @@ def validate(
     if hv != hk:
         raise ValueError(f"value has {hv} heads but key has {hk}; keys and values come in pairs")
     if hq != hk and hk != 1:  # a single key/value head broadcasts to every query head
+        if hk == 0:
+            raise ValueError(f"key has 0 heads but query has {hq}; every query head needs a key/value head")
         if hq % hk:
             raise ValueError(
                 f"key has {hk} heads but query has {hq}; {hq} is not a multiple of {hk} — grouped-query "
@@ -261,8 +278,23 @@ def validate(
                 f"key has {hk} heads but query has {hq}; pass enable_gqa=True for grouped-query attention "
                 f"(each key/value head serves {hq // hk} query heads)"
             )
+    bias_alignment = causal_bias_alignment(attn_mask) if attn_mask is not None else None
+    if bias_alignment is not None:  # torch.nn.attention.bias.causal_upper_left / causal_lower_right
+        if is_causal is not False:
+            raise ValueError(
+                f"attn_mask is a torch CausalBias ({bias_alignment} causal) and is_causal={is_causal!r}; "
+                "the bias is already causal: pass is_causal=False, or drop attn_mask and pass "
+                f"is_causal={bias_alignment!r}"
+            )
+        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (nq, nk):
+            raise ValueError(
+                f"attn_mask is a CausalBias for ({attn_mask.seq_len_q}, {attn_mask.seq_len_kv}) but query_len, "
+                f"key_len = ({nq}, {nk}); build it with causal_{'lower_right' if bias_alignment == 'bottom_right' else 'upper_left'}({nq}, {nk})"
+            )
+        attn_mask, is_causal = None, bias_alignment
     causal, alignment = parse_causal(is_causal)
     win = parse_window(window)
+    win_alignment = parse_alignment(window_alignment)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     else:
@@ -290,8 +322,10 @@ def validate(
                 f"{_shape(scores_shape)} (..., heads, query_len, key_len); give it shape "
                 f"(query_len, key_len) = ({nq}, {nk}) or (batch, heads, query_len, key_len)"
             )
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
-            attn_mask = attn_mask.to(q.dtype)
+        compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != compute:
+            # in the scores' precision: a float32 bias on 16-bit inputs is not rounded to 16 bits
+            attn_mask = attn_mask.to(compute)
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
             got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
@@ -321,6 +355,7 @@ def validate(
         causal=causal,
         alignment=alignment,
         window=win,
+        window_alignment=win_alignment,
         key_padding_mask=key_padding_mask,
         scale=scale,
         enable_gqa=bool(enable_gqa),
@@ -345,7 +380,13 @@ def validate_qk(
     enable_gqa: bool = False,
     window: Any = None,
     key_padding_mask: Any = None,
+    window_alignment: Any = None,
 ) -> AttentionCall:
     """:func:`validate` for a call about the weights alone (they do not depend on V)."""
+    if not isinstance(key, torch.Tensor):
+        _check_tensor("key", key)
     value = key[..., :1]  # a one-column view satisfies validation and keeps an lse pass cheap
-    return validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window, key_padding_mask=key_padding_mask)
+    return validate(
+        query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
+        window=window, window_alignment=window_alignment, key_padding_mask=key_padding_mask,
+    )  # fmt: skip

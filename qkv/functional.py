@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .backends import BACKENDS, select
 from .backends.sdpa import empty_rows_are_zero
 from .call import validate, validate_qk
+from .nonfinite import nonfinite_rows, poison
 
 _sdpa = F.scaled_dot_product_attention
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
@@ -27,6 +28,7 @@ def attention(
     enable_gqa: bool = False,
     *,
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window_alignment: Optional[str] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     backend: str = "auto",
@@ -43,25 +45,33 @@ def attention(
     Beyond SDPA:
 
     - ``attn_mask``: bool (True = may attend) or float (added to the scaled scores),
-      broadcastable to ``(..., Hq, Nq, Nk)``; may be combined with ``is_causal``.
+      broadcastable to ``(..., Hq, Nq, Nk)``; may be combined with ``is_causal``. torch's
+      ``causal_upper_left`` / ``causal_lower_right`` biases are understood as causal masks.
     - ``is_causal``: ``True``/``"top_left"`` — query i sees keys ``0..i`` (SDPA's alignment);
       ``"bottom_right"`` — query i sees keys ``0..i + Nk - Nq``, so the last query sees the
       last key (incremental decoding with a KV cache).
-    - ``window=(left, right)``: query at position p sees keys ``p-left .. p+right`` (positions
-      aligned as for ``is_causal``; ``None`` leaves a side unbounded).
+    - ``window=(left, right)``: query at position p sees keys ``p-left .. p+right`` (``None``
+      or ``-1`` leaves a side unbounded). ``window_alignment`` places the query positions for
+      the window: ``"top_left"`` (p = i), ``"bottom_right"`` (p = i + Nk - Nq, FlashAttention's
+      convention) or None to follow ``is_causal``.
     - ``key_padding_mask``: bool ``(..., Nk)``, True for real keys, False for padding.
     - ``enable_gqa``: Hq a multiple of Hk; query head h reads key/value head ``h // (Hq // Hk)``
       without copying K and V.
     - ``return_lse``: also return the natural-log log-sum-exp of each query row's scores.
+    - ``scale``: any finite number, zero and negative included (default ``1/√D``).
     - A query row with nothing to attend to gets output 0, lse ``-inf`` and zero gradient.
+    - Non-finite inputs are never hidden: a row whose query holds NaN/±inf, or whose
+      (batch, key/value head) has a NaN/±inf key or value, is NaN (see :mod:`qkv.nonfinite`).
     - ``backend``: ``"auto"`` (fastest that supports the call), ``"sdpa"``, ``"chunked"``
       (never materialises ``Nq × Nk``), ``"triton"`` (fused GPU kernels) or ``"math"``; a
       named backend never falls back.
     - ``generator``: makes dropout reproducible (math backend).
     """
-    # Fast path: a plain SDPA call goes straight to torch's kernel with no Python validation,
-    # so small shapes pay no overhead. Anything torch rejects is re-checked below, which either
-    # explains the mistake or routes the call to a backend that handles it.
+    # Fast path: a plain 4-D SDPA call goes straight to torch's kernel with almost no Python,
+    # so small shapes pay no overhead. It checks only what torch does not (or gets wrong):
+    # values pairing with keys, the mask's device, a mask together with is_causal, scale > 0.
+    # Anything torch rejects is re-checked below, which either explains the mistake or routes
+    # the call to a backend that handles it.
     if (
         backend == "auto"
         and window is None
@@ -69,14 +79,30 @@ def attention(
         and not return_lse
         and generator is None
         and is_causal.__class__ is bool
+        and _CPU_EMPTY_ROWS_ZERO
     ):
         try:
-            # torch does not check that values pair with keys or that scale is finite; qkv must
-            if _CPU_EMPTY_ROWS_ZERO and query.is_cpu and value.shape[-2] == key.shape[-2]:
-                if scale is None and not enable_gqa:
-                    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal)
-                if scale is None or math.isfinite(scale):
-                    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            if (
+                query.is_cpu
+                and query.dim() == 4
+                and key.dim() == 4
+                and value.dim() == 4
+                and value.shape[1] == key.shape[1]
+                and value.shape[2] == key.shape[2]
+                and (scale is None or 0.0 < scale < math.inf)
+                and (dropout_p == 0.0 or 0.0 < dropout_p < 1.0)
+                and (
+                    attn_mask is None
+                    or (
+                        not is_causal
+                        and attn_mask.__class__ is torch.Tensor
+                        and attn_mask.device == query.device
+                        and (attn_mask.dtype is torch.bool or attn_mask.dtype is query.dtype)
+                    )
+                )
+            ):
+                out = _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+                return poison(out, None, nonfinite_rows(query, key, value))[0]
         except Exception:
             pass
     call = validate(
@@ -89,11 +115,13 @@ def attention(
         scale,
         enable_gqa,
         window=window,
+        window_alignment=window_alignment,
         key_padding_mask=key_padding_mask,
         return_lse=return_lse,
         generator=generator,
     )
     out, lse = select(call, backend).forward(call)
+    out, lse = poison(out, lse, nonfinite_rows(call.query, call.key, call.value))
     return (out, lse) if return_lse else out
 
 
@@ -107,12 +135,13 @@ def attention_weights(
     *,
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
+    window_alignment: Optional[str] = None,
 ) -> torch.Tensor:
     """The softmax weights ``(..., Hq, Nq, Nk)`` that :func:`attention` applies (0 on masked rows).
 
     Materialises the full matrix; for long inputs use the inspection tools instead.
     """
-    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
+    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask, window_alignment)
     return BACKENDS["math"].weights(call)  # type: ignore[attr-defined]
 
 

@@ -12,6 +12,12 @@ Sequence ``s`` is rows ``cu_seqlens_q[s] : cu_seqlens_q[s+1]`` of ``q`` and atte
 ``cu_seqlens_k[s] : cu_seqlens_k[s+1]`` of ``k``/``v`` (flash-attn's ``flash_attn_varlen_func``
 layout). The triton backend reads the offsets in the kernel, so no padding is computed;
 every other backend runs one :func:`qkv.attention` call per sequence.
+
+Semantics follow ``flash_attn_varlen_func``, so code ported from FlashAttention gives the same
+numbers: ``is_causal=True`` and windows are aligned **bottom-right** within each sequence (its
+last query sits at its last key) — unlike :func:`qkv.attention`, whose ``is_causal=True`` is
+SDPA's top-left alignment. ``is_causal="top_left"`` asks for SDPA's alignment here too.
+``window=(left, right)`` takes ``-1`` for an unbounded side, as ``window_size`` does.
 """
 
 from __future__ import annotations
@@ -69,9 +75,9 @@ def attention_varlen(
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention within each sequence of a packed batch (see the module docstring for shapes).
 
-    ``is_causal`` and ``window`` apply per sequence, with the positions of :func:`qkv.attention`
-    (``"bottom_right"`` aligns each sequence's last query with its last key). ``max_seqlen_*``
-    default to the longest sequence. ``backend="auto"`` uses the triton kernel on CUDA when it
+    ``is_causal`` and ``window`` apply per sequence, aligned bottom-right as in FlashAttention
+    (``is_causal="top_left"`` for SDPA's alignment). ``max_seqlen_*`` default to the longest
+    sequence; sequences may be empty. ``backend="auto"`` uses the triton kernel on CUDA when it
     can run the call, else loops over sequences; a named backend never falls back.
     Validation reads the offsets on the host (one device sync).
     """
@@ -107,8 +113,12 @@ def attention_varlen(
         if given is not None and given < max(lens):
             raise ValueError(f"{name}={given} is shorter than the longest sequence ({max(lens)}); pass None to compute it")
     causal, alignment = parse_causal(is_causal)
+    if is_causal is True or not causal:  # FlashAttention's convention for causal and windows
+        alignment = "bottom_right"
     win = parse_window(window)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale={scale} must be a finite number (default 1/sqrt(head_dim))")
 
     from .backends import BACKENDS, BackendError, get_backend
 
@@ -142,8 +152,8 @@ def attention_varlen(
         from .functional import attention
 
         res = attention(
-            qs, ks, vs, is_causal=is_causal, window=win, scale=scale, enable_gqa=enable_gqa,
-            return_lse=return_lse, backend=backend,
+            qs, ks, vs, is_causal=alignment if causal else False, window=win, window_alignment=alignment,
+            scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend,
         )  # fmt: skip
         o, l = res if return_lse else (res, None)
         outs.append(o.transpose(0, 1))  # (n, Hq, Dv)

@@ -48,10 +48,12 @@ def make_qkv(b=2, hq=4, hk=None, nq=33, nk=None, d=16, dv=None, dtype=torch.floa
 
 @pytest.fixture(autouse=True)
 def _fresh_seed():
-    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Fresh random inputs every run; the seed is printed so that a failure can be replayed
+    with ``QKV_TEST_SEED=<seed> pytest <test id>``."""
+    seed = int(os.environ.get("QKV_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(seed)
-    print(f"torch seed {seed}")
+    np.random.seed(seed)
+    print(f"torch seed {seed} (replay with QKV_TEST_SEED={seed})")
     yield
 
 

@@ -7,6 +7,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # the triton path runs on the CPU through the interpreter
 
 import importlib.util  # noqa: E402
+import itertools  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -30,8 +31,21 @@ def _packed(lens_q, lens_k, hq=4, hk=2, d=16, dv=None, dtype=torch.float32):
     return q, k, v, cu(lens_q), cu(lens_k)
 
 
+def _as_attention_kw(kw: dict) -> dict:
+    """attention_varlen's FlashAttention-style arguments as qkv.attention's: causal and windows
+    aligned bottom-right per sequence unless is_causal="top_left"."""
+    out = dict(kw)
+    align = "top_left" if kw.get("is_causal") == "top_left" else "bottom_right"
+    if kw.get("is_causal"):
+        out["is_causal"] = align
+    if "window" in kw:
+        out["window_alignment"] = align
+    return out
+
+
 def _per_sequence(q, k, v, cq, ck, backend, **kw):
     """The loop the packed call must agree with: out (Tq, Hq, Dv), lse (Hq, Tq)."""
+    kw = _as_attention_kw(kw)
     outs, lses = [], []
     for s in range(len(cq) - 1):
         a, b, c, e = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
@@ -44,7 +58,15 @@ def _per_sequence(q, k, v, cq, ck, backend, **kw):
     return torch.cat(outs), torch.cat(lses, 1)
 
 
-KINDS = [{}, {"is_causal": True}, {"is_causal": "bottom_right"}, {"window": (3, 1)}, {"is_causal": "bottom_right", "window": (4, None)}]
+KINDS = [
+    {},
+    {"is_causal": True},
+    {"is_causal": "top_left"},
+    {"window": (3, 1)},
+    {"window": (-1, 2)},
+    {"is_causal": "top_left", "window": (4, None)},
+    {"is_causal": True, "window": (4, -1)},
+]
 
 
 @pytest.mark.parametrize("kw", KINDS, ids=str)
@@ -55,13 +77,15 @@ def test_fallback_matches_reference(backend, kw):
     assert out.shape == (q.shape[0], 4, 16) and lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32
     for s in range(4):
         a, b, c, e = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
-        ro, rl = attention_ref(q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1), enable_gqa=True, return_lse=True, **kw)
+        ro, rl = attention_ref(
+            q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1), enable_gqa=True, return_lse=True, **_as_attention_kw(kw)
+        )
         assert max_err(out[a:b].transpose(0, 1), ro) < 1e-12
         assert max_err(lse[:, a:b], rl) < 1e-5
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("kw,dtype", list(zip(KINDS, [torch.float16, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16])), ids=str)
+@pytest.mark.parametrize("kw,dtype", list(zip(KINDS, itertools.cycle([torch.float16, torch.bfloat16, torch.float32]))), ids=str)
 def test_triton_kernel_matches_per_sequence_attention(kw, dtype):
     q64, k64, v64, cq, ck = _packed([5, 0, 17, 1, 33], [9, 3, 17, 20, 2], hq=3, hk=1, d=24, dv=8, dtype=torch.float64)
     q, k, v = (t.to(dtype).requires_grad_(True) for t in (q64, k64, v64))

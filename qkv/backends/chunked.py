@@ -7,27 +7,38 @@ so the cost of sliding-window attention falls with the window.
 
 Forward (per query block, running over key blocks)::
 
-    m  = max(m, rowmax(S))                 running maximum
+    m  = max(m, rowmax(S))                 running maximum (an actual score: see below)
     P  = exp(S - m)                        unnormalised weights of this tile
     l  = l · exp(m_old - m) + rowsum(P)    running denominator
     O  = O · exp(m_old - m) + P · V        running numerator
     out = O / l,  lse = m + log(l)         (out = 0, lse = -inf for an empty row)
 
-Backward recomputes each tile from the saved log-sum-exp instead of storing weights::
+Backward recomputes each tile from the saved ``m`` and ``l`` instead of storing weights::
 
-    P  = exp(S - lse);  dV += Pᵀ dO;  dP = dO Vᵀ
-    dS = P ∘ (dP - rowsum(dO ∘ O) + dlse);  dQ += dS K · scale;  dK += dSᵀ Q · scale
+    P̃ = exp(S - m)  (= P · l);  dV += P̃ᵀ (dO / l);  dP̃ = (dO / l) Vᵀ
+    dS = P̃ ∘ (dP̃ - δ / l),  δ = rowsum(dO ∘ O) - dlse;  dQ += dS K · scale;  dK += dSᵀ Q · scale
+
+Precision. ``m`` is a score that was actually computed, and the backward computes the same
+tile products, so ``S - m`` is exact near the maximum where the weights are large. Keeping
+``m`` and ``l`` apart (not folded into one ``lse``) keeps float32 gradients as accurate as a
+float32 softmax even when the logits are in the hundreds: an lse of 300 has an ulp of 3e-5,
+which ``exp(S - lse)`` would pass on to every weight.
 
 Exponentials are taken base 2 with ``log2(e)`` folded into the query scale (``exp2`` is about
-three times cheaper than ``exp`` on a CPU); log-sum-exp is converted back to natural log.
+three times cheaper than ``exp`` on a CPU). Tiles with a float ``attn_mask`` stay in natural
+units (the bias is added unscaled, as the math path adds it: one rounding, not two).
 Heads are processed in groups small enough that a tile (``1 MiB`` of float32 scores across
 the group) stays in cache for the elementwise pass. 16-bit inputs are computed in float32
-and rounded once. Differences from ``math``: no
-dropout, and no gradient to a float ``attn_mask``.
+and rounded once. Differences from ``math``: no dropout, and no gradient to a float
+``attn_mask``.
+
+The autograd functions follow ``torch.func``'s protocol (``setup_context`` and a ``vmap``
+rule), so ``jacrev``, ``vmap`` and batched-gradient checks work.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator, Optional
 
 import torch
@@ -45,6 +56,10 @@ LN2 = 0.6931471805599453  # log(x) = log2(x) · ln 2
 BLOCK_Q = 256
 BLOCK_K = 256
 TILE_BUDGET = 1 << 19  # scores in one tile, summed over the heads processed together
+# The lazy forward leaves a row's shift at its first tile's maximum; it is redone exactly once a
+# row's weights sum past this (a later score ≥ 24 octaves above the shift), which bounds the
+# rounding of S - m by 24 · 2^-24 relative: below a float32 softmax's own.
+LAZY_LIMIT = float(2**24)
 
 _NEG_INF = float("-inf")
 
@@ -58,6 +73,8 @@ def plan_tiles(b: int, hk: int, g: int, nq: int, nk: int, block_q: Optional[int]
 
 def _head_groups(b: int, hk: int, per_group: int) -> Iterator[tuple[slice, slice]]:
     """Slices over (B, Hk) covering at most ``per_group`` key/value heads at a time."""
+    if b == 0 or hk == 0:
+        return
     ch = min(hk, per_group)
     cb = max(1, per_group // hk) if ch == hk else 1
     for b0 in range(0, b, cb):
@@ -89,95 +106,133 @@ def _augment(x: torch.Tensor, column: torch.Tensor | float) -> torch.Tensor:
     return torch.cat([x, col], dim=-1)
 
 
-def _masked(s: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-    """Apply the tile's bias (converted to log2 units) and mask to scores ``s`` in place."""
+def _masked(s: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int, bias_alpha: float = LOG2E) -> torch.Tensor:
+    """Apply the tile's bias (times ``bias_alpha``) and mask to scores ``s`` in place."""
     allowed, bias = tiles.tile(q0, q1, k0, k1)
     if bias is not None:
-        s.add_(bias, alpha=LOG2E)
+        s.add_(bias, alpha=bias_alpha)
     if allowed is not None:
         s.masked_fill_(~allowed, _NEG_INF)
     return s
 
 
-def _forward_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, bq: int, bk: int, out: torch.Tensor, lse: torch.Tensor
-) -> None:
-    """One group of heads: q ``(b, h, G, Nq, D)``, k/v ``(b, h, 1, Nk, ·)``; writes out/lse views.
+class _Units:
+    """How a tile's scores are kept, so that ``S - m`` is exact where the weights are large.
 
-    Each row keeps a shift ``c`` (its running maximum, base 2) folded into the score matmul as
-    an extra column, ``[q·scale·log2e, -c] · [k, 1]ᵀ = S·log2e - c``, and a ones column on V
-    makes the matmul that sums ``P·V`` also sum the row's weights, so a tile costs two matmuls
-    and one ``exp2``. The shift comes from an exact online-softmax step on a row block's first
-    tile (and on later tiles while some row has seen no key yet); after that tiles are added
-    without rescaling. Should a later tile's scores exceed the shift enough to overflow, the
-    sums become non-finite — checked once per row block, which is then redone exactly.
+    Without a float bias the tile holds the raw products ``q·kᵀ`` (no rounding before the
+    subtraction of the row maximum), and ``exp(scale·(S - m)) = exp2((S - m)·scale·log2 e)``:
+    the scale meets only the small differences. With a float ``attn_mask`` the tile holds
+    ``q·kᵀ·scale + bias`` in natural units, rounded exactly as the math path rounds it.
     """
-    dv = v.shape[-1]
-    k_aug = _augment(k, 1.0).transpose(-1, -2)  # (b, h, 1, D+1, Nk)
-    v_aug = _augment(v, 1.0)  # (b, h, 1, Nk, Dv+1): the last column sums the weights
-    for q0 in range(0, q.shape[3], bq):
-        q1 = min(q.shape[3], q0 + bq)
-        qb = q[:, :, :, q0:q1] * (scale * LOG2E)
-        acc, shift = _row_block(qb, k_aug, v_aug, tiles, q0, q1, bk, lazy=True)
-        if not bool(torch.isfinite(acc).all()):
-            acc, shift = _row_block(qb, k_aug, v_aug, tiles, q0, q1, bk, lazy=False)
-        l = acc[..., dv]
-        has = l > 0
-        safe_l = torch.where(has, l, torch.ones_like(l))
-        out[:, :, :, q0:q1] = acc[..., :dv] / safe_l.unsqueeze(-1)
-        lse[:, :, :, q0:q1] = torch.where(has, (torch.log2(safe_l) + shift) * LN2, _NEG_INF)
+
+    def __init__(self, tiles: MaskTiles, scale: float) -> None:
+        self.natural = tiles.attn is not None and tiles.attn.dtype != torch.bool
+        self.scale = scale
+        self.to_nat = 1.0 if self.natural else scale  # natural-log value of one unit of S
+        self._c = scale * LOG2E
+
+    def scores(self, q: torch.Tensor, kt: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """Masked scores of one tile (raw ``q·kᵀ``, or ``q·kᵀ·scale + bias``); ``-inf`` where masked."""
+        s = q @ kt
+        if self.natural:
+            s.mul_(self.scale)
+        return _masked(s, tiles, q0, q1, k0, k1, 1.0)
+
+    def exp_(self, t: torch.Tensor) -> torch.Tensor:
+        """``exp(t · to_nat)`` in place, for ``t = S - m``."""
+        return t.exp_() if self.natural else t.mul_(self._c).exp2_()
 
 
 def _row_block(
-    qb: torch.Tensor, k_aug: torch.Tensor, v_aug: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, bk: int, lazy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulate ``[Σ 2^(s-c)·V | Σ 2^(s-c)]`` and the shift ``c`` for query rows ``[q0, q1)``."""
-    b, h, g, n, d = qb.shape
-    dv1 = v_aug.shape[-1]
-    q_aug = _augment(qb, 0.0)  # (b, h, G, bq, D+1)
-    neg_shift = q_aug[..., d]  # a view: writing -c here moves the shift into the matmul
-    acc = qb.new_zeros(b, h, g, n, dv1)
+    qs: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, units: _Units, q0: int, q1: int, bk: int, lazy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Σ e^(S-m)·V`` ``(b, h, G, n, Dv)``, ``l = Σ e^(S-m)`` and the shift ``m`` ``(b, h, G, n)`` for rows ``[q0, q1)``.
+
+    Exact online softmax on a row block's first tile and on later tiles while some row has
+    seen no key yet. With ``lazy``, the tiles after that are added with the shift left where it
+    is (one ``exp`` pass instead of three): the caller checks that no row's weights grew past
+    2^24 — a later tile far above the first — and then redoes the block with ``lazy=False``.
+    ``l`` is summed by ``sum`` (pairwise), not by a ones column in the matmul: BLAS sums
+    sequentially, and an error in ``l`` scales every weight of the row.
+    """
+    b, h, g, n, _ = qs.shape
+    dv = v.shape[-1]
+    acc = qs.new_zeros(b, h, g, n, dv)
+    l = qs.new_zeros(b, h, g, n)
+    m = qs.new_full((b, h, g, n), _NEG_INF)
     exact = True
     for k0, k1 in _key_blocks(tiles, q0, q1, bk):
-        s = _masked(q_aug @ k_aug[..., k0:k1], tiles, q0, q1, k0, k1)  # (b, h, G, bq, bk) = S·log2e - c
-        vb = v_aug[:, :, :, k0:k1]
+        s = units.scores(qs, kt[..., k0:k1], tiles, q0, q1, k0, k1)  # (b, h, G, n, bk)
+        vb = v[:, :, :, k0:k1]
         if exact or not lazy:
-            # Online-softmax step: raise each row's shift to this tile's maximum where that is
-            # higher, or where the row holds no weight yet, and rescale what it holds.
-            t = s.amax(-1)  # relative to the current shift; -inf where the tile masks the row
-            empty = acc[..., -1] == 0
-            inc = torch.where(torch.isfinite(t) & ((t > 0) | empty), t, torch.zeros_like(t))
-            alpha = torch.exp2(-inc).masked_fill_(empty, 0.0)  # empty rows hold 0; 2^-inc may be inf there
-            acc = acc * alpha.unsqueeze(-1) + s.sub_(inc.unsqueeze(-1)).exp2_() @ vb
-            neg_shift.sub_(inc)
-            exact = bool((acc[..., -1] == 0).any())
-        elif g == 1:
-            acc.view(-1, n, dv1).baddbmm_(s.exp2_().view(-1, n, k1 - k0), vb.flatten(0, 2))
+            m_new = torch.maximum(m, s.amax(-1))  # -inf only while a row has seen no key
+            shift = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = units.exp_(m - shift)  # 0 for rows that held nothing yet
+            p = units.exp_(s.sub_(shift.unsqueeze(-1)))
+            acc = acc * alpha.unsqueeze(-1) + p @ vb
+            l = l * alpha + p.sum(-1)
+            m = m_new
+            if lazy:
+                exact = bool(torch.isneginf(m).any())
         else:
-            acc += s.exp2_() @ vb
-    return acc, -neg_shift
+            p = units.exp_(s.sub_(m.unsqueeze(-1)))
+            if g == 1:
+                acc.view(-1, n, dv).baddbmm_(p.view(-1, n, k1 - k0), vb.flatten(0, 2))
+            else:
+                acc += p @ vb
+            l += p.sum(-1)
+    return acc, l, m
+
+
+def _forward_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, bq: int, bk: int,
+    out: torch.Tensor, m_out: torch.Tensor, l_out: torch.Tensor,
+) -> None:  # fmt: skip
+    """One group of heads: q ``(b, h, G, Nq, D)``, k/v ``(b, h, 1, Nk, ·)``; writes out/m/l views."""
+    units = _Units(tiles, scale)
+    kt = k.transpose(-1, -2)  # (b, h, 1, D, Nk)
+    for q0 in range(0, q.shape[3], bq):
+        q1 = min(q.shape[3], q0 + bq)
+        qs = q[:, :, :, q0:q1]
+        acc, l, m = _row_block(qs, kt, v, tiles, units, q0, q1, bk, lazy=True)
+        if not bool((l <= LAZY_LIMIT).all()):  # also catches inf and NaN
+            acc, l, m = _row_block(qs, kt, v, tiles, units, q0, q1, bk, lazy=False)
+        has = l > 0
+        out[:, :, :, q0:q1] = acc / torch.where(has, l, torch.ones_like(l)).unsqueeze(-1)
+        m_out[:, :, :, q0:q1] = m
+        l_out[:, :, :, q0:q1] = l
 
 
 def chunked_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, plan: tuple[int, int, int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` in the compute dtype → out, lse (natural log)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` in the compute dtype → out, and per row the
+    shift ``m`` (in the units of :class:`_Units`, ``-inf`` for an empty row) and the sum
+    ``l = Σ exp(S - m)`` (0 there). ``m`` stays in those units: converting it back and forth
+    would round it, and the backward needs ``S - m`` exact."""
     b, hk, g, nq, _ = q.shape
     bq, bk, per_group = plan
     out = q.new_zeros(b, hk, g, nq, v.shape[-1])
-    lse = q.new_full((b, hk, g, nq), _NEG_INF)
+    m = q.new_full((b, hk, g, nq), _NEG_INF)
+    l = q.new_zeros((b, hk, g, nq))
     for bs, hs in _head_groups(b, hk, per_group):
-        _forward_heads(q[bs, hs], k[bs, hs], v[bs, hs], tiles.narrow(bs, hs), scale, bq, bk, out[bs, hs], lse[bs, hs])
-    return out, lse
+        _forward_heads(q[bs, hs], k[bs, hs], v[bs, hs], tiles.narrow(bs, hs), scale, bq, bk, out[bs, hs], m[bs, hs], l[bs, hs])
+    return out, m, l
+
+
+def lse_from(m: torch.Tensor, l: torch.Tensor, tiles: MaskTiles, scale: float) -> torch.Tensor:
+    """``lse = m + log l`` in natural log, ``-inf`` for empty rows (``l = 0``)."""
+    has = l > 0
+    m_nat = m * _Units(tiles, scale).to_nat
+    return torch.where(has, m_nat + torch.log(torch.where(has, l, torch.ones_like(l))), _NEG_INF)
 
 
 def _backward_heads(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    delta: torch.Tensor,
+    out: torch.Tensor,
+    rows: dict[str, torch.Tensor],
     tiles: MaskTiles,
     scale: float,
     bq: int,
@@ -188,25 +243,40 @@ def _backward_heads(
 ) -> None:
     """One group of heads; accumulates into the dq/dk/dv views.
 
-    Per-row constants ride along as extra matmul columns, as in the forward pass:
-    ``[q·scale·log2e, -lse·log2e]·[k, 1]ᵀ`` gives ``P = 2^(…)`` and ``[dO, -δ]·[v, 1]ᵀ = dP - δ``.
+    ``rows`` holds per-row tensors ``(b, h, G, Nq[, Dv])``: ``m``, ``dout`` (dO / l), ``delta``
+    (δ / l), ``dlse`` (dlse / l) and ``half_l`` (l / 2). ``[dO/l, -δ/l]·[v, 1]ᵀ = dP̃ - δ/l``
+    rides along as an extra matmul column.
+
+    ``δ = rowsum(dO ∘ O)`` equals ``Σ_j P_ij dP_ij`` only up to rounding, and where one key
+    takes nearly all of a row's weight, ``dP_ij* - δ_i`` cancels to a tiny number that this
+    rounding would swamp (a float32 softmax's backward cancels it exactly). So the entry with
+    ``P > 1/2`` — at most one per row — is recomputed as ``P · (dO·(v_j - O_i) + dlse)``, whose
+    difference ``v_j - O_i`` is small and exact there.
     """
-    g, nq, d = q.shape[2], q.shape[3], q.shape[4]
-    lse_safe = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: every score is -inf, so P = 0
-    q_aug = torch.cat([q * (scale * LOG2E), (-LOG2E * lse_safe).unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, D+1)
-    do_aug = torch.cat([dout, -delta.unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, Dv+1)
-    k_aug = _augment(k, 1.0)  # (b, h, 1, Nk, D+1)
+    units = _Units(tiles, scale)
+    g, nq = q.shape[2], q.shape[3]
+    m_u = rows["m"].masked_fill(torch.isneginf(rows["m"]), 0.0).unsqueeze(-1)  # empty rows: every score is -inf
+    do_s, dlse_s, half_l = rows["dout"], rows["dlse"], rows["half_l"]
+    do_aug = torch.cat([do_s, -rows["delta"].unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, Dv+1)
+    kt = k.transpose(-1, -2)
     v_aug = _augment(v, 1.0)
     for q0 in range(0, nq, bq):
         q1 = min(nq, q0 + bq)
-        qa, doa = q_aug[:, :, :, q0:q1], do_aug[:, :, :, q0:q1]
+        qb = q[:, :, :, q0:q1]  # the forward's exact tile products: S - m is exact at the maximum
+        doa, mb, hb = do_aug[:, :, :, q0:q1], m_u[:, :, :, q0:q1], half_l[:, :, :, q0:q1].unsqueeze(-1)
+        peaked = bool((hb < 1.0).any())  # some row's weights sum to l < 2, so one key may hold > 1/2
         for k0, k1 in _key_blocks(tiles, q0, q1, bk):
-            ka = k_aug[:, :, :, k0:k1]
-            p = _masked(qa @ ka.transpose(-1, -2), tiles, q0, q1, k0, k1).exp2_()  # (b, h, G, bq, bk)
-            ds = (doa @ v_aug[:, :, :, k0:k1].transpose(-1, -2)).mul_(p)  # P ∘ (dP - δ)
+            p = units.exp_(units.scores(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1).sub_(mb))  # P̃ (b, h, G, bq, bk)
+            ds = (doa @ v_aug[:, :, :, k0:k1].transpose(-1, -2)).mul_(p)  # P̃ ∘ (dP̃ - δ/l)
+            if peaked:
+                hit = (p > hb).nonzero(as_tuple=True)  # P = P̃ / l > 1/2
+                if hit[0].numel():
+                    bi, hi, gi, ri, ci = hit
+                    diff = v[bi, hi, 0, k0 + ci] - out[bi, hi, gi, q0 + ri]  # (hits, Dv)
+                    ds[hit] = p[hit] * ((do_s[bi, hi, gi, q0 + ri] * diff).sum(-1) + dlse_s[bi, hi, gi, q0 + ri])
             dv_t = p.transpose(-1, -2) @ doa[..., :-1]  # (b, h, G, bk, Dv)
-            dq[:, :, :, q0:q1] += ds @ ka[..., :d]
-            dk_t = ds.transpose(-1, -2) @ qa[..., :d]  # in units of q·scale·log2e; fixed below
+            dq[:, :, :, q0:q1] += ds @ k[:, :, :, k0:k1]
+            dk_t = ds.transpose(-1, -2) @ qb
             if g > 1:  # a key/value head serves G query heads: sum their contributions
                 dv_t, dk_t = dv_t.sum(2, keepdim=True), dk_t.sum(2, keepdim=True)
             dv[:, :, :, k0:k1] += dv_t
@@ -218,45 +288,101 @@ def chunked_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    m: torch.Tensor,
+    l: torch.Tensor,
     dout: torch.Tensor,
     dlse: Optional[torch.Tensor],
     tiles: MaskTiles,
     scale: float,
     plan: tuple[int, int, int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for q ``(B, Hk, G, Nq, D)`` and k/v ``(B, Hk, 1, Nk, ·)`` by tile recomputation."""
+    """Gradients for q ``(B, Hk, G, Nq, D)`` and k/v ``(B, Hk, 1, Nk, ·)`` by tile recomputation.
+
+    All tensors in the compute dtype; ``out`` is the forward's unrounded output.
+    """
     b, hk = q.shape[:2]
     bq, bk, per_group = plan
-    delta = (dout * out).sum(-1)  # (B, Hk, G, Nq): rowsum(dO ∘ O) = Σ_j P_ij dP_ij
-    if dlse is not None:
-        delta = delta - dlse
+    has = l > 0
+    inv_l = torch.where(has, 1.0 / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(l))  # P = P̃ / l
+    dlse_s = torch.zeros_like(l) if dlse is None else dlse.masked_fill(~has, 0.0) * inv_l
+    rows = {
+        "m": m,
+        "dout": dout * inv_l.unsqueeze(-1),
+        "delta": (dout * out).sum(-1) * inv_l - dlse_s,  # (rowsum(dO ∘ O) - dlse) / l
+        "dlse": dlse_s,
+        "half_l": torch.where(has, 0.5 * l, float("inf")),
+    }
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for bs, hs in _head_groups(b, hk, per_group):
         _backward_heads(
-            q[bs, hs], k[bs, hs], v[bs, hs], lse[bs, hs], dout[bs, hs], delta[bs, hs],
+            q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], {n: t[bs, hs] for n, t in rows.items()},
             tiles.narrow(bs, hs), scale, bq, bk, dq[bs, hs], dk[bs, hs], dv[bs, hs],
         )  # fmt: skip
-    return dq.mul_(scale), dk.mul_(LN2), dv
+    return dq.mul_(scale), dk.mul_(scale), dv
+
+
+def _vmap_loop(info: Any, in_dims: tuple, fn: Any, *args: Any) -> tuple[Any, Any]:
+    """A ``vmap`` rule that runs ``fn`` once per batch entry (the tile loops need plain tensors)."""
+    outs = []
+    for i in range(info.batch_size):
+        outs.append(fn(*(a if d is None or a is None else a.select(d, i) for a, d in zip(args, in_dims))))
+    res = tuple(torch.stack([o[j] for o in outs]) for j in range(len(outs[0])))
+    return res, (0,) * len(res)
 
 
 class _ChunkedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, plan: tuple[int, int, int]):
-        qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
-        out, lse = chunked_forward(qc, kc, vc, tiles, scale, plan)
-        ctx.save_for_backward(qc, kc, vc, out, lse)
-        ctx.tiles, ctx.scale, ctx.plan, ctx.dtype = tiles, scale, plan, q.dtype
-        return out.to(q.dtype), lse
+    """q, k, v (grouped, any float dtype) → out, lse, and the saved m, l, all in the compute dtype
+    (16-bit inputs: float32; the caller rounds ``out``, and the backward keeps the unrounded one)."""
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor, dlse: Optional[torch.Tensor]):
-        qc, kc, vc, out, lse = ctx.saved_tensors
-        dq, dk, dv = chunked_backward(
-            qc, kc, vc, out, lse, dout.to(out.dtype), None if dlse is None else dlse.to(lse.dtype), ctx.tiles, ctx.scale, ctx.plan
-        )
-        t = ctx.dtype
-        return dq.to(t), dk.to(t), dv.to(t), None, None, None
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, plan: tuple[int, int, int]):
+        out, m, l = chunked_forward(half_to_float(q), half_to_float(k), half_to_float(v), tiles, scale, plan)
+        return out, lse_from(m, l, tiles, scale), m, l
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, v, tiles, scale, plan = inputs
+        out, _, m, l = output
+        ctx.save_for_backward(q, k, v, out, m, l)
+        ctx.tiles, ctx.scale, ctx.plan = tiles, scale, plan
+        ctx.mark_non_differentiable(m, l)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor], _dm: Any, _dl: Any):
+        q, k, v, out, m, l = ctx.saved_tensors
+        dq, dk, dv = _ChunkedBackward.apply(q, k, v, out, m, l, dout, dlse, ctx.tiles, ctx.scale, ctx.plan)
+        return dq, dk, dv, None, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, q, k, v, tiles, scale, plan):
+        return _vmap_loop(info, in_dims[:3], lambda q_, k_, v_: _ChunkedAttention.apply(q_, k_, v_, tiles, scale, plan), q, k, v)
+
+
+class _ChunkedBackward(torch.autograd.Function):
+    """The backward pass as its own function, so that ``torch.func`` can batch it (``jacrev``)."""
+
+    @staticmethod
+    def forward(q, k, v, out, m, l, dout, dlse, tiles, scale, plan):
+        dt = q.dtype
+        qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
+        cd = qc.dtype
+        dout = torch.zeros_like(out, dtype=cd) if dout is None else dout.to(cd)
+        dlse = None if dlse is None else dlse.to(cd)
+        dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout, dlse, tiles, scale, plan)
+        return dq.to(dt), dk.to(dt), dv.to(dt)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):
+        raise RuntimeError("the chunked backend does not support double backward; use backend='math'")
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, q, k, v, out, m, l, dout, dlse, tiles, scale, plan):
+        fn = lambda *a: _ChunkedBackward.apply(*a, tiles, scale, plan)  # noqa: E731
+        return _vmap_loop(info, in_dims[:8], fn, q, k, v, out, m, l, dout, dlse)
 
 
 class ChunkedBackend(Backend):
@@ -272,5 +398,5 @@ class ChunkedBackend(Backend):
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         q, k, v = call.grouped_qkv()
         plan = plan_tiles(*q.shape[:3], call.nq, call.nk, self.block_q, self.block_k)
-        out, lse = _ChunkedAttention.apply(q, k, v, MaskTiles.from_call(call), call.scale, plan)
-        return call.ungroup(out), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
+        out, lse, _, _ = _ChunkedAttention.apply(q, k, v, MaskTiles.from_call(call), call.scale, plan)
+        return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)

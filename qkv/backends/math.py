@@ -15,6 +15,8 @@ from ..call import AttentionCall
 from ..masks import MaskTiles, apply_tile
 from .base import Backend, dropout_weights, half_to_float
 
+_NEG_INF = float("-inf")
+
 
 def grouped_scores(call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Masked, scaled scores ``(B, Hk, G, Nq, Nk)`` in the compute dtype (``-inf`` = masked).
@@ -27,11 +29,21 @@ def grouped_scores(call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> tor
 
 
 def softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row softmax of scores that may hold ``-inf``: weights (0 for empty rows) and lse (``-inf``)."""
-    lse = torch.logsumexp(s, dim=-1)
-    # Empty rows: subtract 0 instead of -inf so exp(-inf - 0) = 0 with no NaN in the graph.
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.exp(s - safe.unsqueeze(-1)), lse
+    """Row softmax of scores that may hold ``-inf``: weights (0 for empty rows) and lse (``-inf``).
+
+    Written out rather than ``torch.logsumexp`` so that no NaN enters the graph for a row of
+    all ``-inf``: its shift is 0, its sum 0, and both the weights and the lse are selected by
+    ``where``, so the gradient of such a row is exactly 0. The shift is detached: the lse does
+    not depend on it (the terms cancel), and the max has no useful gradient.
+    """
+    m = s.detach().amax(-1, keepdim=True) if s.shape[-1] else s.new_full((*s.shape[:-1], 1), _NEG_INF)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # empty rows: shift by 0, exp(-inf) = 0
+    e = torch.exp(s - m)
+    total = e.sum(-1, keepdim=True)
+    has = total > 0
+    w = e / torch.where(has, total, torch.ones_like(total))
+    lse = torch.where(has, torch.log(torch.where(has, total, torch.ones_like(total))) + m, _NEG_INF)
+    return w, lse.squeeze(-1)
 
 
 class MathBackend(Backend):

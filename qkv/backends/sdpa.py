@@ -48,9 +48,22 @@ def sdpa_is_causal(call: AttentionCall) -> Optional[bool]:
     pm = call.positional
     if pm.trivial or call.nq == 0 or call.nk == 0 or pm.block_status(0, call.nq, 0, call.nk) == "full":
         return False  # e.g. bottom-right causal with one query row (a decoding step) sees every key
-    if pm.causal and pm.window is None and pm.offset == 0:
-        return True  # includes bottom-right alignment when Nq == Nk
+    if pm.causal and pm.band() == (None, 0) and call.attn_mask is None:
+        # includes bottom-right alignment when Nq == Nk; torch refuses is_causal with a mask
+        # on most of its kernels, so a mask and causality travel folded into one mask
+        return True
     return None
+
+
+def positive_scale(call: AttentionCall) -> tuple[torch.Tensor, float]:
+    """``(query, scale)`` with ``scale > 0``: torch's CPU flash kernel returns NaN for causal
+    calls with ``scale <= 0``, so the sign moves into the query (exact) and a zero scale
+    becomes zero queries."""
+    if call.scale > 0:
+        return call.query, call.scale
+    if call.scale == 0:
+        return call.query * 0.0, 1.0  # every score 0; keeps the graph (zero gradient)
+    return -call.query, -call.scale
 
 
 def needs_dense_mask(call: AttentionCall) -> bool:
@@ -88,15 +101,22 @@ class SdpaBackend(Backend):
             mask, is_causal = dense_sdpa_mask(call), False
         else:
             mask = call.attn_mask
+        query, scale = positive_scale(call)
         out = F.scaled_dot_product_attention(
-            call.query, call.key, call.value, mask, call.dropout_p, is_causal, scale=call.scale, enable_gqa=call.hq != call.hk
+            query, call.key, call.value, mask, call.dropout_p, is_causal, scale=scale, enable_gqa=call.hq != call.hk
         )
         return out, None
 
     def _with_lse(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = call.grouped_qkv()  # the kernel wants (B, H, N, D)
-        b = q.shape[0]
-        q, k, v = (t.reshape(b, call.hq, t.shape[3], t.shape[4]) for t in (q, k, v))
+        b = call.batch_size
+        if b * call.hq * call.nq == 0 or call.nk == 0:  # torch's kernel divides by these sizes
+            out = call.query.new_zeros(b, call.hk, call.group, call.nq, call.dv)
+            lse = torch.full((b, call.hk, call.group, call.nq), float("-inf"), dtype=call.lse_dtype, device=call.device)
+            return call.ungroup(out), call.ungroup(lse)
+        query, scale = positive_scale(call)
+        q, k, v = call.grouped_qkv(query)
+        # (B, H, N, D), contiguous: this private kernel reads its inputs as if they were
+        q, k, v = (t.reshape(b, call.hq, t.shape[3], t.shape[4]).contiguous() for t in (q, k, v))
         is_causal = sdpa_is_causal(call)
         mask = None
         if is_causal is None or call.attn_mask is not None:
@@ -104,14 +124,12 @@ class SdpaBackend(Backend):
             mask = dense_sdpa_mask(call)  # every rule in one float mask, so empty rows show in it
             if mask.dtype == torch.bool:
                 mask = torch.zeros(mask.shape, dtype=call.dtype, device=call.device).masked_fill_(~mask, float("-inf"))
-            mask = mask.expand(*call.batch_shape, call.hq, call.nq, call.nk).reshape(b, call.hq, call.nq, call.nk)
+            mask = mask.expand(*call.batch_shape, call.hq, call.nq, call.nk).reshape(b, call.hq, call.nq, call.nk).contiguous()
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, call.dropout_p, is_causal, attn_mask=mask, scale=call.scale
+            q, k, v, call.dropout_p, is_causal, attn_mask=mask, scale=scale
         )
         if mask is not None:  # rows with no finite score: torch reports lse 0, qkv defines -inf
             empty = torch.isneginf(mask).all(-1)
             lse = lse.masked_fill(empty, float("-inf"))
-        elif call.nk == 0:
-            lse = torch.full_like(lse, float("-inf"))
         out = out.reshape(b, call.hk, call.group, call.nq, call.dv)
         return call.ungroup(out), call.ungroup(lse.to(call.lse_dtype).reshape(b, call.hk, call.group, call.nq))

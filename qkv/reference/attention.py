@@ -7,7 +7,9 @@ Shapes (``...`` = any batch dims)::
 
 Semantics are identical to :func:`qkv.attention` (see that docstring): boolean masks are
 True where a query may attend; float masks are added to the scaled scores; a query row with
-nothing to attend to yields output 0 and log-sum-exp ``-inf``.
+nothing to attend to yields output 0 and log-sum-exp ``-inf``. Non-finite inputs are never
+hidden: a row is NaN (output and lse) when its query holds a NaN or an infinity, or when any
+key or value of its (batch, key/value head) does.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
-from .masks import CausalArg, PositionalMask, WindowArg, parse_causal, parse_window
+from .masks import CausalArg, PositionalMask, WindowArg, parse_alignment, parse_causal, parse_window
 
 
 def as_float64(x: Any, name: str = "array") -> np.ndarray:
@@ -38,10 +40,24 @@ def _as_bool(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=bool)
 
 
-def positional_mask(nq: int, nk: int, is_causal: CausalArg = False, window: Any = None) -> Optional[np.ndarray]:
+def causal_bias_alignment(attn_mask: Any) -> Optional[str]:
+    """The alignment of a ``torch.nn.attention.bias.CausalBias`` mask, or None for anything else.
+
+    Duck-typed so that this module never imports torch.
+    """
+    variant = getattr(attn_mask, "variant", None)
+    if variant is None or not hasattr(attn_mask, "seq_len_kv"):
+        return None
+    name = str(getattr(variant, "name", variant)).lower()  # CausalVariant.UPPER_LEFT / LOWER_RIGHT
+    return "bottom_right" if "lower_right" in name else "top_left"
+
+
+def positional_mask(
+    nq: int, nk: int, is_causal: CausalArg = False, window: Any = None, window_alignment: Optional[str] = None
+) -> Optional[np.ndarray]:
     """Boolean ``(Nq, Nk)`` matrix of allowed pairs, or None when nothing is masked."""
     causal, alignment = parse_causal(is_causal)
-    pm = PositionalMask(nq, nk, causal, parse_window(window), alignment)
+    pm = PositionalMask(nq, nk, causal, parse_window(window), alignment, parse_alignment(window_alignment))
     if pm.trivial:
         return None
     return pm.allowed(np.arange(nq)[:, None], np.arange(nk)[None, :])
@@ -54,13 +70,20 @@ def combined_mask(
     attn_mask: Any = None,
     is_causal: CausalArg = False,
     window: WindowArg = None,
+    window_alignment: Optional[str] = None,
     key_padding_mask: Any = None,
 ) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """Fold every mask argument into (allowed bool mask, additive float bias); either may be None.
 
-    Both broadcast against scores of shape ``(..., H, Nq, Nk)``.
+    Both broadcast against scores of shape ``(..., H, Nq, Nk)``. A torch ``CausalBias`` as
+    ``attn_mask`` means causal with its alignment.
     """
-    allowed = positional_mask(nq, nk, is_causal, window)
+    bias_alignment = causal_bias_alignment(attn_mask)
+    if bias_alignment is not None:
+        if is_causal:
+            raise ValueError("attn_mask is a CausalBias, which is already causal; pass is_causal=False")
+        attn_mask, is_causal = None, bias_alignment
+    allowed = positional_mask(nq, nk, is_causal, window, window_alignment)
     bias = None
     if key_padding_mask is not None:
         kp = _as_bool(key_padding_mask)[..., None, None, :]  # (..., 1, 1, Nk)
@@ -78,17 +101,26 @@ def combined_mask(
 def softmax_rows(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Row softmax that treats ``-inf`` as "masked": returns (weights, lse).
 
-    A row whose every entry is ``-inf`` gets all-zero weights and ``lse = -inf``.
+    A row whose every entry is ``-inf`` gets all-zero weights and ``lse = -inf``; a row holding
+    a NaN or ``+inf`` gets NaN (IEEE arithmetic, nothing hidden).
     """
-    row_max = scores.max(axis=-1, keepdims=True)
-    empty = ~np.isfinite(row_max)  # the whole row is -inf
-    shifted = scores - np.where(empty, 0.0, row_max)
-    e = np.exp(shifted)
-    total = e.sum(axis=-1, keepdims=True)
-    weights = np.where(empty, 0.0, e / np.where(empty, 1.0, total))
-    with np.errstate(divide="ignore"):
-        lse = np.where(empty, -np.inf, np.log(np.where(empty, 1.0, total)) + np.where(empty, 0.0, row_max))
+    empty = np.all(np.isneginf(scores), axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        row_max = np.where(empty, 0.0, scores.max(axis=-1, keepdims=True, initial=-np.inf))
+        e = np.exp(scores - row_max)
+        total = e.sum(axis=-1, keepdims=True)
+        weights = np.where(empty, 0.0, e / np.where(empty, 1.0, total))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(empty, -np.inf, np.log(np.where(empty, 1.0, total)) + row_max)
     return weights, lse[..., 0]
+
+
+def nonfinite_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Rows ``(..., Hq, Nq)`` that qkv defines as NaN: a non-finite query, or any non-finite key or
+    value in the row's (batch, key/value head). ``k``/``v`` already have one head per query head."""
+    bad_q = ~np.isfinite(q).all(axis=-1)
+    bad_kv = ~(np.isfinite(k).all(axis=(-2, -1)) & np.isfinite(v).all(axis=(-2, -1)))  # (..., H)
+    return bad_q | bad_kv[..., None]
 
 
 def repeat_kv_heads(x: np.ndarray, num_query_heads: int) -> np.ndarray:
@@ -108,6 +140,7 @@ def attention_ref(
     is_causal: CausalArg = False,
     scale: Optional[float] = None,
     window: Any = None,
+    window_alignment: Optional[str] = None,
     key_padding_mask: Any = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
@@ -135,14 +168,28 @@ def attention_ref(
     if scale is None:
         scale = 1.0 / np.sqrt(d)
 
-    scores = q @ np.swapaxes(k, -1, -2) * scale  # (..., H, Nq, Nk)
     allowed, bias = combined_mask(
-        nq, nk, attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask
+        nq,
+        nk,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        window=window,
+        window_alignment=window_alignment,
+        key_padding_mask=key_padding_mask,
     )
-    if bias is not None:
-        scores = scores + bias
+    bad = nonfinite_rows(q, k, v)
+    if bad.any():  # compute on zeros in their place, then mark the rows: masked keys stay masked
+        q, k, v = (np.where(np.isfinite(t), t, 0.0) for t in (q, k, v))
+    with np.errstate(invalid="ignore", over="ignore"):
+        scores = q @ np.swapaxes(k, -1, -2) * scale  # (..., H, Nq, Nk)
+        if bias is not None:
+            scores = scores + bias
     if allowed is not None:
         scores = np.where(allowed, scores, -np.inf)
     weights, lse = softmax_rows(scores)
     out = weights @ v  # (..., H, Nq, Dv)
+    if bad.any():
+        bad = np.broadcast_to(bad, lse.shape)
+        out = np.where(bad[..., None], np.nan, out)
+        lse = np.where(bad, np.nan, lse)
     return (out, lse) if return_lse else out

@@ -1,8 +1,8 @@
 """Which key positions a query row may see: the single definition of causal and window rules.
 
-Every backend (NumPy reference, torch math, chunked, SDPA adapter) asks this module, so the
-semantics live in one place. The rules are written with plain comparison operators so the
-same code works on NumPy arrays and torch tensors.
+Every backend (NumPy reference, torch math, chunked, SDPA adapter, triton) asks this module,
+so the semantics live in one place. The rules are written with plain comparison operators so
+the same code works on NumPy arrays and torch tensors.
 
 Positions. Query row ``i`` of ``Nq`` rows sits at key position ``i + offset``:
 
@@ -13,11 +13,14 @@ Positions. Query row ``i`` of ``Nq`` rows sits at key position ``i + offset``:
 Rules, for a query at position ``p`` and key ``j``:
 
 * causal: ``j <= p``
-* window ``(left, right)``: ``p - left <= j <= p + right`` (``None`` leaves a side open)
+* window ``(left, right)``: ``p - left <= j <= p + right`` (``None`` or ``-1``, FlashAttention's
+  spelling, leaves a side open). The window has its own alignment (``window_alignment``),
+  which by default follows the causal one.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Tuple, Union
 
@@ -41,8 +44,19 @@ def parse_causal(is_causal: CausalArg) -> tuple[bool, Alignment]:
     )
 
 
+def parse_alignment(alignment: Any, name: str = "window_alignment") -> Optional[Alignment]:
+    """``None`` (follow ``is_causal``), ``"top_left"`` or ``"bottom_right"``."""
+    if alignment is None or (isinstance(alignment, str) and alignment in ALIGNMENTS):
+        return alignment
+    raise ValueError(
+        f"{name}={alignment!r} is not understood; pass 'top_left' (query i sits at key position i, "
+        "as torch SDPA), 'bottom_right' (the last query sits at the last key, as FlashAttention) "
+        "or None to follow is_causal"
+    )
+
+
 def parse_window(window: Any) -> WindowArg:
-    """Validate ``window=(left, right)``; ``None`` on one side means unbounded."""
+    """Validate ``window=(left, right)``; ``None`` or ``-1`` on one side means unbounded."""
     if window is None:
         return None
     if isinstance(window, int) and not isinstance(window, bool):
@@ -52,22 +66,29 @@ def parse_window(window: Any) -> WindowArg:
             f"window={window!r} must be a pair (left, right) of non-negative ints or None, "
             "e.g. window=(128, 0) for causal local attention over the 128 previous keys"
         )
-    out = []
+    out: list[Optional[int]] = []
     for side, w in zip(("left", "right"), window):
         if w is None:
             out.append(None)
             continue
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+        try:
+            n = None if isinstance(w, (bool, float)) else operator.index(w)  # ints and NumPy ints
+        except TypeError:
+            n = None
+        if n is None or n < -1:
             raise ValueError(
-                f"window {side} size {w!r} must be a non-negative int (or None for unbounded)"
+                f"window {side} size {w!r} must be a non-negative int, or None / -1 for unbounded"
             )
-        out.append(int(w))
+        out.append(None if n == -1 else int(n))
     return (out[0], out[1])
 
 
 @dataclass(frozen=True)
 class PositionalMask:
     """Causal and sliding-window structure for an ``Nq × Nk`` score matrix.
+
+    Both rules bound the diagonal distance ``j - i`` of a pair, so together they form a band
+    ``lo <= j - i <= hi`` (see :meth:`band`); the rest of this class reads that band.
 
     >>> m = PositionalMask(nq=3, nk=3, causal=True)
     >>> m.allowed(*__import__("numpy").ogrid[0:3, 0:3]).astype(int).tolist()
@@ -79,35 +100,52 @@ class PositionalMask:
     causal: bool = False
     window: WindowArg = None
     alignment: Alignment = "top_left"
+    window_alignment: Optional[Alignment] = None  # None: the window follows ``alignment``
+
+    def _offset(self, alignment: Alignment) -> int:
+        return self.nk - self.nq if alignment == "bottom_right" else 0
 
     @property
     def offset(self) -> int:
-        return self.nk - self.nq if self.alignment == "bottom_right" else 0
+        """Key position of query row 0 under the causal alignment (``Nk - Nq`` or 0)."""
+        return self._offset(self.alignment)
+
+    @property
+    def window_offset(self) -> int:
+        """Key position of query row 0 for the window (its own alignment, else the causal one)."""
+        return self._offset(self.window_alignment or self.alignment)
 
     @property
     def trivial(self) -> bool:
         """True when every (query, key) pair is allowed."""
-        return not self.causal and self.window is None
+        return not self.causal and (self.window is None or self.window == (None, None))
 
-    def bounds(self) -> tuple[Optional[int], Optional[int]]:
-        """(lo, hi) so that key j is allowed iff ``p + lo <= j <= p + hi``; None = open."""
+    def band(self) -> tuple[Optional[int], Optional[int]]:
+        """(lo, hi) so that key j is allowed for row i iff ``lo <= j - i <= hi``; None = open."""
         lo: Optional[int] = None
         hi: Optional[int] = None
         if self.window is not None:
             left, right = self.window
-            lo = None if left is None else -left
-            hi = right
+            lo = None if left is None else self.window_offset - left
+            hi = None if right is None else self.window_offset + right
         if self.causal:
-            hi = 0 if hi is None else min(hi, 0)
+            hi = self.offset if hi is None else min(hi, self.offset)
         return lo, hi
+
+    def bounds(self) -> tuple[Optional[int], Optional[int]]:
+        """The band relative to the causal alignment: key j is allowed iff ``p + lo <= j <= p + hi``
+        with ``p = i + offset``."""
+        lo, hi = self.band()
+        off = self.offset
+        return (None if lo is None else lo - off), (None if hi is None else hi - off)
 
     def allowed(self, qi: Any, kj: Any) -> Any:
         """Boolean array: may query row ``qi`` see key ``kj``? Broadcasts like ``qi - kj``.
 
         ``qi``/``kj`` are integer arrays (NumPy or torch) of row and column indices.
         """
-        rel = kj - (qi + self.offset)  # key position relative to the query's position
-        lo, hi = self.bounds()
+        rel = kj - qi  # diagonal distance of each pair
+        lo, hi = self.band()
         ok = rel == rel  # all-True of the broadcast shape, in the caller's array library
         if lo is not None:
             ok = ok & (rel >= lo)
@@ -117,10 +155,10 @@ class PositionalMask:
 
     def block_status(self, q0: int, q1: int, k0: int, k1: int) -> Literal["empty", "full", "partial"]:
         """Classify the tile rows ``[q0, q1)`` × keys ``[k0, k1)`` without building it."""
-        lo, hi = self.bounds()
-        p0, p1 = q0 + self.offset, q1 - 1 + self.offset  # first/last query positions
-        # rel = j - p ranges over [k0 - p1, k1 - 1 - p0] within the tile.
-        rmin, rmax = k0 - p1, k1 - 1 - p0
+        if q0 >= q1 or k0 >= k1:
+            return "empty"
+        lo, hi = self.band()
+        rmin, rmax = k0 - (q1 - 1), (k1 - 1) - q0  # range of j - i within the tile
         if (hi is not None and rmin > hi) or (lo is not None and rmax < lo):
             return "empty"
         if (hi is None or rmax <= hi) and (lo is None or rmin >= lo):
@@ -129,14 +167,14 @@ class PositionalMask:
 
     def key_range(self, q0: int, q1: int) -> tuple[int, int]:
         """Keys ``[k_lo, k_hi)`` that any query row in ``[q0, q1)`` can possibly see."""
-        lo, hi = self.bounds()
-        k_lo = 0 if lo is None else max(0, q0 + self.offset + lo)
-        k_hi = self.nk if hi is None else min(self.nk, q1 - 1 + self.offset + hi + 1)
+        lo, hi = self.band()
+        k_lo = 0 if lo is None else min(self.nk, max(0, q0 + lo))
+        k_hi = self.nk if hi is None else min(self.nk, q1 - 1 + hi + 1)
         return k_lo, max(k_lo, k_hi)
 
     def full_key_range(self, q0: int, q1: int) -> tuple[int, int]:
         """Keys ``[a, b)`` that *every* query row in ``[q0, q1)`` may see (``a == b``: none)."""
-        lo, hi = self.bounds()
-        a = 0 if lo is None else max(0, q1 - 1 + self.offset + lo)
-        b = self.nk if hi is None else min(self.nk, q0 + self.offset + hi + 1)
+        lo, hi = self.band()
+        a = 0 if lo is None else min(self.nk, max(0, q1 - 1 + lo))
+        b = self.nk if hi is None else min(self.nk, q0 + hi + 1)
         return a, max(a, b)

@@ -257,9 +257,9 @@ class TritonBackendImpl:
     def forward(self, call: AttentionCall) -> tuple[Tensor, Optional[Tensor]]:
         q, k, v = call.grouped_qkv()
         kp = call.grouped_key_padding()
-        lo, hi = call.positional.bounds()
+        lo, hi = call.positional.band()  # both rules as one band of j - i (offsets resolved)
         out, lse = run_attention(
             q, k, v, call.grouped_attn_mask(), None if kp is None else kp[:, 0, 0, 0, :],
-            scale=call.scale, lo=lo, hi=hi, bottom_right=call.positional.offset != 0,
+            scale=call.scale, lo=lo, hi=hi, bottom_right=False,
         )  # fmt: skip
         return call.ungroup(out), (call.ungroup(lse) if call.return_lse else None)
