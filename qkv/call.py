@@ -103,6 +103,18 @@ class AttentionCall:
         pm = self.positional
         return not pm.trivial and any(pm.key_range(i, i + 1)[0] >= pm.key_range(i, i + 1)[1] for i in (0, self.nq - 1))
 
+    def positive_scale(self) -> tuple[torch.Tensor, float]:
+        """``(query, scale)`` with ``scale > 0`` and the same scores: the sign moves into the
+        query (exact), and a zero scale becomes zero queries (every score 0, zero gradient).
+
+        Kernels that shift by the row maximum of the raw products, and torch's CPU flash
+        kernel (NaN for causal calls with ``scale <= 0``), need a positive scale."""
+        if self.scale > 0:
+            return self.query, self.scale
+        if self.scale == 0:
+            return self.query * 0.0, 1.0
+        return -self.query, -self.scale
+
     def describe(self) -> str:
         parts = [f"query {_shape(self.query.shape)}", f"key {_shape(self.key.shape)}", str(self.dtype).replace("torch.", "")]
         if self.causal:

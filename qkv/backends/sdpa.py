@@ -55,17 +55,6 @@ def sdpa_is_causal(call: AttentionCall) -> Optional[bool]:
     return None
 
 
-def positive_scale(call: AttentionCall) -> tuple[torch.Tensor, float]:
-    """``(query, scale)`` with ``scale > 0``: torch's CPU flash kernel returns NaN for causal
-    calls with ``scale <= 0``, so the sign moves into the query (exact) and a zero scale
-    becomes zero queries."""
-    if call.scale > 0:
-        return call.query, call.scale
-    if call.scale == 0:
-        return call.query * 0.0, 1.0  # every score 0; keeps the graph (zero gradient)
-    return -call.query, -call.scale
-
-
 def needs_dense_mask(call: AttentionCall) -> bool:
     """Would qkv have to build an ``Nq × Nk`` mask to express this call to SDPA?"""
     return sdpa_is_causal(call) is None
@@ -101,7 +90,7 @@ class SdpaBackend(Backend):
             mask, is_causal = dense_sdpa_mask(call), False
         else:
             mask = call.attn_mask
-        query, scale = positive_scale(call)
+        query, scale = call.positive_scale()
         out = F.scaled_dot_product_attention(
             query, call.key, call.value, mask, call.dropout_p, is_causal, scale=scale, enable_gqa=call.hq != call.hk
         )
@@ -113,7 +102,7 @@ class SdpaBackend(Backend):
             out = call.query.new_zeros(b, call.hk, call.group, call.nq, call.dv)
             lse = torch.full((b, call.hk, call.group, call.nq), float("-inf"), dtype=call.lse_dtype, device=call.device)
             return call.ungroup(out), call.ungroup(lse)
-        query, scale = positive_scale(call)
+        query, scale = call.positive_scale()
         q, k, v = call.grouped_qkv(query)
         # (B, H, N, D), contiguous: this private kernel reads its inputs as if they were
         q, k, v = (t.reshape(b, call.hq, t.shape[3], t.shape[4]).contiguous() for t in (q, k, v))

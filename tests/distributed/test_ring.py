@@ -70,6 +70,16 @@ def _ring_worker(rank, world, cases):
             e[nm] = (local.grad - shard(glob.grad, grp, layout="zigzag")).abs().max().item()
         errs["float64-subgroup-causal-zigzag-gqa"] = e
 
+    # strided local shards without gradients: auto takes torch's lse kernel, which must read
+    # the strides (it once read a transposed q as if it were contiguous)
+    q, k, v, _, ref, _ = global_case(99, 4, 4, 10 * world, 8, 8, torch.float64, True, False)
+    lq, lk, lv = (shard(t, layout="zigzag") for t in (q, k, v))
+    lq = lq.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, column-major
+    lv = torch.stack([lv, lv], -1).flatten(-2)[..., ::2]  # same values, strided last dim
+    with torch.no_grad():
+        out = ring_attention(lq, lk, lv, is_causal=True, layout="zigzag")
+    errs["float64-extra-strided-nograd-auto"] = {"out": (out - shard(ref.detach(), layout="zigzag")).abs().max().item()}
+
     # uneven lengths are rejected with a message that says how to fix them
     msgs = []
     for n, layout in ((10 * world + 1, "zigzag"), (10 * world + 1, "contiguous")):
@@ -94,7 +104,7 @@ def test_ring_matches_single_device(world):
     print(f"world {world}: {len(RING_CASES)} cases in {time.monotonic() - t0:.1f}s")
     failures = []
     for rank, (errs, msgs) in enumerate(per_rank):
-        names = [(name, dt) for name, dt, *_ in RING_CASES] + [(n, "float64") for n in errs if n.startswith("float64-subgroup")]
+        names = [(name, dt) for name, dt, *_ in RING_CASES] + [(n, "float64") for n in errs if n.startswith(("float64-subgroup", "float64-extra"))]
         assert world != 4 or "float64-subgroup-causal-zigzag-gqa" in errs
         for name, dt in names:
             tol = TOL[getattr(torch, dt)]
