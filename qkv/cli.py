@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import zlib
@@ -24,7 +25,7 @@ import numpy as np
 
 from .reference.trace import Trace, trace
 
-__all__ = ["main", "build_parser", "sentence_trace", "worked_example", "DEMO_PARTS", "MODEL_SENTENCE"]
+__all__ = ["main", "build_parser", "sentence_trace", "worked_example", "DEMO_PARTS", "MODEL_SENTENCE", "UsageError"]
 
 SENTENCE = "Thinking Machines"
 MODEL_SENTENCE = (
@@ -48,7 +49,15 @@ def _version() -> str:
         return "unknown"
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
+class UsageError(Exception):
+    """A mistake in the command line found after parsing (an unwritable --out, a device not here).
+
+    :func:`main` prints it as ``qkv COMMAND: error: MESSAGE`` on stderr and exits with 2, as
+    argparse does for the mistakes it finds itself.
+    """
+
+
+def _int_at_least(low: int, high: Optional[int] = None, why: str = "") -> Callable[[str], int]:
     def parse(s: str) -> int:
         try:
             n = int(s)
@@ -56,6 +65,8 @@ def _int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{s!r} is not a whole number") from None
         if n < low:
             raise argparse.ArgumentTypeError(f"{n} is too small; use {low} or more")
+        if high is not None and n > high:
+            raise argparse.ArgumentTypeError(f"{n} is too large; use at most {high}{why}")
         return n
 
     return parse
@@ -66,6 +77,73 @@ def _precision(s: str) -> int:
     if n > 15:
         raise argparse.ArgumentTypeError(f"{n} digits is more than float64 holds; use 0 to 15")
     return n
+
+
+def _megabytes(s: str) -> float:
+    """A finite number of megabytes >= 0 (inf, nan and negatives are mistakes, not limits)."""
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number of megabytes, e.g. 50") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(
+            f"{s} is not a size; use a finite number of megabytes >= 0, e.g. 50 (a large one such as 1e6 for no limit)"
+        )
+    return x
+
+
+def _existing_parent(path: str) -> str:
+    """The deepest folder of ``path`` that exists (``path`` itself when it does)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return p
+
+
+def _output_file(s: str) -> str:
+    """A file path we could create or overwrite: checked before any work, so a typo costs no model run."""
+    if not s:
+        raise argparse.ArgumentTypeError("the file name is empty")
+    parent = os.path.dirname(os.path.abspath(s))
+    if os.path.isdir(s):
+        raise argparse.ArgumentTypeError(f"cannot write {s}: it is a directory; give a file name such as {os.path.join(s, 'x')}")
+    if not os.path.exists(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {s}: directory {parent} does not exist (create it first)")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {s}: {parent} is not a directory")
+    target = s if os.path.exists(s) else parent
+    if not os.access(target, os.W_OK):
+        what = "the file" if target == s else f"directory {parent}"
+        raise argparse.ArgumentTypeError(f"cannot write {s}: {what} is not writable")
+    return s
+
+
+def _output_dir(s: str) -> str:
+    """A folder that exists or could be created (with its parents)."""
+    if not s:
+        raise argparse.ArgumentTypeError("the folder name is empty")
+    if os.path.exists(s) and not os.path.isdir(s):
+        raise argparse.ArgumentTypeError(f"cannot write into {s}: it exists and is not a directory")
+    base = _existing_parent(s)
+    if not os.path.isdir(base):
+        raise argparse.ArgumentTypeError(f"cannot create {s}: {base} is not a directory")
+    if not os.access(base, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {s}: {base} is not writable")
+    return s
+
+
+def _existing_dir(s: str) -> str:
+    if not os.path.isdir(s):
+        what = "does not exist" if not os.path.exists(s) else "is not a directory"
+        raise argparse.ArgumentTypeError(
+            f"{s} {what}; pass a model directory holding config.json, model.safetensors and tokenizer.json"
+        )
+    return s
+
+
+def _write_error(flag: str, path: str, e: OSError) -> UsageError:
+    """An OSError met while writing ``path`` (given as ``flag``) as a one-line usage error."""
+    return UsageError(f"cannot write {flag} {path}: {e.strerror or e}")
 
 
 # -- the glass box on a sentence ------------------------------------------------------------
@@ -119,8 +197,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             args.sentence, d_model=args.d_model, d_k=args.d_k, heads=args.heads, causal=args.causal, seed=args.seed
         )
     except ValueError as e:
-        print(f"qkv trace: error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     if args.json:
         print(json.dumps(t.to_dict(), allow_nan=False, ensure_ascii=False))
         return 0
@@ -239,9 +316,12 @@ def _demo_model(args: argparse.Namespace) -> str:
     except (ImportError, RuntimeError, FileNotFoundError) as e:
         return f"{heading}\n\n(skipped: the pretrained model is not available here: {e})"
     out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
-    png = save_png(ex, os.path.join(out, "heatmap.png"))
-    page = save_html(ex, os.path.join(out, "report.html"))
+    try:
+        os.makedirs(out, exist_ok=True)
+        png = save_png(ex, os.path.join(out, "heatmap.png"))
+        page = save_html(ex, os.path.join(out, "report.html"))
+    except OSError as e:  # checked when parsed; this is what only trying finds (/proc, a full disk)
+        raise _write_error("--out", args.out, e) from None
     layer, head, w = ex.top_heads(1)[0]
     intro = (
         f"all-MiniLM-L6-v2 has {ex.num_layers} layers of {ex.num_heads} heads. In each, every token spreads one unit\n"
@@ -281,25 +361,31 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             max_map_tokens=args.max_map_tokens,
             max_map_bytes=MAX_MAP_BYTES if args.max_map_mb is None else int(args.max_map_mb * 1e6),
         )
-    except ValueError as e:
-        print(f"qkv explain: error: {e}", file=sys.stderr)
-        return 2
-    except (ImportError, RuntimeError, FileNotFoundError) as e:
+    except ValueError as e:  # a word not in the text, or a --model directory with a broken file
+        raise UsageError(str(e)) from None
+    except FileNotFoundError as e:
+        if args.model:  # the user's directory lacks a file
+            raise UsageError(f"--model {args.model}: {e}") from None
         print(f"qkv explain: cannot run the model: {e}", file=sys.stderr)
         return 1
-    layer, head = ex.best_head
-    if args.layer is not None or args.head is not None:
-        layer = layer if args.layer is None else args.layer
-        head = head if args.head is None else args.head
-        if not (0 <= layer < ex.num_layers and 0 <= head < ex.num_heads):
-            print(f"qkv explain: error: layer {layer}, head {head} is out of range; the model has layers "
-                  f"0 to {ex.num_layers - 1} and heads 0 to {ex.num_heads - 1}", file=sys.stderr)
-            return 2
+    except (ImportError, RuntimeError) as e:
+        print(f"qkv explain: cannot run the model: {e}", file=sys.stderr)
+        return 1
+    try:
+        layer, head = ex.select(args.layer, args.head)
+    except ValueError as e:
+        raise UsageError(f"{e} (--layer, --head)") from None
     files: dict[str, str] = {}
-    if args.png:
-        files["png"] = save_png(ex, args.png, layer, head)
-    if args.html:
-        files["html"] = save_html(ex, args.html, layer, head)
+    for flag, path, save in (("--png", args.png, save_png), ("--html", args.html, save_html)):
+        if not path:
+            continue
+        try:
+            files[flag[2:]] = save(ex, path, layer, head)
+        except OSError as e:  # checked when parsed; this is what only trying finds (/dev/full, /proc)
+            raise _write_error(flag, path, e) from None
+        except ImportError as e:
+            print(f"qkv explain: cannot write {flag} {path}: {e} (pip install matplotlib)", file=sys.stderr)
+            return 1
     if args.json:
         d = ex.to_dict()
         d["selected"] = {"layer": layer, "head": head}
@@ -328,14 +414,14 @@ def _add_explain(sub: Any) -> None:
     p.add_argument("--layer", type=_int_at_least(0), help="layer of the head shown in full (default: the top head's)")
     p.add_argument("--head", type=_int_at_least(0), help="head shown in full in --png/--html (default: the top head)")
     p.add_argument("--top", type=_int_at_least(1), default=1, help="tokens shown per head in the table (default 1)")
-    p.add_argument("--png", metavar="FILE", help="write heatmaps: every head, and the focused head in full")
-    p.add_argument("--html", metavar="FILE", help="write a self-contained interactive page (works offline)")
+    p.add_argument("--png", metavar="FILE", type=_output_file, help="write heatmaps: every head, and the focused head in full")
+    p.add_argument("--html", metavar="FILE", type=_output_file, help="write a self-contained interactive page (works offline)")
     p.add_argument("--json", action="store_true", help="print the results as JSON only")
-    p.add_argument("--model", metavar="DIR", help="a BERT-style model directory (default: the bundled model)")
+    p.add_argument("--model", metavar="DIR", type=_existing_dir, help="a BERT-style model directory (default: the bundled model)")
     p.add_argument("--max-map-tokens", type=_int_at_least(1), default=512,
                    help="beyond this many tokens keep statistics, not full maps (default 512)")
-    p.add_argument("--max-map-mb", type=float, default=None,
-                   help="beyond this many MB of float32 maps keep statistics, not full maps (default 50)")
+    p.add_argument("--max-map-mb", type=_megabytes, default=None,
+                   help="beyond this many MB of float32 maps keep statistics, not full maps (default 50; 0: always)")
     p.set_defaults(run=_cmd_explain)
 
 
@@ -384,9 +470,11 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument("sentence", help='the text; tokens are its whitespace-separated words, e.g. "Thinking Machines"')
     _shared_options(p)
-    p.add_argument("--d-model", type=_int_at_least(1), default=4, help="embedding width (default 4)")
-    p.add_argument("--d-k", type=_int_at_least(1), default=3, help="query/key/value width per head (default 3)")
-    p.add_argument("--heads", type=_int_at_least(1), default=1, help="number of attention heads (default 1)")
+    # trace prints every number: wider matrices are unreadable, and --d-model 1000000 would take gigabytes
+    big = "; trace prints every number (qkv info sizes real calls)"
+    p.add_argument("--d-model", type=_int_at_least(1, 256, big), default=4, help="embedding width (default 4)")
+    p.add_argument("--d-k", type=_int_at_least(1, 256, big), default=3, help="query/key/value width per head (default 3)")
+    p.add_argument("--heads", type=_int_at_least(1, 16, big), default=1, help="number of attention heads (default 1)")
     p.add_argument("--causal", action="store_true", help="hide later tokens from earlier ones")
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="random seed for embeddings and weights")
     p.add_argument("--json", action="store_true", help="print the trace as JSON only")
@@ -399,7 +487,7 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
         "then a real pretrained model whose heatmaps and interactive report are written to --out.",
     )
     _shared_options(p)
-    p.add_argument("--out", metavar="DIR", default="qkv-demo",
+    p.add_argument("--out", metavar="DIR", type=_output_dir, default="qkv-demo",
                    help="folder for the model part's PNG and HTML (default ./qkv-demo)")
     p.add_argument("--no-model", action="store_true", help="skip the pretrained model (no torch import)")
     p.set_defaults(run=_cmd_demo)
@@ -441,6 +529,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _utf8_safe_stdout()
     try:
         return int(args.run(args) or 0)
+    except UsageError as e:
+        sys.stdout.flush()  # what was printed before the mistake came to light stays above the message
+        print(f"qkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `qkv demo | head`: the reader left; exit quietly
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)

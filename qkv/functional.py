@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .backends import BACKENDS, select
 from .backends.sdpa import empty_rows_are_zero
 from .call import validate, validate_qk
-from .nonfinite import nonfinite_rows, poison
+from .nonfinite import guard
 
 _sdpa = F.scaled_dot_product_attention
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
@@ -102,7 +102,7 @@ def attention(
                 )
             ):
                 out = _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-                return poison(out, None, nonfinite_rows(query, key, value))[0]
+                return guard(query, key, value, out)[0]
         except Exception:
             pass
     call = validate(
@@ -121,7 +121,7 @@ def attention(
         generator=generator,
     )
     out, lse = select(call, backend).forward(call)
-    out, lse = poison(out, lse, nonfinite_rows(call.query, call.key, call.value))
+    out, lse = guard(call.query, call.key, call.value, out, lse)
     return (out, lse) if return_lse else out
 
 

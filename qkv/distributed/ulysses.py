@@ -4,6 +4,10 @@ Each rank holds ``(B, H, N/W, D)``. One all-to-all per tensor turns that into
 ``(B, H/W, N, D)`` — all of the sequence for H/W of the heads — then ordinary attention runs
 locally and a last all-to-all turns the output back. Four all-to-alls per forward (q, k, v,
 out); each moves (W−1)/W of a rank's tensor. Needs H (and Hk with GQA) divisible by W.
+
+Failure: every all-to-all waits for every rank, bounded by the process group's ``timeout=``
+(gloo honours it). A peer that raised or died surfaces here as a RuntimeError naming the
+all-to-all (q/k/v or the output, forward or backward), this rank and the world size.
 """
 
 from __future__ import annotations
@@ -14,12 +18,23 @@ import torch.distributed as dist
 from ..functional import attention
 
 
-def _a2a(xs, group):
-    """One equal-split all-to-all over dim 0 of several (W, ...) tensors packed into one buffer."""
+def _a2a(xs, group, what: str):
+    """One equal-split all-to-all over dim 0 of several (W, ...) tensors packed into one buffer.
+
+    ``what`` names the exchange ("q/k/v (forward)") in the error a failed peer causes.
+    """
     w = xs[0].shape[0]
     flat = torch.cat([x.reshape(w, -1) for x in xs], dim=1)  # (W, Σ numel/W)
     out = torch.empty_like(flat)
-    dist.all_to_all_single(out, flat, group=group)
+    try:
+        dist.all_to_all_single(out, flat, group=group)
+    except RuntimeError as e:  # gloo's DistBackendError and the timeout are RuntimeErrors
+        raise RuntimeError(
+            f"ulysses_attention: rank {dist.get_rank(group)} of {w} failed in the all-to-all of {what}, "
+            f"which every rank of the group joins; another rank probably raised, died or stopped calling "
+            f"ulysses_attention (or called it with other shapes). The wait is bounded by the process "
+            f"group's timeout= (init_process_group(..., timeout=...)). Cause: {e}"
+        ) from e
     sizes = [x.numel() // w for x in xs]
     return tuple(o.reshape(x.shape) for o, x in zip(out.split(sizes, dim=1), xs))
 
@@ -29,17 +44,17 @@ class _AllToAll(torch.autograd.Function):
 
     q, k and v travel in one call so that the backward is one collective too: separate
     autograd nodes could run in a different order on different ranks and pair the wrong
-    tensors.
+    tensors. ``what`` names the tensors for error messages.
     """
 
     @staticmethod
-    def forward(ctx, group, *xs):
-        ctx.group = group
-        return _a2a([x.contiguous() for x in xs], group)
+    def forward(ctx, group, what, *xs):
+        ctx.group, ctx.what = group, what
+        return _a2a([x.contiguous() for x in xs], group, f"{what} (forward)")
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None,) + _a2a([g.contiguous() for g in gs], ctx.group)
+        return (None, None) + _a2a([g.contiguous() for g in gs], ctx.group, f"the gradients of {ctx.what} (backward)")
 
 
 def _seq_to_heads(xs, w: int, group):
@@ -47,14 +62,14 @@ def _seq_to_heads(xs, w: int, group):
     for x in xs:
         b, h, n, d = x.shape
         parts.append(x.reshape(b, w, h // w, n, d).permute(1, 0, 2, 3, 4))  # (W, B, H/W, Nl, D): head group j → rank j
-    ys = _AllToAll.apply(group, *parts)  # (W, B, H/W, Nl, D): sequence chunk j from rank j
+    ys = _AllToAll.apply(group, "q/k/v", *parts)  # (W, B, H/W, Nl, D): sequence chunk j from rank j
     return [y.permute(1, 2, 0, 3, 4).reshape(y.shape[1], y.shape[2], w * y.shape[3], y.shape[4]) for y in ys]  # (B, H/W, N, D)
 
 
 def _heads_to_seq(x: torch.Tensor, w: int, group) -> torch.Tensor:
     b, hw, n, d = x.shape
     x = x.reshape(b, hw, w, n // w, d).permute(2, 0, 1, 3, 4)  # (W, B, H/W, Nl, D): sequence chunk j → rank j
-    (y,) = _AllToAll.apply(group, x)  # (W, B, H/W, Nl, D): head group j from rank j
+    (y,) = _AllToAll.apply(group, "the output", x)  # (W, B, H/W, Nl, D): head group j from rank j
     return y.permute(1, 0, 2, 3, 4).reshape(b, w * hw, n // w, d)  # (B, H, Nl, D)
 
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cli import UsageError, _int_at_least, _output_dir
 from . import EXPERIMENTS, get, run_many
 
 
@@ -27,9 +28,11 @@ def add_parser(sub: Any) -> None:
     rp = ex.add_parser("run", help="run one experiment, or all of them, and write a report")
     rp.add_argument("name", choices=EXPERIMENTS + ["all"], metavar="NAME",
                     help=f"one of {', '.join(EXPERIMENTS)}, or all")
-    rp.add_argument("--out", metavar="DIR", required=True, help="folder for figures, CSVs, report.md and report.html")
+    rp.add_argument("--out", metavar="DIR", type=_output_dir, required=True,
+                    help="folder for figures, CSVs, report.md and report.html")
     rp.add_argument("--quick", action="store_true", help="small settings: seconds per experiment")
-    rp.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    # NumPy's legacy seeding (used by some experiments) takes 0 .. 2**32 - 1
+    rp.add_argument("--seed", type=_int_at_least(0, 2**32 - 1), default=0, help="random seed, 0 to 2**32-1 (default 0)")
     rp.set_defaults(run=_cmd_run)
 
 
@@ -44,8 +47,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     names = EXPERIMENTS if args.name == "all" else [args.name]
     out = Path(args.out)
     t0 = time.perf_counter()
-    results = run_many(names, out, quick=args.quick, seed=args.seed,
-                       progress=lambda n: print(f"running {n}…", file=sys.stderr))
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # before the first experiment, not after it
+        results = run_many(names, out, quick=args.quick, seed=args.seed,
+                           progress=lambda n: print(f"running {n}…", file=sys.stderr))
+    except OSError as e:
+        if e.filename is None:  # not about a file: a bug to report, with its traceback
+            raise
+        raise UsageError(f"cannot write to --out {args.out}: {e.strerror or e} ({e.filename})") from None
     for r in results:
         print(f"{r.name:16} {'held' if r.held else 'DID NOT HOLD':12} ({r.seconds:.1f} s)  {r.result}")
     print(f"report: {out / 'report.md'} and {out / 'report.html'} ({time.perf_counter() - t0:.0f} s)")

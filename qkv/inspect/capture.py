@@ -130,11 +130,14 @@ class _Hook:
         if self.stats:
             self.rec.stats[self.path] = attention_stats(
                 query, key, lse=lse, topk=o["topk"], key_positions=o["key_positions"],
-                relative_positions=o["relative_positions"], **masks,
+                relative_positions=o["relative_positions"], check_lse=False, **masks,
             )  # fmt: skip
             return
         if "weights" in self.wanted:
-            self.rec._data[self._name("weights")] = attention_map(query, key, heads=o["heads"], rows=o["rows"], lse=lse, **masks)
+            # check_lse=False: the lse is this call's own, and a hook must not raise inside the model
+            self.rec._data[self._name("weights")] = attention_map(
+                query, key, heads=o["heads"], rows=o["rows"], lse=lse, check_lse=False, **masks
+            )
         if "scores" in self.wanted:
             self.rec._data[self._name("scores")] = attention_scores(query, key, heads=o["heads"], rows=o["rows"], **masks)
 

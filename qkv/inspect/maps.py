@@ -45,6 +45,7 @@ def fused_lse(call: AttentionCall, backend: str = "auto") -> torch.Tensor:
         scale=call.scale,
         enable_gqa=call.enable_gqa,
         window=call.window,
+        window_alignment=call.window_alignment,
         key_padding_mask=call.key_padding_mask,
         return_lse=True,
         backend=backend,
@@ -52,20 +53,67 @@ def fused_lse(call: AttentionCall, backend: str = "auto") -> torch.Tensor:
     return lse
 
 
-def grouped_lse(call: AttentionCall, lse: torch.Tensor) -> torch.Tensor:
-    """The caller's lse ``(..., Hq, Nq)`` → the grouped layout ``(B, Hk, G, Nq)``."""
+_LSE_HINT = "pass the lse returned by qkv.attention(..., return_lse=True) for the same call"
+
+
+def grouped_lse(call: AttentionCall, lse: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """The caller's lse ``(..., Hq, Nq)`` → the grouped layout ``(B, Hk, G, Nq)``, after checking it.
+
+    Checked here: type, floating dtype, device, shape and, with ``check``, no NaN and no +inf
+    (one pass over ``Hq·Nq`` numbers). Whether it belongs to these scores is checked where the
+    weights are computed (:func:`check_row_sums`).
+    """
     if not isinstance(lse, torch.Tensor):
-        raise TypeError(f"lse must be a torch.Tensor from qkv.attention(..., return_lse=True), got {type(lse).__name__}")
-    want = (*call.batch_shape, call.hq, call.nq)
-    try:
-        full = lse.to(call.device).expand(*want)
-    except RuntimeError:
+        raise TypeError(f"lse must be a torch.Tensor; {_LSE_HINT} (got {type(lse).__name__})")
+    if not lse.is_floating_point():
+        raise TypeError(f"lse has dtype {lse.dtype} but a log-sum-exp is floating point; {_LSE_HINT}")
+    if lse.device != call.device:
         raise ValueError(
-            f"lse has shape {tuple(lse.shape)} but this call needs (..., Hq, Nq) = {want}; pass the lse that "
-            "qkv.attention(query, key, value, ..., return_lse=True) returned for the same query and key"
-        ) from None
+            f"lse is on {lse.device} but query is on {call.device}; {_LSE_HINT}, or move it with lse.to(query.device)"
+        )
+    want = (call.nq,) if call.query.dim() == 2 else (*call.batch_shape, call.hq, call.nq)
+    try:
+        full = lse.expand(*want)
+    except RuntimeError:
+        raise ValueError(f"lse has shape {tuple(lse.shape)} but this call needs (..., Hq, Nq) = {want}; {_LSE_HINT}") from None
+    for bad, what in ((torch.isnan, "NaN"), (torch.isposinf, "+inf")) if check else ():
+        n = int(bad(lse).sum())
+        if n:
+            raise ValueError(
+                f"lse holds {what} in {n} of its {lse.numel()} values; a log-sum-exp is finite, or -inf for a row "
+                f"with no key to attend to (NaN also comes from NaN in query or key); {_LSE_HINT}"
+            )
     b = int(torch.Size(call.batch_shape).numel())
     return full.reshape(b, call.hk, call.group, call.nq)
+
+
+def check_row_sums(
+    total: torch.Tensor,
+    live: torch.Tensor,
+    lse: torch.Tensor,
+    lse_dtype: torch.dtype,
+    heads: Optional[torch.Tensor] = None,
+    rows: Optional[torch.Tensor] = None,
+) -> None:
+    """Raise when a row that may attend some key has weights ``exp(s - lse)`` summing far from 1.
+
+    ``total``, ``live`` (the row has an allowed key) and ``lse`` are ``(B, h, r)``; ``heads`` and
+    ``rows`` map positions to the caller's indices (default: the positions themselves). A wrong
+    lse scales every weight of its row by ``exp(lse_true - lse)``, so ``|ln Σp|`` is the error.
+    The tolerance covers an lse from another backend (TF32 products on a GPU: ~1e-3 of the
+    logits) and the lse's own dtype; a NaN sum (NaN inputs) is left to show in the result.
+    """
+    tol = 0.02 + (2e-3 + torch.finfo(lse_dtype).eps) * lse.abs()
+    bad = live & ((total.log().abs() > tol) | ~torch.isfinite(lse))
+    if bool(bad.any()):
+        b, h, r = bad.nonzero()[0].tolist()
+        head = h if heads is None else int(heads[h])
+        row = r if rows is None else int(rows[r])
+        raise ValueError(
+            f"lse does not belong to this query/key/mask: in {int(bad.sum())} row(s) the weights exp(score - lse) "
+            f"sum far from 1 (batch {b}, head {head}, row {row}: sum {float(total[b, h, r]):.4g} with lse "
+            f"{float(lse[b, h, r]):.4g}); {_LSE_HINT}, with the same masks, scale and enable_gqa"
+        )
 
 
 def as_index(sel: Index, n: int, what: str) -> torch.Tensor:
@@ -134,8 +182,12 @@ def _walk(
     rows: torch.Tensor,
     lse: Optional[torch.Tensor],
     block: int,
+    check: bool = False,
 ) -> torch.Tensor:
-    """Scores (``lse`` None) or weights ``(B, h, r, Nk)`` in the compute dtype, tile by tile."""
+    """Scores (``lse`` None) or weights ``(B, h, r, Nk)`` in the compute dtype, tile by tile.
+
+    ``check``: raise if the rows' weights do not sum to 1 (a caller's lse that belongs to another call).
+    """
     sel = _Selection(call, heads)
     q, k, _ = call.grouped_qkv()  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, D)
     q, k = half_to_float(q), half_to_float(k)
@@ -148,6 +200,7 @@ def _walk(
         lh = sel.heads_of(lse.to(q.dtype))  # (B, h, Nq)
         # empty rows (lse -inf): +inf makes every exp(s - lse) exactly 0
         lh = torch.where(torch.isneginf(lh), torch.full_like(lh, float("inf")), lh)
+        rowmax = q.new_full((b, nh, nr), float("-inf"))  # largest allowed score: > -inf iff the row has a key
     bq = max(1, block)
     for r0 in range(0, nr, bq):
         r = rows[r0 : r0 + bq]
@@ -161,8 +214,14 @@ def _walk(
             if allowed is not None:
                 s = s.masked_fill(~allowed, float("-inf"))
             if lse is not None:
+                if check:
+                    m = rowmax[:, :, r0 : r0 + r.numel()]
+                    torch.maximum(m, s.amax(-1), out=m)
                 s = torch.exp(s - lh[:, :, r.to(q.device), None])
             out[:, :, r0 : r0 + r.numel(), k0:k1] = s
+    if lse is not None and check:
+        lr = sel.heads_of(lse)[:, :, rows.to(q.device)]  # (B, h, r) as the caller gave it
+        check_row_sums(out.sum(-1), rowmax > float("-inf"), lr.to(q.dtype), lse.dtype, heads, rows)
     return out
 
 
@@ -187,6 +246,7 @@ def attention_map(
     window: Window = None,
     key_padding_mask: Optional[torch.Tensor] = None,
     block: int = BLOCK,
+    check_lse: bool = True,
 ) -> torch.Tensor:
     """Exact softmax weights of chosen heads and query rows, without the ``Nq × Nk`` matrix.
 
@@ -201,11 +261,17 @@ def attention_map(
     ``block`` rows × ``block`` keys, so only the requested ``r × Nk`` weights are ever stored.
     Masked keys and fully masked rows weigh 0. ``heads``/``rows`` take an int, a slice, a
     sequence or a tensor of indices (negative ones count from the end).
+
+    A given ``lse`` is checked: dtype, device, shape, no NaN/+inf, and — as the chosen rows are
+    computed — that each row's weights sum to 1 (else ``ValueError``: the lse is another call's).
+    ``check_lse=False`` keeps the first four only, for an lse computed from these very tensors
+    (:func:`~qkv.inspect.record` does so: NaN from a diverged model is recorded, not raised).
     """
     call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
-    lse_g = grouped_lse(call, fused_lse(call) if lse is None else lse)
+    check = lse is not None and check_lse
+    lse_g = grouped_lse(call, fused_lse(call) if lse is None else lse, check=check)
     h, r = as_index(heads, call.hq, "heads"), as_index(rows, call.nq, "rows")
-    return _finish(call, _walk(call, h, r, lse_g, block))
+    return _finish(call, _walk(call, h, r, lse_g, block, check=check))
 
 
 def attention_scores(

@@ -32,7 +32,7 @@ from ..backends.base import half_to_float
 from ..backends.chunked import LN2, LOG2E, _augment, _head_groups, _key_blocks, plan_tiles
 from ..masks import MaskTiles
 from ..call import validate_qk
-from .maps import Window, fused_lse, grouped_lse
+from .maps import Window, check_row_sums, fused_lse, grouped_lse
 
 __all__ = ["AttentionStats", "attention_stats"]
 
@@ -137,6 +137,7 @@ def attention_stats(
     relative_positions: Sequence[int] = (-1, 0),
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
+    check_lse: bool = True,
 ) -> AttentionStats:
     """Entropy, top-k, mean distance and chosen-key weights of every query row, in one tiled pass.
 
@@ -149,12 +150,15 @@ def attention_stats(
     from ``qkv.attention(..., return_lse=True)`` on the same call; without it one fused
     forward pass computes it first. Memory: the inputs, ``O(Nq · (topk + P + R))`` results
     and one tile of ``block_q × block_k`` scores per head group — never ``Nq × Nk``.
-    ``key_positions`` may be negative (``-1`` = the last key).
+    ``key_positions`` may be negative (``-1`` = the last key). A given ``lse`` is checked as in
+    :func:`~qkv.inspect.attention_map` (dtype, device, shape, NaN/+inf, rows summing to 1;
+    ``check_lse=False``: the first four only).
     """
     if topk < 0:
         raise ValueError(f"topk={topk} must be >= 0")
     call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
-    lse_g = grouped_lse(call, fused_lse(call) if lse is None else lse)
+    check = lse is not None and check_lse
+    lse_g = grouped_lse(call, fused_lse(call) if lse is None else lse, check=check)
     kpos = _positions(key_positions, call.nk, "key_positions") if call.nk else ()
     rel = tuple(int(r) for r in relative_positions)
     q, k, _ = call.grouped_qkv()  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, D)
@@ -171,6 +175,7 @@ def attention_stats(
         "key_weights": new(len(kpos)),
         "relative_weights": new(len(rel)),
         "n_keys": new(fill=0, dtype=torch.long),
+        "total": new(),  # Σp per row: 1 when the lse belongs to these scores
     }
     if call.nk and nq:
         bq, bk, per_group = plan_tiles(b, hk, g, nq, call.nk, block_q, block_k)
@@ -180,9 +185,15 @@ def attention_stats(
                 q[bs, hs], k[bs, hs], lse_g[bs, hs].to(q.dtype), tiles.narrow(bs, hs), call.scale, bq, bk,
                 kpos, rel, {name: t[bs, hs] for name, t in res.items()},
             )  # fmt: skip
+    if check:
+        flat = lambda t: t.reshape(b, hk * g, nq)  # noqa: E731  (B, Hq, Nq): head hk·G + g
+        check_row_sums(flat(res["total"]), flat(res["n_keys"] > 0), flat(lse_g.to(q.dtype)), lse_g.dtype)
     ent = res["entropy"].mul_(-LN2)
+    ent.masked_fill_(ent < 0, 0.0)  # -0.0 and rounding below 0 on one-key rows
+    # a NaN score makes the row's maximum NaN; the masked-key fix-up in the pass zeroed its entropy terms
+    ent.masked_fill_(torch.isnan(res["max_weight"]), float("nan"))
     out = dict(
-        entropy=ent.masked_fill_(ent < 0, 0.0),  # -0.0 and rounding below 0 on one-key rows
+        entropy=ent,
         max_weight=torch.exp2(res["max_weight"]),
         topk_weights=torch.exp2(res["topk_weights"]),
         topk_indices=res["topk_indices"].masked_fill_(torch.isneginf(res["topk_weights"]), -1),
@@ -228,7 +239,7 @@ def _stats_heads(
         qa = q_aug[:, :, :, q0:q1]
         pos = torch.arange(q0 + off, q1 + off, device=dev)  # (n,) key position of each query row
         ent, dist = res["entropy"][..., q0:q1], res["mean_distance"][..., q0:q1]  # views: accumulate in place
-        mx, cnt = res["max_weight"][..., q0:q1], res["n_keys"][..., q0:q1]
+        mx, cnt, tot = res["max_weight"][..., q0:q1], res["n_keys"][..., q0:q1], res["total"][..., q0:q1]
         # contiguous top-k buffers for this row block, so rows can be updated through flat views
         topv = torch.full((b, h, g, n, kk), _NEG_INF, dtype=dt, device=dev)
         topi = torch.full((b, h, g, n, kk), -1, dtype=torch.long, device=dev)
@@ -258,16 +269,18 @@ def _stats_heads(
             p = torch.exp2(t)
             pt = p * t
             if masked:
-                pt.nan_to_num_(nan=0.0)  # masked keys: 0 · -inf
+                pt.nan_to_num_(nan=0.0)  # masked keys: 0 · -inf (NaN inputs: restored after the pass)
             ent += pt.sum(-1)
             if k1 - 1 <= q0 + off or k0 >= q1 - 1 + off:
                 # every key of the tile on one side of every query: |pos - j| is linear in j
                 m = p @ cols[:w]  # (b, h, G, n, 2): Σp, Σp·(j - k0)
                 lin = (pos - k0).to(dt) * m[..., 0] - m[..., 1]
                 dist += lin if k1 - 1 <= q0 + off else -lin
+                tot += m[..., 0]
             else:
                 d = (pos[:, None] - torch.arange(k0, k1, device=dev)[None, :]).abs().to(dt)  # (n, w)
                 dist += (p * d).sum(-1)
+                tot += p.sum(-1)
             for i, j in enumerate(kpos):
                 if k0 <= j < k1:
                     kw[..., i] = p[..., j - k0]

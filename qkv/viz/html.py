@@ -42,9 +42,8 @@ def decode_weights(b64: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
               max_map_bytes: int = MAX_HTML_MAP_BYTES) -> dict[str, Any]:
-    """The data embedded in the page (JSON-ready)."""
-    if layer is None or head is None:
-        layer, head = ex.best_head
+    """The data embedded in the page (JSON-ready); ``layer``/``head`` as :meth:`Explanation.select`."""
+    layer, head = ex.select(layer, head)
     L, H, N = ex.focus_weights.shape
     notes = list(ex.notes)
     maps = None
@@ -91,8 +90,9 @@ def render_html(ex: Any, layer: Optional[int] = None, head: Optional[int] = None
 
 def save_html(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = None, head: Optional[int] = None) -> str:
     """Write the report for ``ex`` to ``path`` and return the path."""
+    page = render_html(ex, layer, head)  # first: a bad layer/head must not leave an empty file behind
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(render_html(ex, layer, head))
+        fh.write(page)
     return os.fspath(path)
 
 

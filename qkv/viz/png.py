@@ -47,10 +47,9 @@ def _tick_labels(ax: Any, tokens: list[str], axis: str, highlight: tuple[int, ..
 
 
 def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None) -> Any:
-    """The matplotlib figure for ``ex``; the big map shows ``(layer, head)``, default the top head."""
+    """The matplotlib figure for ``ex``; the big map shows ``(layer, head)``, default the top head's."""
+    layer, head = ex.select(layer, head)
     plt = _plt()
-    if layer is None or head is None:
-        layer, head = ex.best_head
     L, H = ex.num_layers, ex.num_heads
     toks, f, t = ex.tokens, ex.focus_index, ex.target_index
     if ex.maps is None:

@@ -74,3 +74,33 @@ def test_single_process_falls_back_to_plain_attention():
     ref = qkv.attention(q, k, v, is_causal=True)
     assert torch.allclose(ring_attention(q, k, v, is_causal=True), ref, atol=1e-12)
     assert torch.allclose(ulysses_attention(q, k, v, is_causal=True), ref, atol=1e-12)
+
+
+def _failing_peer_worker(rank, world, where):
+    """Rank 1 stops at ``where``; rank 0 reports what its own call raised and how long it took."""
+    from qkv.distributed import ulysses_attention
+
+    x = torch.randn(1, 2, 8, 4, requires_grad=True)
+    # forward: a rank-local mistake, rank 1's local attention raises between the two all-to-alls
+    backend = "no-such-backend" if rank == 1 and where == "the output (forward)" else "auto"
+    if rank == 1:
+        ulysses_attention(x, x, x, backend=backend)
+        raise RuntimeError("rank 1 fails on purpose before the backward")
+    t0 = time.monotonic()
+    try:
+        ulysses_attention(x, x, x).sum().backward()
+    except RuntimeError as ex:
+        return ("raised", str(ex), time.monotonic() - t0)
+    return ("returned", "", time.monotonic() - t0)
+
+
+@pytest.mark.parametrize("where", ["the output (forward)", "the gradients of the output (backward)"])
+def test_peer_failure_names_the_all_to_all(where):
+    t0 = time.monotonic()
+    res = spawn(_failing_peer_worker, 2, where, timeout=45, pg_timeout_s=10)
+    assert res[1][0] == "error" and ("fails on purpose" in res[1][1] or "no-such-backend" in res[1][1]), res[1]  # its own error
+    assert res[0][0] == "ok", res[0]
+    kind, msg, elapsed = res[0][1]
+    print(f"rank 0: {kind} after {elapsed:.1f}s (spawn total {time.monotonic() - t0:.1f}s): {msg[:300]}")
+    assert kind == "raised" and f"ulysses_attention: rank 0 of 2 failed in the all-to-all of {where}" in msg
+    assert "Cause: " in msg and elapsed < 20

@@ -168,6 +168,28 @@ def test_head_summary_classifies_synthetic_heads():
     assert with_tokens.to_dict()[0]["module"] == "toy"
 
 
+@pytest.mark.parametrize("reuse_lse", [False, True])
+def test_recording_a_model_that_makes_nan_records_nan(reuse_lse):
+    m = MultiHeadAttention(8, 2, dtype=f64).eval()
+    x = torch.randn(1, 5, 8, dtype=f64)
+    x[0, 2] = float("nan")
+    with record(m, ["weights", "lse"], reuse_lse=reuse_lse) as rec:
+        m(x, is_causal=True)  # a hook never raises inside the model's forward
+    assert rec["weights"][0, :, 2].isnan().all() and rec["lse"][0, :, 2].isnan().all()
+    with record(m, "*.weights", stats=True, reuse_lse=reuse_lse) as rec:
+        m(x, is_causal=True)
+    assert rec.stats[""].entropy[0, :, 2].isnan().all()
+
+
+def test_head_summary_refuses_tokens_of_another_length():
+    q, k = synthetic_heads(8)
+    st = attention_stats(q, k, is_causal=True, enable_gqa=True)
+    with pytest.raises(ValueError, match="tokens has 7 strings but toy attend over 8 keys"):
+        head_summary({"toy": st}, tokens=[f"t{i}" for i in range(7)])
+    with pytest.raises(TypeError, match="'toy' maps to dict, not AttentionStats"):
+        head_summary({"toy": st.to_dict()})
+
+
 def test_head_summary_needs_stats():
     model = Model(layers=1).eval()
     with record(model, "*.q") as rec:

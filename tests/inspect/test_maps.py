@@ -83,8 +83,9 @@ def test_map_uses_the_given_lse():
     _, lse = qkv.attention(q, k, v, is_causal=True, return_lse=True)
     w = attention_map(q, k, lse=lse, is_causal=True, rows=slice(10, 20))
     assert torch.allclose(w.sum(-1), torch.ones(1, 2, 10, dtype=f64), atol=1e-12)
-    shifted = attention_map(q, k, lse=lse + 1.0, is_causal=True, rows=slice(10, 20))
-    assert torch.allclose(shifted, w / np.e, atol=1e-14)  # the lse really is what normalises
+    # the lse really is what normalises (a shift within the consistency check's tolerance)
+    shifted = attention_map(q, k, lse=lse + 0.01, is_causal=True, rows=slice(10, 20))
+    assert torch.allclose(shifted, w * np.exp(-0.01), atol=1e-14)
 
 
 def test_map_float32_close_to_reference_and_rows_sum_to_one():
@@ -110,3 +111,78 @@ def test_map_bad_arguments_explain_themselves():
         attention_map(q, k, heads=[2])
     with pytest.raises(ValueError, match="lse"):
         attention_map(q, k, lse=torch.zeros(3, 8))
+
+
+# -- a caller's lse that does not belong to the call is refused, never turned into weights ----------
+
+LSE_WRONG = "lse does not belong to this query/key/mask.*return_lse=True"
+
+
+def _lse_case():
+    q, k, v = make_qkv(2, 4, 2, 40, 40, 16)
+    kp = torch.ones(2, 40, dtype=torch.bool)
+    kp[1] = False  # batch entry 1: every row empty, lse -inf
+    masks = dict(enable_gqa=True, is_causal=True, key_padding_mask=kp)
+    _, lse = qkv.attention(q, k, v, return_lse=True, **masks)
+    return q, k, masks, lse
+
+
+@pytest.mark.parametrize("fn", ["map", "stats"])
+def test_lse_of_another_call_is_refused(fn):
+    from qkv.inspect import attention_stats
+
+    q, k, masks, lse = _lse_case()
+    run = (lambda l, **kw: attention_map(q, k, lse=l, rows=[0, 7, -1], **kw)) if fn == "map" else (
+        lambda l, **kw: attention_stats(q, k, lse=l, **kw))
+    run(lse, **masks)  # the right one passes
+    run(lse.to(torch.bfloat16), **masks)  # a lower-precision copy too: within its rounding
+    no_causal = {**masks, "is_causal": False}
+    _, other_q = qkv.attention(q * 2, k, k, return_lse=True, **masks)
+    live_neg_inf = lse.clone()
+    live_neg_inf[0, 1, 7] = float("-inf")  # a row with keys claimed empty
+    for bad, kw in ((lse - 2.0, masks), (lse + 3.0, masks), (lse, no_causal), (other_q, masks), (live_neg_inf, masks)):
+        with pytest.raises(ValueError, match=LSE_WRONG):
+            run(bad, **kw)
+
+
+@pytest.mark.parametrize("fn", ["map", "stats"])
+def test_lse_dtype_device_nan_and_inf_are_refused(fn):
+    from qkv.inspect import attention_stats
+
+    q, k, masks, lse = _lse_case()
+    run = (lambda l: attention_map(q, k, lse=l, **masks)) if fn == "map" else (lambda l: attention_stats(q, k, lse=l, **masks))
+    with pytest.raises(TypeError, match="lse has dtype torch.int64 but a log-sum-exp is floating point"):
+        run(lse.nan_to_num(neginf=0).long())
+    with pytest.raises(TypeError, match="lse must be a torch.Tensor"):
+        run(lse.tolist())
+    with pytest.raises(ValueError, match=r"lse is on meta but query is on cpu.*lse.to\(query.device\)"):
+        run(lse.to("meta"))
+    for value, what in ((float("nan"), "NaN"), (float("inf"), r"\+inf")):
+        bad = lse.clone()
+        bad[0, 2, 5] = value
+        with pytest.raises(ValueError, match=f"lse holds {what} in 1 of its 320 values"):
+            run(bad)
+    with pytest.raises(ValueError, match=r"lse has shape \(2, 4, 41\) but this call needs"):
+        run(torch.zeros(2, 4, 41))
+
+
+def test_nan_inputs_give_nan_maps_not_an_lse_error():
+    from qkv.inspect import attention_stats
+
+    q, k, masks, lse = _lse_case()
+    q[0, 1, 3] = float("nan")
+    assert attention_map(q, k, rows=[3], **masks)[0, 1, 0, :4].isnan().all()  # its own lse: not checked
+    assert attention_stats(q, k, **masks).entropy[0, 1, 3].isnan()
+    shifted = lse + 1.0
+    w = attention_map(q, k, lse=shifted, rows=[4], check_lse=False, **masks)  # opted out: used as given
+    assert torch.allclose(w.sum(-1)[0], torch.full((4, 1), np.exp(-1.0)), atol=1e-5)
+
+
+def test_lse_check_stays_off_the_nq_by_nk_matrix():
+    from ..conftest import LargestAllocation
+
+    q, k, _ = make_qkv(1, 2, 2, 2048, 2048, 16)
+    _, lse = qkv.attention(q, k, k, return_lse=True)
+    with LargestAllocation() as big:
+        attention_map(q, k, lse=lse, rows=[0, 1000, 2047], block=256)
+    assert big.biggest < 2048 * 2048 // 8, big.biggest  # an r × Nk result and tiles; never Nq × Nk

@@ -118,3 +118,25 @@ def test_words_map_to_subword_tokens():
         match_word("bob", text, toks, offs)
     ex = explain_attentions(list(_maps(N=len(toks))), toks, focus="Zylphoria", text=text, offsets=offs)
     assert ex.focus_index == 1 and any("split into 4 tokens" in n for n in ex.notes)
+
+
+def test_head_out_of_range_is_refused_before_drawing(ex, tmp_path):
+    for save in (save_png, save_html):
+        with pytest.raises(ValueError, match=r"layer 3, head 0 is out of range; the model has layers 0 to 2 and heads 0 to 3"):
+            save(ex, tmp_path / "x", 3, 0)
+        with pytest.raises(TypeError, match="head must be an int"):
+            save(ex, tmp_path / "x", 0, "1")
+        assert not (tmp_path / "x").exists()
+    assert ex.select(0) == (0, ex.best_head[1])  # the missing one is the best head's
+    assert json.loads(re.search(r'id="qkv-data">(.*?)</script>', render_html(ex, head=1)).group(1))["initial"] == {
+        "layer": ex.best_head[0], "head": 1}
+
+
+def test_explain_refuses_nan_and_negative_limits():
+    from qkv.viz import explain
+
+    for kw in ({"max_map_bytes": float("nan")}, {"max_map_tokens": -1}):
+        with pytest.raises(ValueError, match=r"must be >= 0 \(math.inf: no limit\)"):
+            explain("Alice said she likes tests", model=object(), **kw)
+    with pytest.raises(TypeError, match="text must be a string, got list"):
+        explain(["Alice"], model=object())
