@@ -130,7 +130,7 @@ def attention_varlen(
         from .backends.triton.backend import run_attention
 
         g = hq // hk
-        total_q, d = q.shape[0], q.shape[2]
+        total_q = q.shape[0]
         qg = q.unflatten(1, (hk, g)).permute(1, 2, 0, 3).unsqueeze(0)  # (1, Hk, G, Tq, D)
         kg = k.permute(1, 0, 2)[None, :, None]  # (1, Hk, 1, Tk, D)
         vg = v.permute(1, 0, 2)[None, :, None]

@@ -18,27 +18,34 @@ Backward recomputes each tile from the saved ``m`` and ``l`` instead of storing 
     P̃ = exp(S - m)  (= P · l);  dV += P̃ᵀ (dO / l);  dP̃ = (dO / l) Vᵀ
     dS = P̃ ∘ (dP̃ - δ / l),  δ = rowsum(dO ∘ O) - dlse;  dQ += dS K · scale;  dK += dSᵀ Q · scale
 
-Precision. ``m`` is a score that was actually computed, and the backward computes the same
-tile products, so ``S - m`` is exact near the maximum where the weights are large. Keeping
-``m`` and ``l`` apart (not folded into one ``lse``) keeps float32 gradients as accurate as a
-float32 softmax even when the logits are in the hundreds: an lse of 300 has an ulp of 3e-5,
-which ``exp(S - lse)`` would pass on to every weight.
+Precision (float32 gradients as accurate as a float32 softmax's, even with logits in the
+hundreds or one key taking all the weight):
 
-Exponentials are taken base 2 with ``log2(e)`` folded into the query scale (``exp2`` is about
-three times cheaper than ``exp`` on a CPU). Tiles with a float ``attn_mask`` stay in natural
-units (the bias is added unscaled, as the math path adds it: one rounding, not two).
+- ``m`` is a score that was actually computed, and the backward computes the same tile
+  products, so ``S - m`` is exact near the maximum, where the weights are large. ``m`` and ``l``
+  are kept apart rather than folded into one ``lse``: an lse of 300 has an ulp of 3e-5, which
+  ``exp(S - lse)`` would pass on to every weight.
+- Tiles hold the raw products ``q·kᵀ`` and the scale multiplies only ``S - m``, so no rounded
+  ``scale · log2 e`` stretches the large scores (exponentials are ``exp2``, about three times
+  cheaper than ``exp`` on a CPU). With a float ``attn_mask`` tiles hold ``q·kᵀ·scale + bias``
+  in natural units, rounded exactly as the math path rounds them.
+- ``l`` is a pairwise ``sum``, not a ones column in the matmul (BLAS sums sequentially).
+- Where one key holds more than half of a row's weight, its ``dS`` is recomputed from
+  ``v_j - O_i`` (see :func:`_backward_heads`).
+
 Heads are processed in groups small enough that a tile (``1 MiB`` of float32 scores across
 the group) stays in cache for the elementwise pass. 16-bit inputs are computed in float32
-and rounded once. Differences from ``math``: no dropout, and no gradient to a float
-``attn_mask``.
+and rounded once. A negative or zero scale moves into the query first
+(:meth:`AttentionCall.positive_scale`), so the row maximum of ``q·kᵀ`` is the largest score.
+Differences from ``math``: no dropout, and no gradient to a float ``attn_mask``.
 
 The autograd functions follow ``torch.func``'s protocol (``setup_context`` and a ``vmap``
-rule), so ``jacrev``, ``vmap`` and batched-gradient checks work.
+rule), so ``jacrev``, ``vmap`` and ``grad`` work; batched cotangents from the autograd engine
+(``gradcheck(check_batched_grad=True)``) take a dense formula.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterator, Optional
 
 import torch

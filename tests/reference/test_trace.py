@@ -234,7 +234,7 @@ def test_narratives_quote_the_numbers(rng):
             assert short(t.scaled[0, j]) in text
             assert short(t.weights[0, j]) in text
         assert short(t.output[0, 0]) in text
-        assert f"√3 ≈ 1.732" in text
+        assert "√3 ≈ 1.732" in text
         assert top in text
     en, zh = t.explain("en"), t.explain("zh")
     assert "attends most to" in en and "Dot products" in en and "Softmax" in en
