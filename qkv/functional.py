@@ -89,6 +89,14 @@ def attention(
                 and value.dim() == 4
                 and value.shape[1] == key.shape[1]
                 and value.shape[2] == key.shape[2]
+                and query.numel()  # empty sizes: torch's shapes ignore broadcasting there
+                and key.numel()
+                # shared key/value heads or a float mask, with gradients: see auto_order
+                and (
+                    (key.shape[1] == query.shape[1] and (attn_mask is None or attn_mask.dtype is torch.bool))
+                    or not torch.is_grad_enabled()
+                    or not (query.requires_grad or key.requires_grad or value.requires_grad)
+                )
                 and (scale is None or 0.0 < scale < math.inf)
                 and (dropout_p == 0.0 or 0.0 < dropout_p < 1.0)
                 and (

@@ -56,12 +56,13 @@ def guard(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Apply the rule to a backend's ``out``/``lse``.
 
-    On a CPU (outside ``torch.compile``) three sums decide first — a NaN or infinity anywhere
-    makes them non-finite — so finite inputs, the usual case, cost three reductions. Elsewhere
-    the rows are marked without reading anything back, so the call never waits on the device.
+    On a CPU (outside ``torch.compile`` and ``torch.func`` transforms) three sums decide first —
+    a NaN or infinity anywhere makes them non-finite — so finite inputs, the usual case, cost
+    three reductions. Elsewhere the rows are marked without reading anything back, so the call
+    never waits on the device.
     """
-    if query.is_cpu and not torch.compiler.is_compiling():
-        total = float(query.sum()) + float(key.sum()) + float(value.sum())
+    if query.is_cpu and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
+        total = float(query.detach().sum()) + float(key.detach().sum()) + float(value.detach().sum())
         if math.isfinite(total):  # a huge but finite sum lands below, where it is checked exactly
             return out, lse
     return poison(out, lse, nonfinite_rows(query, key, value))

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 
+# Triton's kernels run on the CPU through its interpreter in these tests. The variable must be
+# set before triton is first imported (torch can import it indirectly), so it is set here,
+# before anything else, unless the environment chose otherwise.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import numpy as np
 import pytest
 import torch

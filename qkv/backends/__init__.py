@@ -39,6 +39,13 @@ def auto_order(call: AttentionCall) -> list[Backend]:
         order = [chunked, sdpa, math]
     else:
         order = [sdpa, math, chunked] if scores <= MATH_MAX_SCORES else [sdpa, chunked, math]
+    if call.requires_grad and (call.hq != call.hk or (call.attn_mask is not None and not call.bool_mask)):
+        # torch's CPU backward misses the accuracy rule here: it sums shared key/value heads'
+        # gradients in the input dtype (dV up to 7x a float32-accumulated baseline in bfloat16),
+        # and recomputes weights from a rounded lse, which a bias of a few hundred (ALiBi) makes
+        # coarse (dV 6x in float32). qkv's own backends accumulate in float32 from the row max.
+        order.remove(sdpa)
+        order.append(sdpa)
     if call.device.type == "cuda":  # never on CPU, where triton would run in its slow interpreter
         triton = BACKENDS["triton"]
         # SDPA has no native form for these (it would need a dense mask, or has no lse gradient)

@@ -83,6 +83,13 @@ class SdpaBackend(Backend):
         return reasons
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if call.batch_size * call.hq * call.nq == 0 or call.nk == 0:
+            # nothing to compute; torch's kernels divide by these sizes or drop broadcasting
+            # (an empty batch broadcast against 2 keeps its 1): the math path's empty matmuls
+            # give the broadcast shapes, zeros and -inf
+            from .math import MathBackend
+
+            return MathBackend().forward(call)
         if call.return_lse:
             return self._with_lse(call)
         is_causal = sdpa_is_causal(call)
@@ -98,10 +105,6 @@ class SdpaBackend(Backend):
 
     def _with_lse(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         b = call.batch_size
-        if b * call.hq * call.nq == 0 or call.nk == 0:  # torch's kernel divides by these sizes
-            out = call.query.new_zeros(b, call.hk, call.group, call.nq, call.dv)
-            lse = torch.full((b, call.hk, call.group, call.nq), float("-inf"), dtype=call.lse_dtype, device=call.device)
-            return call.ungroup(out), call.ungroup(lse)
         query, scale = call.positive_scale()
         q, k, v = call.grouped_qkv(query)
         # (B, H, N, D), contiguous: this private kernel reads its inputs as if they were

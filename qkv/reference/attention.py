@@ -72,11 +72,13 @@ def combined_mask(
     window: WindowArg = None,
     window_alignment: Optional[str] = None,
     key_padding_mask: Any = None,
+    has_heads: bool = True,
 ) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """Fold every mask argument into (allowed bool mask, additive float bias); either may be None.
 
-    Both broadcast against scores of shape ``(..., H, Nq, Nk)``. A torch ``CausalBias`` as
-    ``attn_mask`` means causal with its alignment.
+    Both broadcast against scores of shape ``(..., H, Nq, Nk)`` (``(Nq, Nk)`` with
+    ``has_heads=False``: 2-D inputs). A torch ``CausalBias`` as ``attn_mask`` means causal with
+    its alignment.
     """
     bias_alignment = causal_bias_alignment(attn_mask)
     if bias_alignment is not None:
@@ -86,7 +88,8 @@ def combined_mask(
     allowed = positional_mask(nq, nk, is_causal, window, window_alignment)
     bias = None
     if key_padding_mask is not None:
-        kp = _as_bool(key_padding_mask)[..., None, None, :]  # (..., 1, 1, Nk)
+        kp = _as_bool(key_padding_mask)
+        kp = kp[..., None, None, :] if has_heads else kp[..., None, :]  # (..., 1, 1, Nk) or (1, Nk)
         allowed = kp if allowed is None else allowed & kp
     if attn_mask is not None:
         is_bool = str(getattr(attn_mask, "dtype", "")).endswith("bool")
@@ -176,6 +179,7 @@ def attention_ref(
         window=window,
         window_alignment=window_alignment,
         key_padding_mask=key_padding_mask,
+        has_heads=q.ndim > 2,
     )
     bad = nonfinite_rows(q, k, v)
     if bad.any():  # compute on zeros in their place, then mark the rows: masked keys stay masked

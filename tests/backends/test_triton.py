@@ -273,15 +273,30 @@ def test_custom_op_opcheck_and_fake_shapes():
 
     from qkv.backends.triton.backend import attention_fwd_op
 
-    q = torch.randn(1, 2, 2, 17, 16, requires_grad=True)
-    k = torch.randn(1, 2, 1, 20, 16, requires_grad=True)
-    v = torch.randn(1, 2, 1, 20, 24, requires_grad=True)
+    from qkv.backends.triton.backend import attention_bwd_op
+
+    q = torch.randn(1, 2, 2, 17, 16)
+    k = torch.randn(1, 2, 1, 20, 16)
+    v = torch.randn(1, 2, 1, 20, 24)
     kp = torch.rand(1, 20) > 0.2
     torch.library.opcheck(attention_fwd_op, (q, k, v, None, kp, None, None, 0, 0, 0.25, None, 0, True))
+    out, lse = attention_fwd_op(q, k, v, None, kp, None, None, 0, 0, 0.25, None, 0, True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.library.opcheck(attention_bwd_op, (dout, dlse, q, k, v, out, lse, None, kp, None, None, 0, 0, 0.25, None, 0, True))
     with FakeTensorMode():
         fq, fk, fv = torch.empty(2, 3, 2, 5, 80), torch.empty(2, 3, 1, 7, 80), torch.empty(2, 3, 1, 7, 48)
         out, lse = attention_fwd_op(fq, fk, fv, None, None, None, None, 0, 0, 0.1, None, None, False)
         assert out.shape == (2, 3, 2, 5, 48) and lse.shape == (2, 3, 2, 5) and lse.dtype == torch.float32
+
+
+def test_torch_func_transforms():
+    q, k, v = make_qkv(1, 2, 1, 5, 7, 16, dtype=torch.float32)
+    f = lambda q, k, v: qkv.attention(q, k, v, is_causal="bottom_right", enable_gqa=True, backend="triton")  # noqa: E731
+    g = lambda q, k, v: qkv.attention(q, k, v, is_causal="bottom_right", enable_gqa=True, backend="math")  # noqa: E731
+    for got, want in zip(torch.func.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(q, k, v), torch.func.grad(lambda *a: g(*a).sum(), argnums=(0, 1, 2))(q, k, v)):
+        assert max_err(got, want) < 1e-5
+    batched = torch.func.vmap(f, in_dims=(0, None, None))(torch.stack([q, 2 * q]), k, v)
+    assert max_err(batched, torch.stack([g(q, k, v), g(2 * q, k, v)])) < 1e-5
 
 
 def test_torch_compile_keeps_one_graph():

@@ -1,9 +1,9 @@
 """``triton``: the fused kernels of :mod:`.kernels` behind torch custom ops, with autograd.
 
 The forward and backward are registered as ``qkv::triton_attention_fwd`` /
-``qkv::triton_attention_bwd`` (``torch.library.custom_op`` with fake implementations and a
-registered autograd formula), so ``torch.compile`` traces through a call instead of breaking
-the graph. Both ops take the grouped layout of :meth:`AttentionCall.grouped_qkv`, and, for
+``qkv::triton_attention_bwd`` (``torch.library.custom_op`` with fake implementations), joined
+by an autograd function, so ``torch.compile`` traces through a call instead of breaking the
+graph and ``torch.func`` transforms work. Both ops take the grouped layout of :meth:`AttentionCall.grouped_qkv`, and, for
 packed variable-length batches, ``cu_seqlens`` tensors (see :mod:`qkv.varlen`).
 
 This module imports triton; :mod:`qkv.backends.triton` imports it lazily.
@@ -216,23 +216,37 @@ def _(dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_seqlens_q, cu_se
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_SCALARS = ("max_seqlen_q", "max_seqlen_k", "scale", "lo", "hi", "bottom_right")
+class _TritonAttention(torch.autograd.Function):
+    """Autograd over the two custom ops, in ``torch.func``'s protocol (``setup_context`` and a
+    ``vmap`` rule), so ``grad``, ``jacrev`` and ``vmap`` work as well as ``torch.compile``.
+    (``register_autograd`` on the op would build a Function without ``setup_context``.)"""
 
+    @staticmethod
+    def forward(q, k, v, attn_mask, key_padding, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right):
+        return attention_fwd_op(q, k, v, attn_mask, key_padding, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right)
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, key_padding, cu_q, cu_k, *scalars = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k)
-    ctx.scalars = scalars
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        q, k, v, attn_mask, key_padding, cu_q, cu_k, *scalars = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k)
+        ctx.scalars = scalars
 
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        with torch.no_grad():  # no double backward: the op needs no autograd formula of its own
+            dq, dk, dv = attention_bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k, *ctx.scalars)
+        return (dq, dk, dv) + (None,) * 10
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = attention_bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k, *ctx.scalars)
-    return (dq, dk, dv) + (None,) * (4 + len(_SCALARS))
-
-
-attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        outs = []
+        for i in range(info.batch_size):
+            outs.append(_TritonAttention.apply(*(a if d is None or a is None else a.select(d, i) for a, d in zip(args, in_dims))))
+        return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
 
 
 def run_attention(
@@ -243,7 +257,7 @@ def run_attention(
     """The custom op on grouped tensors (see :func:`triton_fwd`); masks are never differentiated."""
     if attn_mask is not None:
         attn_mask = attn_mask.detach()
-    return attention_fwd_op(
+    return _TritonAttention.apply(
         q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         float(scale), lo, hi, bool(bottom_right),
     )  # fmt: skip

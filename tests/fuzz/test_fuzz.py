@@ -1,0 +1,56 @@
+"""The seeded fuzz test: thousands of random ``qkv.attention`` calls against the float64 oracle.
+
+Each chunk judges ``CHUNK`` consecutive cases of the run's base seed (see :mod:`.calls` for
+what is drawn and :mod:`.judge` for what is checked). The base seed is fresh every run and
+shared by the xdist workers; a failure prints it with one reproducer line per case:
+
+    QKV_FUZZ_SEED=123 pytest tests/fuzz           # the same calls again
+    QKV_FUZZ_CASES=20000 pytest -n 2 tests/fuzz   # more calls
+    python -m tests.fuzz --seed 123 --case 456    # one case, verbosely
+    python -m tests.fuzz --long                   # 20,000 calls with a grouped summary
+
+The triton slice runs a few small cases through Triton's CPU interpreter (slow), with
+TRITON_INTERPRET=1 set for the test process as tests/backends/test_triton.py does.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (qkv imports it lazily)
+
+import pytest  # noqa: E402
+
+from .judge import run  # noqa: E402
+from .report import CASES_ENV, base_seed, failure_message  # noqa: E402
+from .runner import quiet  # noqa: E402
+
+SEED = base_seed()
+CASES = int(os.environ.get(CASES_ENV, 3000))
+CHUNK = 125
+TRITON_CASES, TRITON_CHUNK = 16, 4
+
+quiet()
+# torch warns that causal_lower_right with Nq > Nk leaves rows with nothing to attend to: the point
+pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias")
+
+
+def _check(cases: list[str]) -> None:
+    print(f"qkv fuzz: base seed {SEED} (QKV_FUZZ_SEED={SEED} draws the same calls), cases {cases[0]}..{cases[-1]}")
+    results = [run(SEED, c) for c in cases]
+    refused = sum(r.status == "refused" for r in results)
+    print(f"{len(results)} calls, {refused} refused (qkv.BackendError from a named backend)")
+    if any(r.status == "failed" for r in results):
+        pytest.fail(failure_message(results, SEED), pytrace=False)
+
+
+@pytest.mark.parametrize("chunk", range(-(-CASES // CHUNK)), ids=lambda c: f"cases{c * CHUNK}-{min(CASES, (c + 1) * CHUNK) - 1}")
+def test_fuzz(chunk: int) -> None:
+    _check([str(i) for i in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK))])
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.parametrize("chunk", range(TRITON_CASES // TRITON_CHUNK), ids=lambda c: f"t{c * TRITON_CHUNK}-t{(c + 1) * TRITON_CHUNK - 1}")
+def test_fuzz_triton(chunk: int) -> None:
+    pytest.importorskip("triton")
+    _check([f"t{i}" for i in range(chunk * TRITON_CHUNK, (chunk + 1) * TRITON_CHUNK)])
