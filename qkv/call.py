@@ -266,8 +266,6 @@ def validate(
         )
     if v.shape[-2] != nk:
         raise ValueError(f"value has {v.shape[-2]} positions but key has {nk}; each key needs exactly one value")
-    if d == 0:
-        raise ValueError("query head dim is 0; attention needs head_dim >= 1")
     if q.dim() == 2:
         hq = hk = hv = 1
         batch: tuple[int, ...] = ()
@@ -308,7 +306,7 @@ def validate(
     win = parse_window(window)
     win_alignment = parse_alignment(window_alignment)
     if scale is None:
-        scale = 1.0 / math.sqrt(d)
+        scale = 1.0 / math.sqrt(d) if d else 1.0  # head dim 0: every score is 0 whatever the scale
     else:
         scale = float(scale)
         if not math.isfinite(scale):
@@ -334,6 +332,8 @@ def validate(
                 f"{_shape(scores_shape)} (..., heads, query_len, key_len); give it shape "
                 f"(query_len, key_len) = ({nq}, {nk}) or (batch, heads, query_len, key_len)"
             )
+        if attn_mask.dim() < 2:  # a per-key mask (Nk,) or a scalar: give it the (Nq|1, Nk|1) dims
+            attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
         compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         if attn_mask.dtype != torch.bool and attn_mask.dtype != compute:
             # in the scores' precision: a float32 bias on 16-bit inputs is not rounded to 16 bits

@@ -83,7 +83,7 @@ class SdpaBackend(Backend):
         return reasons
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if call.batch_size * call.hq * call.nq == 0 or call.nk == 0:
+        if call.batch_size * call.hq * call.nq == 0 or call.nk == 0 or call.d == 0:
             # nothing to compute; torch's kernels divide by these sizes or drop broadcasting
             # (an empty batch broadcast against 2 keeps its 1): the math path's empty matmuls
             # give the broadcast shapes, zeros and -inf

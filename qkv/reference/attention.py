@@ -169,7 +169,7 @@ def attention_ref(
         k = repeat_kv_heads(k, q.shape[-3])
         v = repeat_kv_heads(v, q.shape[-3])
     if scale is None:
-        scale = 1.0 / np.sqrt(d)
+        scale = 1.0 / np.sqrt(d) if d else 1.0  # head dim 0: every score is 0 whatever the scale
 
     allowed, bias = combined_mask(
         nq,

@@ -693,6 +693,12 @@ def _judge(spec: Spec, res: Result) -> None:
         nat = r_grads.get(f"{name}:scale")  # absent when no key is attended at all
         natural = max(max_abs(r), 0.0 if nat is None else max_abs(_np(nat)))
         bound = MATH_GRAD_ULPS * (_eps(leaf.dtype) * max_abs(r) + bounds.rel * natural)
+        compute = torch.float32 if spec.torch_dtype in (torch.float16, torch.bfloat16) else spec.torch_dtype
+        if _eps(leaf.dtype) > _eps(compute):
+            # a leaf coarser than the scores (a float32 mask on float64 inputs, a 16-bit mask):
+            # autograd rounds each term to the leaf's dtype before summing the terms that a
+            # broadcast (expanded) leaf receives, so its error follows the terms, not their sum
+            bound += MATH_GRAD_ULPS * _eps(leaf.dtype) * natural
         bg = None
         if base is not None and base.backward_error is None:
             bg = base.grads.get(name)

@@ -72,6 +72,8 @@ class TritonBackend(Backend):
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
         reasons = []
+        if call.d == 0:
+            reasons.append("head dim 0: the kernels need a head dim of at least 1")
         if max(call.d, call.dv) > MAX_HEAD_DIM:
             reasons.append(f"head dim {max(call.d, call.dv)} > {MAX_HEAD_DIM}: a row of Q/K/V must fit in one tile")
         if call.device.type == "cuda" and math.prod(call.batch_shape) * call.hq > _MAX_GRID_Y:
