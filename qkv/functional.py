@@ -14,6 +14,7 @@ from .call import validate, validate_qk
 from .nonfinite import guard
 
 _sdpa = F.scaled_dot_product_attention
+_FULL_PRECISION = (torch.float32, torch.float64)
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
 
 
@@ -91,9 +92,13 @@ def attention(
                 and value.shape[2] == key.shape[2]
                 and query.numel()  # empty sizes: torch's shapes ignore broadcasting there
                 and key.numel()
-                # shared key/value heads or a float mask, with gradients: see auto_order
+                # gradients torch computes less accurately than qkv's rule: see backends.auto_order
                 and (
-                    (key.shape[1] == query.shape[1] and (attn_mask is None or attn_mask.dtype is torch.bool))
+                    (
+                        key.shape[1] == query.shape[1]
+                        and (attn_mask is None or attn_mask.dtype is torch.bool)
+                        and query.dtype in _FULL_PRECISION
+                    )
                     or not torch.is_grad_enabled()
                     or not (query.requires_grad or key.requires_grad or value.requires_grad)
                 )

@@ -7,6 +7,8 @@ listing every reason — it never falls back silently.
 
 from __future__ import annotations
 
+import torch
+
 from ..call import AttentionCall
 from .base import Backend
 from .chunked import ChunkedBackend
@@ -31,6 +33,16 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"backend={name!r} is unknown; choose 'auto' or one of {sorted(BACKENDS)}") from None
 
 
+def torch_backward_misses_rule(call: AttentionCall) -> bool:
+    """Calls whose gradients from torch's CPU kernels miss qkv's accuracy rule (measured by the
+    fuzz test and the FlashAttention port): 16-bit inputs (torch rounds P and dS to 16 bits and
+    sums in 16 bits: dV up to 3.7x the baseline), shared key/value heads (their gradients are
+    summed in the input dtype: dV up to 7x in bfloat16, dQ 6x in float32), and float masks
+    (weights recomputed from a rounded lse, which an ALiBi-sized bias makes coarse: dV 6x in
+    float32). qkv's own backends accumulate in float32 from each row's maximum."""
+    return call.dtype in (torch.float16, torch.bfloat16) or call.hq != call.hk or (call.attn_mask is not None and not call.bool_mask)
+
+
 def auto_order(call: AttentionCall) -> list[Backend]:
     """Backends in the order ``auto`` tries them for this call (fastest first)."""
     sdpa, chunked, math = BACKENDS["sdpa"], BACKENDS["chunked"], BACKENDS["math"]
@@ -39,11 +51,7 @@ def auto_order(call: AttentionCall) -> list[Backend]:
         order = [chunked, sdpa, math]
     else:
         order = [sdpa, math, chunked] if scores <= MATH_MAX_SCORES else [sdpa, chunked, math]
-    if call.requires_grad and (call.hq != call.hk or (call.attn_mask is not None and not call.bool_mask)):
-        # torch's CPU backward misses the accuracy rule here: it sums shared key/value heads'
-        # gradients in the input dtype (dV up to 7x a float32-accumulated baseline in bfloat16),
-        # and recomputes weights from a rounded lse, which a bias of a few hundred (ALiBi) makes
-        # coarse (dV 6x in float32). qkv's own backends accumulate in float32 from the row max.
+    if call.device.type == "cpu" and call.requires_grad and torch_backward_misses_rule(call):
         order.remove(sdpa)
         order.append(sdpa)
     if call.device.type == "cuda":  # never on CPU, where triton would run in its slow interpreter
