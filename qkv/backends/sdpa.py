@@ -78,6 +78,16 @@ class SdpaBackend(Backend):
                 reasons.append("return_lse=True with grouped-query heads: torch's kernel would need K/V copied per head")
             if call.dv != call.d:
                 reasons.append(f"return_lse=True needs value head dim == query head dim (got {call.dv} vs {call.d})")
+        if (
+            call.device.type == "cpu"
+            and call.requires_grad
+            and call.hq != call.hk
+            and call.dtype in (torch.float16, torch.bfloat16)
+        ):
+            reasons.append(
+                "gradients for shared key/value heads in 16 bits: torch's CPU backward sums the heads' "
+                "gradients in 16 bits (dV errors up to 40x qkv's accuracy rule); use backend='auto'"
+            )
         if call.rows_may_be_empty and not empty_rows_are_zero(call.device.type):
             reasons.append(f"torch SDPA on {call.device.type} returns NaN for fully masked rows")
         return reasons
