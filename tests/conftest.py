@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
+from typing import Any, Callable, Optional
 
 # Triton's kernels run on the CPU through its interpreter in these tests. The variable must be
 # set before triton is first imported (torch can import it indirectly), so it is set here,
@@ -115,3 +118,29 @@ def mask_kwargs(kind: str, b: int, h: int, nq: int, nk: int, dtype: torch.dtype 
     if kind == "bool_mask_causal":
         return {"attn_mask": torch.rand(nq, nk) > 0.3, "is_causal": True}
     raise ValueError(kind)
+
+
+def param_grid(full: dict, walk: dict, ident: Callable[[str, Any], str], fix: Optional[Callable[[dict], Optional[dict]]] = None):
+    """``(argnames, params)`` for ``pytest.mark.parametrize``: every combination of the ``full``
+    axes; each ``walk`` axis takes its values in turn along that list, in a fixed shuffled order
+    (the same in every xdist worker), so every value is used and its pairings with the other
+    axes vary. ``ident(name, value)`` names a value in the test id; ``fix(row)`` may adjust a
+    row or drop it by returning None. (The ported suites' grids are too large to run whole.)"""
+    combos = list(itertools.product(*full.values()))
+    columns = {}
+    for name, values in walk.items():
+        assert len(combos) >= len(values), f"{name}: more values than cases"
+        col = [values[i % len(values)] for i in range(len(combos))]
+        random.Random(name).shuffle(col)
+        columns[name] = col
+    names = [*full, *walk]
+    params = []
+    for i, combo in enumerate(combos):
+        row = dict(zip(full, combo))
+        row.update({n: columns[n][i] for n in walk})
+        if fix is not None:
+            row = fix(row)
+            if row is None:
+                continue
+        params.append(pytest.param(*(row[n] for n in names), id="-".join(ident(n, row[n]) for n in names)))
+    return ",".join(names), params

@@ -334,7 +334,6 @@ def test_chunked_tiles_with_scores_far_from_the_first_tile(growth, dtype):
         call = qkv.call.validate(q.to(dtype), k.to(dtype), v.to(dtype), return_lse=True, **kw)
         out, lse = small.forward(call)
         ref_out, ref_lse = attention_ref(q, k, v, return_lse=True, **kw)
-        base = qkv.attention(q.to(dtype), k.to(dtype), v.to(dtype), backend="math", **kw)
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
         # scores reach the thousands, where rounding a score costs its weight eps·|s| and which
         # products round which way is luck: the baseline is the worst of the math path over

@@ -63,8 +63,6 @@ prints the seed); the window sizes, padding lengths and cache lengths drawn are 
 
 from __future__ import annotations
 
-import itertools
-import random
 
 import numpy as np
 import pytest
@@ -75,7 +73,7 @@ from qkv.backends import BACKENDS
 from qkv.backends.chunked import ChunkedBackend
 from qkv.nn import KVCache
 
-from .conftest import FLOOR, max_err
+from .conftest import FLOOR, max_err, param_grid
 from .flash_ref import (
     attention_ref,
     attn_bias_from_alibi_slopes,
@@ -109,28 +107,7 @@ def _id(name: str, value) -> str:
 
 
 def _grid(full: dict, walk: dict, fix=None):
-    """``(argnames, params)``: every combination of the ``full`` axes; each ``walk`` axis takes its
-    values in turn along that list, in a fixed shuffled order (the same in every xdist worker),
-    so every value is used and its pairings with the other axes vary. ``fix(row)`` may adjust a
-    row (e.g. a packing that needs equal lengths) or drop it by returning None."""
-    combos = list(itertools.product(*full.values()))
-    columns = {}
-    for name, values in walk.items():
-        assert len(combos) >= len(values), f"{name}: more values than cases"
-        col = [values[i % len(values)] for i in range(len(combos))]
-        random.Random(name).shuffle(col)
-        columns[name] = col
-    names = [*full, *walk]
-    params = []
-    for i, combo in enumerate(combos):
-        row = dict(zip(full, combo))
-        row.update({n: columns[n][i] for n in walk})
-        if fix is not None:
-            row = fix(row)
-            if row is None:
-                continue
-        params.append(pytest.param(*(row[n] for n in names), id="-".join(_id(n, row[n]) for n in names)))
-    return ",".join(names), params
+    return param_grid(full, walk, _id, fix)
 
 
 @pytest.fixture

@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 
 import numpy as np
 import pytest
@@ -104,7 +103,7 @@ from qkv.backends.chunked import ChunkedBackend
 from qkv.call import validate
 from qkv.reference import attention_ref
 
-from .conftest import assert_within_rule, max_err
+from .conftest import assert_within_rule, max_err, param_grid
 
 BACKENDS = ["auto", "sdpa", "chunked", "math"]
 
@@ -218,27 +217,7 @@ def _check_equal(golden, reference, test, fudge_factor, tensor_name=""):
 
 
 def _grid(full: dict, walk: dict, fix=None):
-    """``(argnames, params)``: every combination of the ``full`` axes; each ``walk`` axis takes its
-    values in turn along that list in a fixed shuffled order (the same in every xdist worker)."""
-    combos = list(itertools.product(*full.values()))
-    columns = {}
-    for name, values in walk.items():
-        assert len(combos) >= len(values), f"{name}: more values than cases"
-        col = [values[i % len(values)] for i in range(len(combos))]
-        random.Random(name).shuffle(col)
-        columns[name] = col
-    names = [*full, *walk]
-    params = []
-    for i, combo in enumerate(combos):
-        row = dict(zip(full, combo))
-        row.update({n: columns[n][i] for n in walk})
-        if fix is not None:
-            row = fix(row)
-            if row is None:
-                continue
-        ident = "-".join(_dtype_id(row[n]) if isinstance(row[n], torch.dtype) else f"{n}={row[n]}" for n in names)
-        params.append(pytest.param(*(row[n] for n in names), id=ident))
-    return ",".join(names), params
+    return param_grid(full, walk, lambda n, v: _dtype_id(v) if isinstance(v, torch.dtype) else f"{n}={v}", fix)
 
 
 def causal_tril(nq: int, nk: int, bottom_right: bool = False) -> torch.Tensor:

