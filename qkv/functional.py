@@ -69,8 +69,9 @@ def attention(
     - ``generator``: makes dropout reproducible (math backend).
     """
     # Fast path: a plain 4-D SDPA call goes straight to torch's kernel with almost no Python,
-    # so small shapes pay no overhead. It checks only what torch does not (or gets wrong):
-    # values pairing with keys, the mask's device, a mask together with is_causal, scale > 0.
+    # so small shapes pay little. It checks only what torch does not (or gets wrong): values
+    # pairing with keys, the mask's device, a mask together with is_causal, scale > 0, empty
+    # sizes, and gradients that torch's CPU backward computes below qkv's accuracy rule.
     # Anything torch rejects is re-checked below, which either explains the mistake or routes
     # the call to a backend that handles it.
     if (

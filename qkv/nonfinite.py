@@ -2,8 +2,8 @@
 
 Backends disagree on NaN and infinity (torch's CPU flash kernel turns a NaN query row into
 zeros; the math path spreads a NaN value through every row that multiplies it by a zero
-weight), so qkv states one rule and enforces it after any backend has run, without a device
-sync:
+weight), so qkv states one rule and enforces it after any backend has run (on a GPU without a
+device sync):
 
     row (b, h, i) of the output and of the lse is NaN when query row i holds a NaN or ±inf,
     or when any key or value of (b, key/value head of h) does.
