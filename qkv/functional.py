@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional, Tuple, Union
 
@@ -13,6 +14,7 @@ from .backends.sdpa import empty_rows_are_zero
 from .call import validate, validate_qk
 from .nonfinite import guard
 
+_log = logging.getLogger("qkv")
 _sdpa = F.scaled_dot_product_attention
 _FULL_PRECISION = (torch.float32, torch.float64)
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
@@ -116,6 +118,8 @@ def attention(
                 )
             ):
                 out = _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+                if _log.isEnabledFor(logging.DEBUG):
+                    _log.debug("qkv.attention(query %s): auto runs sdpa directly (a plain SDPA call)", tuple(query.shape))
                 return guard(query, key, value, out)[0]
         except Exception:
             pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 
 import numpy as np
 import pytest
@@ -11,7 +12,15 @@ import qkv
 from qkv.backends import BACKENDS
 from qkv.reference import attention_ref
 
-from .conftest import FLOOR, MASK_KINDS, LargestAllocation, assert_within_rule, make_qkv, mask_kwargs, max_err
+from .conftest import (
+    FLOOR,
+    MASK_KINDS,
+    LargestAllocation,
+    assert_within_rule,
+    make_qkv,
+    mask_kwargs,
+    max_err,
+)
 
 BACKEND_NAMES = ["math", "chunked", "sdpa"]
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -366,3 +375,15 @@ def test_chunked_head_groups_slice_masks(monkeypatch):
     expected = torch.autograd.grad(qkv.attention(q, k, v, backend="math", **kw).sum(), (q, k, v))
     for g, e in zip(grads, expected):
         assert max_err(g, e) < 1e-12
+
+
+def test_auto_says_which_backend_ran_and_why(caplog):
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 8)
+    with caplog.at_level(logging.DEBUG, logger="qkv"):
+        qkv.attention(q, k, v, is_causal=True)
+        qkv.attention(q, k, v, is_causal="bottom_right", return_lse=True, window=(4, 0))
+        qkv.attention(q.requires_grad_(), k, v, return_lse=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "qkv"]
+    assert "auto runs sdpa directly" in lines[0]
+    assert "auto runs sdpa" in lines[1] and "window=(4, 0)" in lines[1]
+    assert "auto runs math" in lines[2] and "sdpa: return_lse=True with gradients" in lines[2], lines[2]

@@ -7,6 +7,8 @@ listing every reason — it never falls back silently.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..call import AttentionCall
@@ -15,6 +17,8 @@ from .chunked import ChunkedBackend
 from .math import MathBackend
 from .sdpa import DENSE_MASK_LIMIT, SdpaBackend, needs_dense_mask
 from .triton import TritonBackend
+
+_log = logging.getLogger("qkv")
 
 # Below this many scores per head the one-shot math path beats chunked's loop on a CPU.
 MATH_MAX_SCORES = 1 << 14
@@ -79,8 +83,18 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
                 + "\nUse backend='auto' to let qkv choose, or see `qkv info`."
             )
         return chosen
-    for candidate in auto_order(call):
+    order = auto_order(call)
+    for i, candidate in enumerate(order):
         if not candidate.not_supported_reasons(call):
+            if _log.isEnabledFor(logging.DEBUG):
+                passed = "; ".join(f"{b.NAME}: {', '.join(b.not_supported_reasons(call))}" for b in order[:i])
+                demoted = call.device.type == "cpu" and call.requires_grad and torch_backward_misses_rule(call)
+                _log.debug(
+                    "qkv.attention(%s): auto runs %s (order %s)%s%s",
+                    call.describe(), candidate.NAME, " → ".join(b.NAME for b in order),
+                    f"; cannot run it: {passed}" if passed else "",
+                    "; sdpa last: torch's CPU backward misses the accuracy rule for these gradients" if demoted else "",
+                )  # fmt: skip
             return candidate
     lines = [f"  {n}: {'; '.join(r)}" for n, r in reasons_by_backend(call).items()]
     raise BackendError(f"no backend can run this call ({call.describe()}):\n" + "\n".join(lines))
