@@ -63,11 +63,6 @@ class AttentionCall:
         return self.hq // self.hk if self.hk else 1  # zero heads: an empty grouped layout
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        """Scores are computed in float32 for 16-bit inputs (large logits cannot overflow)."""
-        return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
-
-    @property
     def batch_size(self) -> int:
         """The batch dims flattened into one."""
         return math.prod(self.batch_shape)

@@ -116,11 +116,12 @@ def _augment(x: torch.Tensor, column: torch.Tensor | float) -> torch.Tensor:
     return torch.cat([x, col], dim=-1)
 
 
-def _masked(s: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int, bias_alpha: float = LOG2E) -> torch.Tensor:
-    """Apply the tile's bias (times ``bias_alpha``) and mask to scores ``s`` in place."""
+def _masked(s: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    """Add the tile's bias and set disallowed scores to ``-inf``, in place (the in-place twin of
+    :func:`qkv.masks.apply_tile`, for tiles no gradient flows through)."""
     allowed, bias = tiles.tile(q0, q1, k0, k1)
     if bias is not None:
-        s.add_(bias, alpha=bias_alpha)
+        s.add_(bias)
     if allowed is not None:
         s.masked_fill_(~allowed, _NEG_INF)
     return s
@@ -146,7 +147,7 @@ class _Units:
         s = q @ kt
         if self.natural:
             s.mul_(self.scale)
-        return _masked(s, tiles, q0, q1, k0, k1, 1.0)
+        return _masked(s, tiles, q0, q1, k0, k1)
 
     def exp_(self, t: torch.Tensor) -> torch.Tensor:
         """``exp(t · to_nat)`` in place, for ``t = S - m``."""

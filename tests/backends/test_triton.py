@@ -297,6 +297,8 @@ def test_torch_func_transforms():
         assert max_err(got, want) < 1e-5
     batched = torch.func.vmap(f, in_dims=(0, None, None))(torch.stack([q, 2 * q]), k, v)
     assert max_err(batched, torch.stack([g(q, k, v), g(2 * q, k, v)])) < 1e-5
+    jac = torch.func.jacrev(lambda q: f(q, k, v))(q)
+    assert max_err(jac, torch.func.jacrev(lambda q: g(q, k, v))(q)) < 1e-5
 
 
 def test_torch_compile_keeps_one_graph():
