@@ -622,7 +622,14 @@ def test_flash_attn_bwd_overflow(backend, causal, d, seqlen, dtype):
     batch_size, nheads = 2, 5
     q = _randn(batch_size, seqlen, nheads, d, dtype=dtype) * 5
     k, v = (_randn(batch_size, seqlen, nheads, d, dtype=dtype) * 3 for _ in range(2))
-    _check_dense([q, k, v], dtype, causal=causal, window_size=(-1, -1), backend=backend, grad_factor=5.0, floors=(0.0, 1e-3))
+    # Ours: float32 too. Scores reach the hundreds here, where which products round which way
+    # decides a weight to eps·|s| in any float32 implementation, so the output floor holds that
+    # (the fuzz judge's large-logit allowance); 16-bit keeps theirs (0: P rounds far coarser).
+    out_floor = 0.0
+    if dtype == torch.float32:
+        s_max = float((q.double().transpose(1, 2) @ k.double().permute(0, 2, 3, 1)).abs().max()) / d**0.5
+        out_floor = 2 * torch.finfo(dtype).eps * (s_max + 1) * float(v.abs().max())
+    _check_dense([q, k, v], dtype, causal=causal, window_size=(-1, -1), backend=backend, grad_factor=5.0, floors=(out_floor, 1e-3))
 
 
 @pytest.mark.usefixtures("small_tiles")
