@@ -82,11 +82,12 @@ class SdpaBackend(Backend):
             call.device.type == "cpu"
             and call.requires_grad
             and call.hq != call.hk
-            and call.dtype in (torch.float16, torch.bfloat16)
+            and call.dtype != torch.float64
         ):
             reasons.append(
-                "gradients for shared key/value heads in 16 bits: torch's CPU backward sums the heads' "
-                "gradients in 16 bits (dV errors up to 40x qkv's accuracy rule); use backend='auto'"
+                "gradients for shared key/value heads: torch's CPU backward sums the heads' gradients in "
+                "the input dtype from weights recomputed off a rounded lse (dV errors up to 40x qkv's "
+                "accuracy rule in bfloat16, 10x in float32); use backend='auto'"
             )
         if call.rows_may_be_empty and not empty_rows_are_zero(call.device.type):
             reasons.append(f"torch SDPA on {call.device.type} returns NaN for fully masked rows")
