@@ -17,6 +17,7 @@ from qkv.reference import attention_ref  # noqa: E402
 from qkv.varlen import attention_varlen  # noqa: E402
 
 from .conftest import FLOOR, assert_within_rule, max_err  # noqa: E402
+from .rounding_baseline import rounded_attention  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Triton 3.6's interpreter indexes with 1-element arrays, which NumPy 2 deprecates (harmless)
@@ -44,15 +45,15 @@ def _as_attention_kw(kw: dict) -> dict:
 
 
 def _per_sequence(q, k, v, cq, ck, backend, **kw):
-    """The loop the packed call must agree with: out (Tq, Hq, Dv), lse (Hq, Tq)."""
+    """The loop the packed call must agree with: out (Tq, Hq, Dv), lse (Hq, Tq).
+
+    ``backend`` names a qkv backend, or is :func:`rounded_attention`."""
     kw = _as_attention_kw(kw)
+    attend = backend if callable(backend) else lambda *a, **k: qkv.attention(*a, return_lse=True, backend=backend, **k)
     outs, lses = [], []
     for s in range(len(cq) - 1):
         a, b, c, e = int(cq[s]), int(cq[s + 1]), int(ck[s]), int(ck[s + 1])
-        o, l = qkv.attention(
-            q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1),
-            enable_gqa=True, return_lse=True, backend=backend, **kw,
-        )  # fmt: skip
+        o, l = attend(q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1), enable_gqa=True, **kw)
         outs.append(o.transpose(0, 1))
         lses.append(l)
     return torch.cat(outs), torch.cat(lses, 1)
@@ -100,7 +101,9 @@ def test_triton_kernel_matches_per_sequence_attention(kw, dtype):
         return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
     got = run(lambda q, k, v: attention_varlen(q, k, v, cq, ck, enable_gqa=True, return_lse=True, backend="triton", **kw), q, k, v)
-    base = run(lambda q, k, v: _per_sequence(q, k, v, cq, ck, "math", **kw), q, k, v)
+    # the kernels round P and dS to 16 bits: so does the baseline (FlashAttention's rule)
+    baseline = rounded_attention if dtype != torch.float32 else "math"
+    base = run(lambda q, k, v: _per_sequence(q, k, v, cq, ck, baseline, **kw), q, k, v)
     ref = run(lambda q, k, v: _per_sequence(q, k, v, cq, ck, "math", **kw), q64, k64, v64)
     assert torch.equal(torch.isneginf(got[1]), torch.isneginf(ref[1]))
     lse_scale = float(ref[1][torch.isfinite(ref[1])].abs().max())

@@ -22,6 +22,7 @@ from qkv.call import AttentionCall, validate  # noqa: E402
 from qkv.reference import attention_ref  # noqa: E402
 
 from ..conftest import FLOOR, assert_within_rule, make_qkv, mask_kwargs, max_err  # noqa: E402
+from ..rounding_baseline import rounded_attention  # noqa: E402
 
 TRITON = BACKENDS["triton"]
 # Triton 3.6's interpreter indexes with 1-element arrays, which NumPy 2 deprecates (harmless)
@@ -34,9 +35,14 @@ def _ref(q, k, v, **kw):
 
 
 def _run(q, k, v, backend, kw, grad=True):
-    """out, lse and (with ``grad``) dq, dk, dv of a loss that reaches both out and lse."""
+    """out, lse and (with ``grad``) dq, dk, dv of a loss that reaches both out and lse.
+
+    ``backend`` names a qkv backend, or is a function like :func:`rounded_attention`."""
     q, k, v = (t.detach().clone().requires_grad_(grad) for t in (q, k, v))
-    out, lse = qkv.attention(q, k, v, enable_gqa=True, backend=backend, return_lse=True, **kw)
+    if callable(backend):
+        out, lse = backend(q, k, v, enable_gqa=True, **kw)
+    else:
+        out, lse = qkv.attention(q, k, v, enable_gqa=True, backend=backend, return_lse=True, **kw)
     if not grad:
         return out, lse
     g = torch.Generator().manual_seed(1)
@@ -45,35 +51,6 @@ def _run(q, k, v, backend, kw, grad=True):
     loss = (out.double() * w_out).sum() + (torch.where(torch.isfinite(lse), lse, 0).double() * w_lse).sum()
     loss.backward()
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
-
-
-def _rounding_baseline(q, k, v, kw):
-    """out, lse, dq, dk, dv computed as the kernels round: scores, softmax and sums in float32,
-    but P rounded to the input dtype before ``P·V`` and ``Pᵀ·dO``, and dS before ``dS·K`` and
-    ``dSᵀ·Q`` (FlashAttention's rule: a kernel that rounds P and dS to 16 bits is judged
-    against a baseline that rounds them too, not against an upcast math path). Same loss as
-    :func:`_run`."""
-    dt = q.dtype
-    call = validate(q, k, v, enable_gqa=True, return_lse=True, **kw)
-    qg, kg, vg = (t.float() for t in call.grouped_qkv())  # (B, Hk, G, N, ·)
-    from qkv.backends.math import grouped_scores, softmax_with_lse
-
-    s = grouped_scores(call, qg, kg)  # float32, masked
-    p, lse = softmax_with_lse(s)
-    rnd = lambda t: t.to(dt).float()  # noqa: E731
-    out = (rnd(p) @ vg).to(dt)
-    g = torch.Generator().manual_seed(1)
-    w_out = torch.randn(call.ungroup(out).shape, generator=g, dtype=torch.float64)
-    w_lse = torch.randn(call.ungroup(lse).shape, generator=g, dtype=torch.float64)
-    do = w_out.to(dt).float().reshape(out.shape)  # the gradient reaching out, in out's dtype
-    dlse = torch.where(torch.isfinite(lse), w_lse.float().reshape(lse.shape), 0.0)
-    dv = (rnd(p).transpose(-1, -2) @ do).sum(2, keepdim=True)
-    dp = do @ vg.transpose(-1, -2)
-    ds = p * (dp - ((do * out.float()).sum(-1) - dlse).unsqueeze(-1))
-    dq = (rnd(ds) @ kg) * call.scale
-    dk = ((rnd(ds).transpose(-1, -2) @ qg) * call.scale).sum(2, keepdim=True)
-    shape = lambda t, like: t.reshape(like.shape).to(dt)  # noqa: E731
-    return call.ungroup(out), call.ungroup(lse), shape(dq, q), shape(dk, k), shape(dv, v)
 
 
 def _kw(kind: str, b: int, hq: int, nq: int, nk: int, dtype) -> dict:
@@ -110,7 +87,7 @@ def test_forward_backward_within_rule(case):
     ref_out, ref_lse = _ref(q64, k64, v64, enable_gqa=True, **kw)
     ref_grads = _run(q64, k64, v64, "math", kw64)[2:]
     q, k, v = (t.to(dtype) for t in (q64, k64, v64))
-    base = _rounding_baseline(q, k, v, kw) if dtype != torch.float32 else _run(q, k, v, "math", kw)
+    base = _run(q, k, v, rounded_attention if dtype != torch.float32 else "math", kw)
     got = _run(q, k, v, "triton", kw)
     out, lse = got[:2]
     assert out.dtype == dtype and out.shape == (b, hq, nq, dv) and lse.dtype == torch.float32
@@ -271,9 +248,7 @@ def test_auto_order():
 def test_custom_op_opcheck_and_fake_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from qkv.backends.triton.backend import attention_fwd_op
-
-    from qkv.backends.triton.backend import attention_bwd_op
+    from qkv.backends.triton.backend import attention_bwd_op, attention_fwd_op
 
     q = torch.randn(1, 2, 2, 17, 16)
     k = torch.randn(1, 2, 1, 20, 16)
