@@ -118,7 +118,7 @@ def attention(
                 )
             ):
                 out = _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-                if _log.isEnabledFor(logging.DEBUG):
+                if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):
                     _log.debug("qkv.attention(query %s): auto runs sdpa directly (a plain SDPA call)", tuple(query.shape))
                 return guard(query, key, value, out)[0]
         except Exception:

@@ -385,5 +385,5 @@ def test_auto_says_which_backend_ran_and_why(caplog):
         qkv.attention(q.requires_grad_(), k, v, return_lse=True)
     lines = [r.getMessage() for r in caplog.records if r.name == "qkv"]
     assert "auto runs sdpa directly" in lines[0]
-    assert "auto runs sdpa" in lines[1] and "window=(4, 0)" in lines[1]
+    assert "auto runs chunked" in lines[1] and "window=(4, 0)" in lines[1]
     assert "auto runs math" in lines[2] and "sdpa: return_lse=True with gradients" in lines[2], lines[2]

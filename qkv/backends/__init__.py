@@ -14,6 +14,7 @@ import torch
 from ..call import AttentionCall
 from .base import Backend
 from .chunked import ChunkedBackend
+from .flash_cpu import can_fuse
 from .math import MathBackend
 from .sdpa import DENSE_MASK_LIMIT, SdpaBackend, needs_dense_mask
 from .triton import TritonBackend
@@ -51,7 +52,9 @@ def auto_order(call: AttentionCall) -> list[Backend]:
     """Backends in the order ``auto`` tries them for this call (fastest first)."""
     sdpa, chunked, math = BACKENDS["sdpa"], BACKENDS["chunked"], BACKENDS["math"]
     scores = call.nq * call.nk
-    if needs_dense_mask(call) and scores * call.hq > DENSE_MASK_LIMIT:
+    if needs_dense_mask(call) and (can_fuse(call) or scores * call.hq > DENSE_MASK_LIMIT):
+        # chunked runs the rules SDPA has no argument for on torch's kernel block by block
+        # (no gradient) or in its own loop, without the Nq × Nk mask SDPA would need
         order = [chunked, sdpa, math]
     else:
         order = [sdpa, math, chunked] if scores <= MATH_MAX_SCORES else [sdpa, chunked, math]
@@ -86,7 +89,7 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
     order = auto_order(call)
     for i, candidate in enumerate(order):
         if not candidate.not_supported_reasons(call):
-            if _log.isEnabledFor(logging.DEBUG):
+            if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):  # no logging in a traced graph
                 passed = "; ".join(f"{b.NAME}: {', '.join(b.not_supported_reasons(call))}" for b in order[:i])
                 demoted = call.device.type == "cpu" and call.requires_grad and torch_backward_misses_rule(call)
                 _log.debug(

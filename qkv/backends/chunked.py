@@ -39,6 +39,10 @@ and rounded once. A negative or zero scale moves into the query first
 (:meth:`AttentionCall.positive_scale`), so the row maximum of ``q·kᵀ`` is the largest score.
 Differences from ``math``: no dropout, and no gradient to a float ``attn_mask``.
 
+Calls without gradients on a CPU (and without a dense ``attn_mask``) run on torch's fused
+flash kernel instead, dispatched block by block under the same positional rules
+(:mod:`.flash_cpu`): the same tiles skipped, at the speed of torch's vectorised kernel.
+
 The autograd functions follow ``torch.func``'s protocol (``setup_context`` and a ``vmap``
 rule), so ``jacrev``, ``vmap`` and ``grad`` work; batched cotangents from the autograd engine
 (``gradcheck(check_batched_grad=True)``) take a dense formula.
@@ -53,6 +57,7 @@ import torch
 from ..call import AttentionCall
 from ..masks import MaskTiles
 from .base import Backend, half_to_float
+from .flash_cpu import can_fuse, fused_attention
 
 LOG2E = 1.4426950408889634  # exp(x) = 2 ** (x · log2 e)
 LN2 = 0.6931471805599453  # log(x) = log2(x) · ln 2
@@ -202,11 +207,12 @@ def _forward_heads(
     """One group of heads: q ``(b, h, G, Nq, D)``, k/v ``(b, h, 1, Nk, ·)``; writes out/m/l views."""
     units = _Units(tiles, scale)
     kt = k.transpose(-1, -2)  # (b, h, 1, D, Nk)
+    lazy = not torch.compiler.is_compiling()  # the lazy shift's checks are host syncs (graph breaks)
     for q0 in range(0, q.shape[3], bq):
         q1 = min(q.shape[3], q0 + bq)
         qs = q[:, :, :, q0:q1]
-        acc, l, m = _row_block(qs, kt, v, tiles, units, q0, q1, bk, lazy=True)
-        if not bool((l <= LAZY_LIMIT).all()):  # also catches inf and NaN
+        acc, l, m = _row_block(qs, kt, v, tiles, units, q0, q1, bk, lazy=lazy)
+        if lazy and not bool((l <= LAZY_LIMIT).all()):  # also catches inf and NaN
             acc, l, m = _row_block(qs, kt, v, tiles, units, q0, q1, bk, lazy=False)
         has = l > 0
         out[:, :, :, q0:q1] = acc / torch.where(has, l, torch.ones_like(l)).unsqueeze(-1)
@@ -265,6 +271,7 @@ def _backward_heads(
     difference ``v_j - O_i`` is small and exact there.
     """
     units = _Units(tiles, scale)
+    compiling = torch.compiler.is_compiling()  # no host syncs: the dominant weight found densely
     g, nq = q.shape[2], q.shape[3]
     m_u = rows["m"].masked_fill(torch.isneginf(rows["m"]), 0.0).unsqueeze(-1)  # empty rows: every score is -inf
     do_s, dlse_s, half_l = rows["dout"], rows["dlse"], rows["half_l"]
@@ -275,11 +282,13 @@ def _backward_heads(
         q1 = min(nq, q0 + bq)
         qb = q[:, :, :, q0:q1]  # the forward's exact tile products: S - m is exact at the maximum
         doa, mb, hb = do_aug[:, :, :, q0:q1], m_u[:, :, :, q0:q1], half_l[:, :, :, q0:q1].unsqueeze(-1)
-        peaked = bool((hb < 1.0).any())  # some row's weights sum to l < 2, so one key may hold > 1/2
+        peaked = not compiling and bool((hb < 1.0).any())  # some row's l < 2: one key may hold > 1/2
         for k0, k1 in _key_blocks(tiles, q0, q1, bk):
             p = units.exp_(units.scores(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1).sub_(mb))  # P̃ (b, h, G, bq, bk)
             ds = (doa @ v_aug[:, :, :, k0:k1].transpose(-1, -2)).mul_(p)  # P̃ ∘ (dP̃ - δ/l)
-            if peaked:
+            if compiling:
+                _dominant_ds_dense(ds, p, hb, v[:, :, :, k0:k1], out[:, :, :, q0:q1], do_s[:, :, :, q0:q1], dlse_s[:, :, :, q0:q1])
+            elif peaked:
                 hit = (p > hb).nonzero(as_tuple=True)  # P = P̃ / l > 1/2
                 if hit[0].numel():
                     bi, hi, gi, ri, ci = hit
@@ -292,6 +301,21 @@ def _backward_heads(
                 dv_t, dk_t = dv_t.sum(2, keepdim=True), dk_t.sum(2, keepdim=True)
             dv[:, :, :, k0:k1] += dv_t
             dk[:, :, :, k0:k1] += dk_t
+
+
+def _dominant_ds_dense(
+    ds: torch.Tensor, p: torch.Tensor, half_l: torch.Tensor, v: torch.Tensor, out: torch.Tensor, do_s: torch.Tensor, dlse_s: torch.Tensor
+) -> None:
+    """The dominant-weight correction of :func:`_backward_heads` without a host sync (for
+    ``torch.compile``): each row's largest ``P̃`` in the tile is the only candidate for ``P > 1/2``,
+    so its ``dS`` is recomputed for every row and written back where ``P̃ > l / 2``.
+
+    ds, p ``(b, h, G, n, w)``; half_l ``(b, h, G, n, 1)``; v ``(b, h, 1, w, Dv)``; out, do_s
+    ``(b, h, G, n, Dv)``; dlse_s ``(b, h, G, n)``."""
+    top, j = p.max(-1, keepdim=True)  # (b, h, G, n, 1)
+    vj = torch.gather(v.expand(*out.shape[:3], *v.shape[3:]), 3, j.expand(*j.shape[:-1], v.shape[-1]))  # (b, h, G, n, Dv)
+    fixed = top.squeeze(-1) * ((do_s * (vj - out)).sum(-1) + dlse_s)  # (b, h, G, n)
+    ds.scatter_(-1, j, torch.where(top > half_l, fixed.unsqueeze(-1), ds.gather(-1, j)))
 
 
 def chunked_backward(
@@ -437,6 +461,8 @@ class ChunkedBackend(Backend):
         self.block_q, self.block_k = block_q, block_k
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.block_q is None and self.block_k is None and can_fuse(call):
+            return fused_attention(call)  # no gradient: torch's fused kernel, block by block
         query, scale = call.positive_scale()  # the row maximum of q·kᵀ must be the largest score
         q, k, v = call.grouped_qkv(query)
         plan = plan_tiles(*q.shape[:3], call.nq, call.nk, self.block_q, self.block_k)

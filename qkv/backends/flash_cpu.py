@@ -1,0 +1,209 @@
+"""torch's fused CPU flash kernel, dispatched block by block under qkv's positional rules.
+
+``aten._scaled_dot_product_flash_attention_for_cpu`` is torch's fastest CPU attention: an
+online softmax over key blocks with vectorised exponentials and no ``Nq × Nk`` matrix, which
+also returns the log-sum-exp. It knows only top-left causality. qkv's other rules (sliding
+windows, bottom-right alignment, key padding) are expressed to it per row block:
+
+- the rows ``[q0, q1)`` are given only the keys ``[k_lo, k_hi)`` their band can reach, so the
+  cost of a sliding window is proportional to the window, not to ``Nk``;
+- inside that range the band is either top-left causal (``is_causal=True``, no mask at all) or
+  needs a small ``(R, k_hi - k_lo)`` additive mask of 0 and −inf;
+- key padding whose True entries form a prefix (ragged lengths) trims each batch entry's keys
+  to its length; any other padding becomes a broadcast ``(B, 1, 1, Nk)`` mask. Under
+  ``torch.compile`` padding always takes the broadcast mask, which needs no host sync.
+
+One call per row block means there is nothing to merge: each row's output and log-sum-exp
+are the kernel's own, exactly as precise as torch SDPA's. This path serves calls without
+gradients. torch's CPU backward recomputes the weights from the rounded log-sum-exp, which
+misses qkv's accuracy rule where one key takes most of a row's weight (float32 dV up to
+500× the math path's error), so gradient calls take the chunked backend's own loop.
+
+Requirements of the kernel, checked by :func:`can_fuse` or met here: CPU tensors, value head
+dim equal to the query head dim, no empty size (it divides by them), last dims of stride 1, a
+float mask of the query's dtype; shared key/value heads are read through a stride-0 head dim. It reports log-sum-exp 0 for a row with nothing to attend to; qkv's −inf is
+restored from the mask.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..call import AttentionCall
+from ..reference.masks import PositionalMask
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+# Rows per kernel call where the positional rules need row blocks. A call covers its rows'
+# whole key range, so a sliding window of width w costs (64 + w) keys per row instead of w;
+# measured on a 2-core AVX-512 CPU (1 thread, D = 64, N = 4096, window 128/256/512): 64 rows
+# 35/50/86 ms, 32 rows 47/51/83, 128 rows 43/55/89, 256 rows 58/70/107.
+BLOCK_ROWS = 64
+
+
+def can_fuse(call: AttentionCall) -> bool:
+    """Can :func:`fused_attention` run this call? CPU, no gradient, no dense ``attn_mask`` or
+    dropout, equal query and value head dims, and no empty size (the kernel divides by them)."""
+    return (
+        call.device.type == "cpu"
+        and not call.requires_grad
+        and call.attn_mask is None
+        and call.dropout_p == 0.0
+        and call.dv == call.d
+        and call.batch_size * call.hq * call.nq * call.nk * call.d > 0
+    )
+
+
+def fused_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run a call that :func:`can_fuse` on torch's kernel; returns (out, lse or None) in the caller's layout."""
+    query, scale = call.positive_scale()
+    q, k, v = call.grouped_qkv(query)  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, ·)
+    b, hk, g = q.shape[:3]
+    kp = call.grouped_key_padding()
+    pad = None if kp is None else kp[:, 0, 0, 0, :]  # (B|1, Nk)
+    if g == 1:
+        q4, k4, v4 = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # (B, H, N, ·)
+    else:  # shared key/value heads: (B·Hk) batch entries of G heads reading one K/V by stride 0
+        q4 = q.reshape(b * hk, g, call.nq, call.d)
+        k4, v4 = (t.reshape(b * hk, 1, *t.shape[3:]).expand(-1, g, -1, -1) for t in (k, v))
+        if pad is not None and pad.shape[0] > 1:
+            pad = pad.repeat_interleave(hk, 0)  # (B·Hk, Nk)
+    out, lse = fused_forward(q4, k4, v4, call.positional, pad, scale)
+    out = out.reshape(b, hk, g, call.nq, call.dv)
+    lse = lse.reshape(b, hk, g, call.nq)
+    return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
+
+
+def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor], scale: float):
+    # the kernel reads a last dim of stride != 1 wrongly; row slices and head expansion are fine
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return _flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool "may attend" → 0 / −inf in ``dtype`` (the kernel takes masks of the query's dtype)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _band_template(
+    pm: PositionalMask, calls: list[tuple[int, int, int, int, bool]], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """One additive mask ``(R, X)`` from which every masked call slices its own ``(R, w)`` view.
+
+    The band depends only on ``j - i``, so a call's mask is a column window of one Toeplitz
+    template: entry ``[r, x]`` holds the rule for ``j - i = x - r + d0``. Returns (template, d0).
+    """
+    masked = [(q0, q1, k0, k1) for q0, q1, k0, k1, causal in calls if not causal and pm.block_status(q0, q1, k0, k1) != "full"]
+    if not masked:
+        return torch.empty(0, 0, dtype=dtype, device=device), 0
+    d0 = min(k0 - q0 for q0, _, k0, _ in masked)
+    width = max(k0 - q0 - d0 + k1 - k0 for q0, _, k0, k1 in masked)
+    rows = max(q1 - q0 for q0, q1, _, _ in masked)
+    r = torch.arange(rows, device=device)[:, None]
+    x = torch.arange(width, device=device)[None, :]
+    return _additive(pm.allowed(r, x + d0), dtype), d0
+
+
+def _prefix_lengths(padding: torch.Tensor) -> Optional[list[int]]:
+    """Each batch entry's number of real keys when every row of ``padding`` (B, Nk) is True then
+    False (ragged lengths); None for any other pattern, or under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return None
+    lengths = padding.sum(-1)
+    ar = torch.arange(padding.shape[-1], device=padding.device)
+    if not bool((padding == (ar < lengths[:, None])).all()):
+        return None
+    return [int(n) for n in lengths.tolist()]
+
+
+def _calls(pm: PositionalMask, nq: int, nk: int) -> list[tuple[int, int, int, int, bool]]:
+    """``(q0, q1, k0, k1, causal)`` kernel calls covering the band over the first ``nk`` keys
+    (fewer than ``pm.nk`` when trailing padding was trimmed). ``causal``: the band inside the
+    call is exactly the kernel's top-left rule; otherwise its edges need a mask."""
+    lo, hi = pm.band()
+    if pm.trivial or pm.block_status(0, nq, 0, nk) == "full":
+        return [(0, nq, 0, nk, False)] if nk else []
+    if lo is None and hi == 0:  # top-left causal over the whole call: the kernel's own rule
+        return [(0, nq, 0, nk, True)] if nk else []
+    calls = []
+    for q0 in range(0, nq, BLOCK_ROWS):
+        q1 = min(nq, q0 + BLOCK_ROWS)
+        k0, k1 = pm.key_range(q0, q1)
+        k1 = min(k1, nk)
+        if k0 >= k1:
+            continue
+        lo_free = lo is None or pm.full_key_range(q0, q1)[0] <= k0  # no row's left edge inside
+        calls.append((q0, q1, k0, k1, lo_free and hi == k0 - q0))
+    return calls
+
+
+def empty_rows(pm: PositionalMask, nq: int, padding: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """Rows with no key to attend to, ``(B|1, Nq)`` bool, from the band and the padding without
+    an ``Nq × Nk`` matrix (None when no row can be empty): row i sees the real keys in
+    ``[i + lo, i + hi]``, counted by a prefix sum of the padding."""
+    lo, hi = pm.band()
+    nk = pm.nk
+    i = torch.arange(nq, device=device)
+    first = (i + lo).clamp(0, nk) if lo is not None else torch.zeros_like(i)
+    last = (i + hi + 1).clamp(0, nk) if hi is not None else torch.full_like(i, nk)
+    last = torch.maximum(first, last)
+    if padding is None:
+        if pm.trivial and nk > 0:
+            return None
+        return (last == first)[None]
+    count = torch.nn.functional.pad(padding.cumsum(-1), (1, 0))  # (B, Nk + 1): real keys before j
+    return count[:, last] == count[:, first]
+
+
+def fused_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pm: PositionalMask,
+    padding: Optional[torch.Tensor],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``(B, H, Nq, D)``, k/v ``(B, H, Nk, D)`` (heads already matched), padding ``(B|1, Nk)``
+    bool or None → out ``(B, H, Nq, D)``, lse ``(B, H, Nq)`` (float32, or float64 for float64 inputs; −inf for empty rows)."""
+    lengths = None if padding is None else _prefix_lengths(padding)
+    if lengths is not None and padding.shape[0] == q.shape[0] > 1:  # each entry attends to its own prefix
+        parts = [_banded(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], pm, None, scale) for i, n in enumerate(lengths)]
+        out, lse = torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
+    elif lengths is not None:
+        out, lse = _banded(q, k[:, :, : lengths[0]], v[:, :, : lengths[0]], pm, None, scale)
+    else:
+        out, lse = _banded(q, k, v, pm, padding, scale)
+    empty = empty_rows(pm, q.shape[2], padding, q.device)
+    if empty is not None:
+        lse = lse.masked_fill(empty[:, None], float("-inf"))  # the kernel reports 0 there
+    return out, lse
+
+
+def _banded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pm: PositionalMask, padding: Optional[torch.Tensor], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel calls of :func:`_calls` over the keys of ``k`` (a prefix of the call's)."""
+    b, h, nq, _ = q.shape
+    calls = _calls(pm, nq, k.shape[2])
+    template = _band_template(pm, calls, q.dtype, q.device)
+
+    def run(q0: int, q1: int, k0: int, k1: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = None
+        if not causal and pm.block_status(q0, q1, k0, k1) != "full":
+            x0 = k0 - q0 - template[1]
+            mask = template[0][: q1 - q0, x0 : x0 + k1 - k0]  # (R, w): a view, no allocation
+        if padding is not None:
+            pad = _additive(padding[:, None, None, k0:k1], q.dtype)  # (B, 1, 1, w)
+            mask = pad if mask is None else mask + pad
+        return _kernel(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], causal, mask, scale)
+
+    if len(calls) == 1 and calls[0][:4] == (0, nq, 0, k.shape[2]):
+        return run(*calls[0])
+    out = q.new_zeros(b, h, nq, v.shape[3])
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # as the kernel's own
+    lse = torch.full((b, h, nq), float("-inf"), dtype=lse_dtype, device=q.device)
+    for q0, q1, k0, k1, causal in calls:
+        out[:, :, q0:q1], lse[:, :, q0:q1] = run(q0, q1, k0, k1, causal)
+    return out, lse
