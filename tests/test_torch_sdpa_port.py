@@ -556,10 +556,14 @@ def test_scaled_dot_product_attention_math_with_negative_scale(backend):
         v4 = torch.matmul(v3, x)
         return v4
 
+    # ours: judged by the accuracy rule against the float64 oracle. torch compares with its math
+    # path's own rounding (assert_close); at |scale| = 1e4 one ulp of a score moves a weight by
+    # about 1%, so two correct float32 orders of rounding (x·xᵀ / -1e-4 there, x·xᵀ · 1e4 in
+    # torch's fused kernel) differ beyond that tolerance in about 1 of 30 draws.
     x = torch.randn(1, 3, 64, 64)
-    ref_result = ref(x)
     sdp = attend(backend, x, x, x, scale=-1.0 / 0.0001)
-    torch.testing.assert_close(sdp, ref_result)
+    baseline = attend("math", x, x, x, scale=-1.0 / 0.0001)
+    assert_within_rule(sdp, baseline, ref(x.double()), torch.float32, what="negative scale")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -56,6 +56,7 @@ import torch
 
 from ..call import AttentionCall
 from ..masks import MaskTiles
+from ..reference.masks import PositionalMask
 from .base import Backend, half_to_float
 from .flash_cpu import can_fuse, fused_attention
 
@@ -207,12 +208,11 @@ def _forward_heads(
     """One group of heads: q ``(b, h, G, Nq, D)``, k/v ``(b, h, 1, Nk, ·)``; writes out/m/l views."""
     units = _Units(tiles, scale)
     kt = k.transpose(-1, -2)  # (b, h, 1, D, Nk)
-    lazy = not torch.compiler.is_compiling()  # the lazy shift's checks are host syncs (graph breaks)
     for q0 in range(0, q.shape[3], bq):
         q1 = min(q.shape[3], q0 + bq)
         qs = q[:, :, :, q0:q1]
-        acc, l, m = _row_block(qs, kt, v, tiles, units, q0, q1, bk, lazy=lazy)
-        if lazy and not bool((l <= LAZY_LIMIT).all()):  # also catches inf and NaN
+        acc, l, m = _row_block(qs, kt, v, tiles, units, q0, q1, bk, lazy=True)
+        if not bool((l <= LAZY_LIMIT).all()):  # also catches inf and NaN
             acc, l, m = _row_block(qs, kt, v, tiles, units, q0, q1, bk, lazy=False)
         has = l > 0
         out[:, :, :, q0:q1] = acc / torch.where(has, l, torch.ones_like(l)).unsqueeze(-1)
@@ -271,7 +271,6 @@ def _backward_heads(
     difference ``v_j - O_i`` is small and exact there.
     """
     units = _Units(tiles, scale)
-    compiling = torch.compiler.is_compiling()  # no host syncs: the dominant weight found densely
     g, nq = q.shape[2], q.shape[3]
     m_u = rows["m"].masked_fill(torch.isneginf(rows["m"]), 0.0).unsqueeze(-1)  # empty rows: every score is -inf
     do_s, dlse_s, half_l = rows["dout"], rows["dlse"], rows["half_l"]
@@ -282,13 +281,11 @@ def _backward_heads(
         q1 = min(nq, q0 + bq)
         qb = q[:, :, :, q0:q1]  # the forward's exact tile products: S - m is exact at the maximum
         doa, mb, hb = do_aug[:, :, :, q0:q1], m_u[:, :, :, q0:q1], half_l[:, :, :, q0:q1].unsqueeze(-1)
-        peaked = not compiling and bool((hb < 1.0).any())  # some row's l < 2: one key may hold > 1/2
+        peaked = bool((hb < 1.0).any())  # some row's weights sum to l < 2, so one key may hold > 1/2
         for k0, k1 in _key_blocks(tiles, q0, q1, bk):
             p = units.exp_(units.scores(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1).sub_(mb))  # P̃ (b, h, G, bq, bk)
             ds = (doa @ v_aug[:, :, :, k0:k1].transpose(-1, -2)).mul_(p)  # P̃ ∘ (dP̃ - δ/l)
-            if compiling:
-                _dominant_ds_dense(ds, p, hb, v[:, :, :, k0:k1], out[:, :, :, q0:q1], do_s[:, :, :, q0:q1], dlse_s[:, :, :, q0:q1])
-            elif peaked:
+            if peaked:
                 hit = (p > hb).nonzero(as_tuple=True)  # P = P̃ / l > 1/2
                 if hit[0].numel():
                     bi, hi, gi, ri, ci = hit
@@ -301,21 +298,6 @@ def _backward_heads(
                 dv_t, dk_t = dv_t.sum(2, keepdim=True), dk_t.sum(2, keepdim=True)
             dv[:, :, :, k0:k1] += dv_t
             dk[:, :, :, k0:k1] += dk_t
-
-
-def _dominant_ds_dense(
-    ds: torch.Tensor, p: torch.Tensor, half_l: torch.Tensor, v: torch.Tensor, out: torch.Tensor, do_s: torch.Tensor, dlse_s: torch.Tensor
-) -> None:
-    """The dominant-weight correction of :func:`_backward_heads` without a host sync (for
-    ``torch.compile``): each row's largest ``P̃`` in the tile is the only candidate for ``P > 1/2``,
-    so its ``dS`` is recomputed for every row and written back where ``P̃ > l / 2``.
-
-    ds, p ``(b, h, G, n, w)``; half_l ``(b, h, G, n, 1)``; v ``(b, h, 1, w, Dv)``; out, do_s
-    ``(b, h, G, n, Dv)``; dlse_s ``(b, h, G, n)``."""
-    top, j = p.max(-1, keepdim=True)  # (b, h, G, n, 1)
-    vj = torch.gather(v.expand(*out.shape[:3], *v.shape[3:]), 3, j.expand(*j.shape[:-1], v.shape[-1]))  # (b, h, G, n, Dv)
-    fixed = top.squeeze(-1) * ((do_s * (vj - out)).sum(-1) + dlse_s)  # (b, h, G, n)
-    ds.scatter_(-1, j, torch.where(top > half_l, fixed.unsqueeze(-1), ds.gather(-1, j)))
 
 
 def chunked_backward(
@@ -354,6 +336,53 @@ def chunked_backward(
             tiles.narrow(bs, hs), scale, bq, bk, dq[bs, hs], dk[bs, hs], dv[bs, hs],
         )  # fmt: skip
     return dq.mul_(scale), dk.mul_(scale), dv
+
+
+# ---- custom ops: the tile loops as single graph nodes ------------------------------------------
+# torch.compile sees each loop as one opaque operation (with a fake implementation for shapes)
+# instead of unrolling thousands of tile operations, and the loops keep their host-side checks
+# (the lazy shift, the dominant-weight search) without breaking the graph.
+
+
+def _tiles(q: torch.Tensor, k: torch.Tensor, attn_mask, key_padding, lo: Optional[int], hi: Optional[int]) -> MaskTiles:
+    return MaskTiles(PositionalMask.from_band(q.shape[3], k.shape[3], lo, hi), attn_mask, key_padding, q.device)
+
+
+@torch.library.custom_op("qkv::chunked_attention_fwd", mutates_args=())
+def chunked_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], key_padding: Optional[torch.Tensor],
+    lo: Optional[int], hi: Optional[int], scale: float, block_q: int, block_k: int, per_group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """out, m, l of :func:`chunked_forward` in the compute dtype (16-bit inputs: float32)."""
+    tiles = _tiles(q, k, attn_mask, key_padding, lo, hi)
+    return chunked_forward(half_to_float(q), half_to_float(k), half_to_float(v), tiles, scale, (block_q, block_k, per_group))
+
+
+@chunked_fwd_op.register_fake
+def _(q, k, v, attn_mask, key_padding, lo, hi, scale, block_q, block_k, per_group):
+    cd = half_to_float(q.new_empty(0)).dtype
+    rows = q.shape[:4]
+    return q.new_empty(*rows, v.shape[-1], dtype=cd), q.new_empty(rows, dtype=cd), q.new_empty(rows, dtype=cd)
+
+
+@torch.library.custom_op("qkv::chunked_attention_bwd", mutates_args=())
+def chunked_bwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
+    dout: torch.Tensor, dlse: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], key_padding: Optional[torch.Tensor],
+    lo: Optional[int], hi: Optional[int], scale: float, block_q: int, block_k: int, per_group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dq, dk, dv (in the inputs' dtypes) by :func:`chunked_backward`."""
+    tiles = _tiles(q, k, attn_mask, key_padding, lo, hi)
+    qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
+    cd = qc.dtype
+    dlse = None if dlse is None else dlse.to(cd)
+    dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout.to(cd), dlse, tiles, scale, (block_q, block_k, per_group))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@chunked_bwd_op.register_fake
+def _(q, k, v, out, m, l, dout, dlse, attn_mask, key_padding, lo, hi, scale, block_q, block_k, per_group):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _is_batched(t: torch.Tensor) -> bool:
@@ -397,7 +426,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, plan: tuple[int, int, int]):
-        out, m, l = chunked_forward(half_to_float(q), half_to_float(k), half_to_float(v), tiles, scale, plan)
+        out, m, l = chunked_fwd_op(q, k, v, tiles.attn, tiles.padding, *tiles.positional.band(), scale, *plan)
         return out, lse_from(m, l, tiles, scale), m, l
 
     @staticmethod
@@ -428,13 +457,8 @@ class _ChunkedBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, out, m, l, dout, dlse, tiles, scale, plan):
-        dt = q.dtype
-        qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
-        cd = qc.dtype
-        dout = torch.zeros_like(out, dtype=cd) if dout is None else dout.to(cd)
-        dlse = None if dlse is None else dlse.to(cd)
-        dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout, dlse, tiles, scale, plan)
-        return dq.to(dt), dk.to(dt), dv.to(dt)
+        dout = torch.zeros_like(out) if dout is None else dout
+        return chunked_bwd_op(q, k, v, out, m, l, dout, dlse, tiles.attn, tiles.padding, *tiles.positional.band(), scale, *plan)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

@@ -115,6 +115,13 @@ class PositionalMask:
         """Key position of query row 0 for the window (its own alignment, else the causal one)."""
         return self._offset(self.window_alignment or self.alignment)
 
+    @classmethod
+    def from_band(cls, nq: int, nk: int, lo: Optional[int], hi: Optional[int]) -> "PositionalMask":
+        """The mask whose :meth:`band` is ``(lo, hi)`` (for kernels that receive only the band)."""
+        if lo is None and hi is None:
+            return cls(nq, nk)
+        return cls(nq, nk, window=(None if lo is None else -lo, hi))
+
     @property
     def trivial(self) -> bool:
         """True when every (query, key) pair is allowed."""
