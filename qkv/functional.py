@@ -9,14 +9,13 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .backends import BACKENDS, select
+from .backends import BACKENDS, MATH_MAX_SCORES, select
 from .backends.sdpa import empty_rows_are_zero
 from .call import validate, validate_qk
 from .nonfinite import guard
 
 _log = logging.getLogger("qkv")
 _sdpa = F.scaled_dot_product_attention
-_FULL_PRECISION = (torch.float32, torch.float64)
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
 
 
@@ -97,11 +96,7 @@ def attention(
                 and key.numel()
                 # gradients torch computes less accurately than qkv's rule: see backends.auto_order
                 and (
-                    (
-                        key.shape[1] == query.shape[1]
-                        and (attn_mask is None or attn_mask.dtype is torch.bool)
-                        and query.dtype in _FULL_PRECISION
-                    )
+                    query.dtype is torch.float64
                     or not torch.is_grad_enabled()
                     or not (query.requires_grad or key.requires_grad or value.requires_grad)
                 )
@@ -110,7 +105,9 @@ def attention(
                 and (
                     attn_mask is None
                     or (
-                        not is_causal
+                        # a large bool mask: auto skips its empty blocks (backends.flash_cpu)
+                        (attn_mask.dtype is not torch.bool or query.shape[-2] * key.shape[-2] <= MATH_MAX_SCORES)
+                        and not is_causal
                         and attn_mask.__class__ is torch.Tensor
                         and attn_mask.device == query.device
                         and (attn_mask.dtype is torch.bool or attn_mask.dtype is query.dtype)

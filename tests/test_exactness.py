@@ -199,6 +199,25 @@ def test_large_logit_gradients_within_rule(dtype):
             assert_within_rule(c, b, r, dtype, factor=f, what=f"{name}: {what}")
 
 
+def test_auto_float32_gradients_within_rule_when_queries_match_keys():
+    """torch's CPU backward recomputes weights from a float32 lse; where a query matches its own
+    key (one key takes the row) that rounding put dV at 30× the rule. auto must not use it."""
+    x = torch.randn(1, 2, 160, 32, dtype=torch.float64)
+    q, k, v = (x * 4).float(), (x * 4).float(), torch.randn_like(x).float()
+    dout = torch.randn(1, 2, 160, 32, dtype=torch.float64)
+
+    def grads(q, k, v, backend):
+        q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out = qkv.attention(q, k, v, is_causal=True, backend=backend)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout.to(out.dtype)))
+
+    ref = grads(q.double(), k.double(), v.double(), "math")
+    base = grads(q, k, v, "math")
+    got = grads(q, k, v, "auto")
+    for what, c, b, r, f in zip(["out", "dq", "dk", "dv"], got, base, ref, [2, 3, 3, 3]):
+        assert_within_rule(c, b, r, torch.float32, factor=f, what=what)
+
+
 # ---- torch's CausalBias ------------------------------------------------------------------------
 
 

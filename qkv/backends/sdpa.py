@@ -5,6 +5,11 @@ are folded into one ``attn_mask``; that mask is ``Nq × Nk``, so ``auto`` prefer
 for such calls once the matrix is large. ``return_lse`` uses torch's CPU flash kernel, whose
 log-sum-exp is not differentiable, so it is offered only when no gradient is needed.
 
+Its CPU backward recomputes the weights from a float32 log-sum-exp, whose rounding scales
+every weight of a row: where one key takes most of a row's weight, float32 gradients miss
+qkv's accuracy rule (dV up to 30×; see ``torch_backward_misses_rule``). Named explicitly it
+still runs such calls, as torch would; ``auto`` sends gradients below float64 to ``chunked``.
+
 qkv defines a query row with nothing to attend to as output 0. Torch's kernels agree on
 recent versions; :func:`empty_rows_are_zero` checks this once per device type and the
 backend declines calls with possibly-empty rows where torch would give NaN.

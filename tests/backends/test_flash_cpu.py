@@ -104,7 +104,45 @@ def test_empty_rows_found_without_the_full_matrix():
 
 
 def test_auto_prefers_the_fused_path_for_rules_sdpa_lacks():
-    q, k, v = make_qkv(2, 2, 2, 64, 64, 8)
-    for kw in ({"window": (8, 0)}, {"key_padding_mask": torch.rand(2, 64) > 0.2}, {"is_causal": "bottom_right"}):
-        call = validate(q[:, :, :32], k, v, **kw)
-        assert auto_order(call)[0].NAME == "chunked", kw
+    q, k, v = make_qkv(2, 2, 2, 256, 256, 8)
+    mask = torch.rand(128, 256) > 0.5
+    for kw in ({"window": (8, 0)}, {"key_padding_mask": torch.rand(2, 256) > 0.2}, {"is_causal": "bottom_right"}, {"attn_mask": mask}):
+        assert auto_order(validate(q[:, :, :128], k, v, **kw))[0].NAME == "chunked", kw
+        with torch.no_grad():  # the plain-call shortcut must not send a large bool mask to SDPA
+            assert max_err(qkv.attention(q[:, :, :128], k, v, **kw), qkv.attention(q[:, :, :128], k, v, backend="chunked", **kw)) == 0
+    small = validate(q[:, :, :16], k[:, :, :16], v[:, :, :16], window=(8, 0))
+    assert auto_order(small)[0].NAME == "sdpa"  # below MATH_MAX_SCORES a dense mask is cheap
+    grad = validate(q[:, :, :128].requires_grad_(), k, v, window=(8, 0))
+    assert auto_order(grad)[0].NAME == "chunked" and auto_order(grad)[-1].NAME == "sdpa"
+
+
+@pytest.mark.parametrize("mask_kind", ["block_sparse", "random", "per_head", "per_batch", "gqa_per_head", "empty_rows"])
+def test_bool_mask_block_sparse_dispatch_matches_math(mask_kind):
+    b, hq, hk, nq, nk = 2, 4, 4, 300, 420
+    g = torch.Generator().manual_seed(1)
+    if mask_kind == "block_sparse":  # 128-blocks at ~30%: gathered, non-adjacent key blocks
+        keep = torch.rand(3, 4, generator=g) < 0.3
+        keep[:, 0] = True
+        mask = keep.repeat_interleave(128, 0).repeat_interleave(128, 1)[:nq, :nk]
+    elif mask_kind == "random":
+        mask = torch.rand(nq, nk, generator=g) > 0.5
+    elif mask_kind == "per_head":
+        mask = torch.rand(1, hq, nq, nk, generator=g) > 0.9
+    elif mask_kind == "per_batch":
+        mask = torch.rand(b, 1, nq, nk, generator=g) > 0.7
+    elif mask_kind == "gqa_per_head":
+        hk = 2
+        mask = torch.rand(b, hq, nq, nk, generator=g) > 0.8
+    else:
+        mask = torch.rand(nq, nk, generator=g) > 0.5
+        mask[:150] = False  # a whole row block with nothing to attend to, and empty rows in another
+        mask[200:210] = False
+    q, k, v = make_qkv(b, hq, hk, nq, nk, 16, dtype=torch.float64)
+    for causal, window, padding in [(False, None, None), (True, None, None), ("bottom_right", (60, 10), torch.rand(b, nk) > 0.3)]:
+        kw = dict(attn_mask=mask, is_causal=causal, window=window, key_padding_mask=padding, enable_gqa=hq != hk, return_lse=True)
+        assert can_fuse(validate(q, k, v, **kw)), kw
+        out, lse = qkv.attention(q, k, v, backend="chunked", **kw)
+        ref, ref_lse = qkv.attention(q, k, v, backend="math", **kw)
+        assert max_err(out, ref) < 1e-12, kw
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        assert max_err(lse.nan_to_num(neginf=0.0), ref_lse.nan_to_num(neginf=0.0)) < 1e-12
