@@ -27,6 +27,10 @@ def positional_tile(pm: PositionalMask, q0: int, q1: int, k0: int, k1: int, devi
     return pm.allowed(qi, kj)
 
 
+# Granularity at which a bool attn_mask's empty regions are found (see MaskTiles.with_occupancy).
+CELL = 64
+
+
 @dataclass
 class MaskTiles:
     """Every mask of one call, sliced tile by tile in the grouped layout ``(B, Hk, G, Nq, Nk)``."""
@@ -35,6 +39,8 @@ class MaskTiles:
     attn: Optional[torch.Tensor]  # broadcastable to (B, Hk, G, Nq, Nk), last two dims full size
     padding: Optional[torch.Tensor]  # (B|1, 1, 1, 1, Nk) bool
     device: torch.device
+    key_limit: Optional[int] = None  # keys from here on are padding for every row (trimmed away)
+    occupancy: Optional[list[list[int]]] = None  # 2-D prefix sums of a bool attn_mask's non-empty cells
 
     @classmethod
     def from_call(cls, call: AttentionCall) -> "MaskTiles":
@@ -50,7 +56,46 @@ class MaskTiles:
                 t = t[batch]
             return t[:, heads] if t.shape[1] > 1 else t
 
-        return MaskTiles(self.positional, cut(self.attn), cut(self.padding), self.device)
+        return MaskTiles(self.positional, cut(self.attn), cut(self.padding), self.device, self.key_limit, self.occupancy)
+
+    # ---- skipping work that a mask rules out (host-side decisions; eager code only) ----------
+
+    def ragged(self) -> Optional[list[tuple[slice, "MaskTiles"]]]:
+        """Per batch entry, its masks with trailing padding trimmed (``key_limit``), when every
+        entry's real keys form a prefix (ragged lengths); None otherwise."""
+        kp = self.padding
+        if kp is None or kp.shape[0] == 1 or kp.numel() == 0:
+            return None
+        kp = kp[:, 0, 0, 0, :]  # (B, Nk)
+        lengths = kp.sum(-1)
+        if not bool((kp == (torch.arange(kp.shape[-1], device=kp.device) < lengths[:, None])).all()):
+            return None
+        return [
+            (slice(i, i + 1), MaskTiles(self.positional, self.attn if self.attn is None or self.attn.shape[0] == 1 else self.attn[i : i + 1],
+                                        None, self.device, n, self.occupancy))
+            for i, n in enumerate(lengths.tolist())
+        ]  # fmt: skip
+
+    def with_occupancy(self) -> "MaskTiles":
+        """A copy that knows which ``CELL × CELL`` cells of a bool ``attn_mask`` (over every batch
+        entry and head) allow some pair, so that tiles with nothing allowed are skipped."""
+        if self.attn is None or self.attn.dtype != torch.bool or self.attn.numel() == 0:
+            return self
+        nq, nk = self.attn.shape[-2:]
+        a = self.attn.reshape(-1, nq, nk)
+        keep = a.any(0) if a.shape[0] > 1 else a[0]
+        nr, nc = -(-nq // CELL), -(-nk // CELL)
+        cells = torch.nn.functional.pad(keep, (0, nc * CELL - nk, 0, nr * CELL - nq)).view(nr, CELL, nc, CELL).any(3).any(1)
+        sums = torch.nn.functional.pad(cells.long().cumsum(0).cumsum(1), (1, 0, 1, 0))  # (nr+1, nc+1)
+        return MaskTiles(self.positional, self.attn, self.padding, self.device, self.key_limit, sums.tolist())
+
+    def tile_is_empty(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Does the bool attn_mask (per :meth:`with_occupancy`) allow nothing in this tile?"""
+        s = self.occupancy
+        if s is None:
+            return False
+        r0, r1, c0, c1 = q0 // CELL, -(-q1 // CELL), k0 // CELL, -(-k1 // CELL)
+        return s[r1][c1] - s[r0][c1] - s[r1][c0] + s[r0][c0] == 0
 
     def tile(self, q0: int, q1: int, k0: int, k1: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(allowed bool, additive bias) for rows ``[q0, q1)`` × keys ``[k0, k1)``; None = nothing."""

@@ -103,16 +103,20 @@ def _key_blocks(tiles: MaskTiles, q0: int, q1: int, bk: int) -> Iterator[tuple[i
 
     The keys every row sees are tiled apart from the edges that only some rows see, so only
     the thin edge tiles (about ``block_q`` wide on a causal diagonal) need a positional mask.
+    Trailing padding trimmed by :meth:`MaskTiles.ragged` and tiles in which a bool attn_mask
+    allows nothing are skipped too.
     """
     pm = tiles.positional
     k_lo, k_hi = pm.key_range(q0, q1)
+    if tiles.key_limit is not None:
+        k_hi = max(k_lo, min(k_hi, tiles.key_limit))
     f_lo, f_hi = pm.full_key_range(q0, q1)
     f_lo, f_hi = min(max(f_lo, k_lo), k_hi), max(min(f_hi, k_hi), k_lo)
     segments = ((k_lo, f_lo), (f_lo, f_hi), (f_hi, k_hi)) if f_lo < f_hi else ((k_lo, k_hi),)
     for a, b in segments:
         for k0 in range(a, b, bk):
             k1 = min(b, k0 + bk)
-            if pm.block_status(q0, q1, k0, k1) != "empty":
+            if pm.block_status(q0, q1, k0, k1) != "empty" and not tiles.tile_is_empty(q0, q1, k0, k1):
                 yield k0, k1
 
 
@@ -232,9 +236,18 @@ def chunked_forward(
     out = q.new_zeros(b, hk, g, nq, v.shape[-1])
     m = q.new_full((b, hk, g, nq), _NEG_INF)
     l = q.new_zeros((b, hk, g, nq))
-    for bs, hs in _head_groups(b, hk, per_group):
-        _forward_heads(q[bs, hs], k[bs, hs], v[bs, hs], tiles.narrow(bs, hs), scale, bq, bk, out[bs, hs], m[bs, hs], l[bs, hs])
+    for e, t in _entries(tiles):  # batch entries apart when their key padding is ragged
+        qe, ke, ve, oe, me, le = q[e], k[e], v[e], out[e], m[e], l[e]
+        for bs, hs in _head_groups(qe.shape[0], hk, per_group):
+            _forward_heads(qe[bs, hs], ke[bs, hs], ve[bs, hs], t.narrow(bs, hs), scale, bq, bk, oe[bs, hs], me[bs, hs], le[bs, hs])
     return out, m, l
+
+
+def _entries(tiles: MaskTiles) -> list[tuple[slice, MaskTiles]]:
+    """(batch slice, masks) to run apart: one per entry with ragged key padding (its padded
+    key tiles skipped), else the whole batch; with a bool attn_mask's empty tiles found."""
+    tiles = tiles.with_occupancy()
+    return tiles.ragged() or [(slice(None), tiles)]
 
 
 def lse_from(m: torch.Tensor, l: torch.Tensor, tiles: MaskTiles, scale: float) -> torch.Tensor:
@@ -330,11 +343,14 @@ def chunked_backward(
         "half_l": torch.where(has, 0.5 * l, float("inf")),
     }
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for bs, hs in _head_groups(b, hk, per_group):
-        _backward_heads(
-            q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], {n: t[bs, hs] for n, t in rows.items()},
-            tiles.narrow(bs, hs), scale, bq, bk, dq[bs, hs], dk[bs, hs], dv[bs, hs],
-        )  # fmt: skip
+    for e, te in _entries(tiles):
+        qe, ke, ve, oe, dqe, dke, dve = q[e], k[e], v[e], out[e], dq[e], dk[e], dv[e]
+        re = {n: t[e] for n, t in rows.items()}
+        for bs, hs in _head_groups(qe.shape[0], hk, per_group):
+            _backward_heads(
+                qe[bs, hs], ke[bs, hs], ve[bs, hs], oe[bs, hs], {n: t[bs, hs] for n, t in re.items()},
+                te.narrow(bs, hs), scale, bq, bk, dqe[bs, hs], dke[bs, hs], dve[bs, hs],
+            )  # fmt: skip
     return dq.mul_(scale), dk.mul_(scale), dv
 
 
