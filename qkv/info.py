@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .backends import BACKENDS, auto_order, reasons_by_backend
+from .backends import BACKENDS, auto_order, order_notes, reasons_by_backend
 from .call import AttentionCall, validate
 from .cli import UsageError, _int_at_least
 
@@ -124,6 +124,7 @@ def report(call: Optional[AttentionCall] = None) -> str:
         chosen = next((b.NAME for b in auto_order(call) if not reasons[b.NAME]), None)
         order = " → ".join(b.NAME for b in auto_order(call))
         lines.append(f"  auto tries {order} and picks: {chosen or 'nothing (see reasons)'}")
+        lines += [f"  ({note})" for note in order_notes(call)]
         for name, rs in reasons.items():
             if rs:
                 lines.append(f"  {name:<{width}}  cannot run it: " + "; ".join(rs))

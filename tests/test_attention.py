@@ -387,3 +387,15 @@ def test_auto_says_which_backend_ran_and_why(caplog):
     assert "auto runs sdpa directly" in lines[0]
     assert "auto runs sdpa" in lines[1] and "window=(4, 0)" in lines[1]
     assert "auto runs math" in lines[2] and "sdpa: return_lse=True with gradients" in lines[2], lines[2]
+
+
+def test_qkv_info_explains_the_order(capsys):
+    from qkv.cli import main
+
+    assert main(["info", "--shape", "1,8,4096,64", "--window", "128,0"]) == 0
+    out = capsys.readouterr().out
+    assert "auto tries chunked → sdpa → math and picks: chunked" in out
+    assert "chunked first: without gradients it runs the call on torch's fused CPU kernel block by block" in out
+    assert main(["info", "--shape", "1,8,4096,64", "--causal", "--grad"]) == 0
+    out = capsys.readouterr().out
+    assert "sdpa last: torch's CPU backward misses the accuracy rule" in out and "picks: chunked" in out

@@ -73,6 +73,22 @@ def auto_order(call: AttentionCall) -> list[Backend]:
     return order
 
 
+def order_notes(call: AttentionCall) -> list[str]:
+    """Why :func:`auto_order` put the backends in their order for this call (for logs and ``qkv info``)."""
+    order = [b.NAME for b in auto_order(call)]
+    notes = []
+    if order[0] == "chunked" and can_fuse(call):
+        notes.append(
+            "chunked first: without gradients it runs the call on torch's fused CPU kernel block by block, "
+            "skipping what the window, padding or a bool mask's empty blocks rule out, where SDPA would get a dense mask"
+        )
+    elif order[0] == "chunked":
+        notes.append("chunked first: SDPA would need an Nq × Nk mask built for it")
+    if order[-1] == "sdpa" and call.device.type == "cpu" and call.requires_grad:
+        notes.append("sdpa last: torch's CPU backward misses the accuracy rule for gradients below float64")
+    return notes
+
+
 def reasons_by_backend(call: AttentionCall) -> dict[str, list[str]]:
     """Every backend's reasons against ``call`` (an empty list means it can run it)."""
     return {name: b.not_supported_reasons(call) for name, b in BACKENDS.items()}
@@ -95,16 +111,14 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
         if not candidate.not_supported_reasons(call):
             if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):  # no logging in a traced graph
                 passed = "; ".join(f"{b.NAME}: {', '.join(b.not_supported_reasons(call))}" for b in order[:i])
-                demoted = call.device.type == "cpu" and call.requires_grad and torch_backward_misses_rule(call)
                 _log.debug(
                     "qkv.attention(%s): auto runs %s (order %s)%s%s",
                     call.describe(), candidate.NAME, " → ".join(b.NAME for b in order),
-                    f"; cannot run it: {passed}" if passed else "",
-                    "; sdpa last: torch's CPU backward misses the accuracy rule for these gradients" if demoted else "",
+                    f"; cannot run it: {passed}" if passed else "", "".join(f"; {n}" for n in order_notes(call)),
                 )  # fmt: skip
             return candidate
     lines = [f"  {n}: {'; '.join(r)}" for n, r in reasons_by_backend(call).items()]
     raise BackendError(f"no backend can run this call ({call.describe()}):\n" + "\n".join(lines))
 
 
-__all__ = ["Backend", "BackendError", "BACKENDS", "auto_order", "get_backend", "reasons_by_backend", "select"]
+__all__ = ["Backend", "BackendError", "BACKENDS", "auto_order", "get_backend", "order_notes", "reasons_by_backend", "select"]
