@@ -66,14 +66,13 @@ class MaskTiles:
         kp = self.padding
         if kp is None or kp.shape[0] == 1 or kp.numel() == 0:
             return None
-        kp = kp[:, 0, 0, 0, :]  # (B, Nk)
-        lengths = kp.sum(-1)
-        if not bool((kp == (torch.arange(kp.shape[-1], device=kp.device) < lengths[:, None])).all()):
+        lengths = prefix_lengths(kp[:, 0, 0, 0, :])
+        if lengths is None:
             return None
         return [
             (slice(i, i + 1), MaskTiles(self.positional, self.attn if self.attn is None or self.attn.shape[0] == 1 else self.attn[i : i + 1],
                                         None, self.device, n, self.occupancy))
-            for i, n in enumerate(lengths.tolist())
+            for i, n in enumerate(lengths)
         ]  # fmt: skip
 
     def with_occupancy(self) -> "MaskTiles":
@@ -111,6 +110,17 @@ class MaskTiles:
             else:
                 bias = a
         return allowed, bias
+
+
+def prefix_lengths(padding: torch.Tensor) -> Optional[list[int]]:
+    """Each row's number of real keys when every row of ``padding`` (B, Nk) is True then False
+    (ragged lengths); None for any other pattern. A host sync: None under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return None
+    lengths = padding.sum(-1)
+    if not bool((padding == (torch.arange(padding.shape[-1], device=padding.device) < lengths[:, None])).all()):
+        return None
+    return [int(n) for n in lengths.tolist()]
 
 
 def apply_tile(scores: torch.Tensor, allowed: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:

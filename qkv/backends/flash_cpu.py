@@ -1,28 +1,31 @@
-"""torch's fused CPU flash kernel, dispatched block by block under qkv's positional rules.
+"""torch's fused CPU flash kernel, dispatched block by block under qkv's mask rules.
 
 ``aten._scaled_dot_product_flash_attention_for_cpu`` is torch's fastest CPU attention: an
 online softmax over key blocks with vectorised exponentials and no ``Nq × Nk`` matrix, which
-also returns the log-sum-exp. It knows only top-left causality. qkv's other rules (sliding
-windows, bottom-right alignment, key padding) are expressed to it per row block:
+also returns the log-sum-exp. It knows only top-left causality. qkv's other rules are
+expressed to it one row block at a time:
 
 - the rows ``[q0, q1)`` are given only the keys ``[k_lo, k_hi)`` their band can reach, so the
   cost of a sliding window is proportional to the window, not to ``Nk``;
 - inside that range the band is either top-left causal (``is_causal=True``, no mask at all) or
-  needs a small ``(R, k_hi - k_lo)`` additive mask of 0 and −inf;
+  needs an ``(R, k_hi - k_lo)`` additive mask of 0 and −inf, a view of one template;
 - key padding whose True entries form a prefix (ragged lengths) trims each batch entry's keys
   to its length; any other padding becomes a broadcast ``(B, 1, 1, Nk)`` mask. Under
-  ``torch.compile`` padding always takes the broadcast mask, which needs no host sync.
+  ``torch.compile`` padding always takes the broadcast mask, which needs no host sync;
+- a bool ``attn_mask`` is read once to find its non-empty 128 × 128 blocks, and each row block
+  is given only the keys of those blocks (:func:`sparse_forward`).
 
 One call per row block means there is nothing to merge: each row's output and log-sum-exp
-are the kernel's own, exactly as precise as torch SDPA's. This path serves calls without
-gradients. torch's CPU backward recomputes the weights from the rounded log-sum-exp, which
-misses qkv's accuracy rule where one key takes most of a row's weight (float32 dV up to
-500× the math path's error), so gradient calls take the chunked backend's own loop.
+are the kernel's own, as precise as torch SDPA's. This path serves calls without gradients:
+torch's CPU backward recomputes the weights from the rounded log-sum-exp, which misses qkv's
+accuracy rule where one key takes most of a row's weight (float32 dV up to 30× the rule's
+bound), so gradient calls take the chunked backend's own loop.
 
 Requirements of the kernel, checked by :func:`can_fuse` or met here: CPU tensors, value head
 dim equal to the query head dim, no empty size (it divides by them), last dims of stride 1, a
-float mask of the query's dtype; shared key/value heads are read through a stride-0 head dim. It reports log-sum-exp 0 for a row with nothing to attend to; qkv's −inf is
-restored from the mask.
+float mask of the query's dtype; shared key/value heads are read through a stride-0 head dim.
+It reports log-sum-exp 0 for a row with nothing to attend to; qkv's −inf is restored from the
+rules (:func:`empty_rows`) or the mask.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Optional
 import torch
 
 from ..call import AttentionCall
+from ..masks import prefix_lengths
 from ..reference.masks import PositionalMask
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -102,6 +106,12 @@ def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mas
     return _flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
 
+def _empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out 0 and lse −inf (the kernel's lse dtype) for rows that no kernel call reaches."""
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_zeros(*q.shape[:3], v.shape[3]), torch.full(q.shape[:3], float("-inf"), dtype=lse_dtype, device=q.device)
+
+
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool "may attend" → 0 / −inf in ``dtype`` (the kernel takes masks of the query's dtype)."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
@@ -124,18 +134,6 @@ def _band_template(
     r = torch.arange(rows, device=device)[:, None]
     x = torch.arange(width, device=device)[None, :]
     return _additive(pm.allowed(r, x + d0), dtype), d0
-
-
-def _prefix_lengths(padding: torch.Tensor) -> Optional[list[int]]:
-    """Each batch entry's number of real keys when every row of ``padding`` (B, Nk) is True then
-    False (ragged lengths); None for any other pattern, or under ``torch.compile``."""
-    if torch.compiler.is_compiling():
-        return None
-    lengths = padding.sum(-1)
-    ar = torch.arange(padding.shape[-1], device=padding.device)
-    if not bool((padding == (ar < lengths[:, None])).all()):
-        return None
-    return [int(n) for n in lengths.tolist()]
 
 
 def _calls(pm: PositionalMask, nq: int, nk: int) -> list[tuple[int, int, int, int, bool]]:
@@ -187,7 +185,7 @@ def fused_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, H, Nq, D)``, k/v ``(B, H, Nk, D)`` (heads already matched), padding ``(B|1, Nk)``
     bool or None → out ``(B, H, Nq, D)``, lse ``(B, H, Nq)`` (float32, or float64 for float64 inputs; −inf for empty rows)."""
-    lengths = None if padding is None else _prefix_lengths(padding)
+    lengths = None if padding is None else prefix_lengths(padding)
     if lengths is not None and padding.shape[0] == q.shape[0] > 1:  # each entry attends to its own prefix
         parts = [_banded(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], pm, None, scale) for i, n in enumerate(lengths)]
         out, lse = torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
@@ -205,7 +203,7 @@ def _banded(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pm: PositionalMask, padding: Optional[torch.Tensor], scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel calls of :func:`_calls` over the keys of ``k`` (a prefix of the call's)."""
-    b, h, nq, _ = q.shape
+    nq = q.shape[2]
     calls = _calls(pm, nq, k.shape[2])
     template = _band_template(pm, calls, q.dtype, q.device)
 
@@ -221,9 +219,7 @@ def _banded(
 
     if len(calls) == 1 and calls[0][:4] == (0, nq, 0, k.shape[2]):
         return run(*calls[0])
-    out = q.new_zeros(b, h, nq, v.shape[3])
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # as the kernel's own
-    lse = torch.full((b, h, nq), float("-inf"), dtype=lse_dtype, device=q.device)
+    out, lse = _empty_result(q, v)
     for q0, q1, k0, k1, causal in calls:
         out[:, :, q0:q1], lse[:, :, q0:q1] = run(q0, q1, k0, k1, causal)
     return out, lse
@@ -252,15 +248,13 @@ def sparse_forward(
 
     Finding the occupied blocks reads the mask once and needs a host sync; under
     ``torch.compile`` (no syncs) the whole mask goes to one kernel call instead."""
-    b, h, nq, _ = q.shape
+    nq = q.shape[2]
     nk = k.shape[2]
     if torch.compiler.is_compiling():
         blocks: list[tuple[int, int, int, int, Optional[torch.Tensor]]] = [(0, nq, 0, nk, None)]
     else:
         blocks = _occupied_blocks(attn, pm, nq, nk)
-    out = q.new_zeros(b, h, nq, v.shape[3])
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.full((b, h, nq), float("-inf"), dtype=lse_dtype, device=q.device)
+    out, lse = _empty_result(q, v)
     for q0, q1, k0, k1, keys in blocks:
         if keys is None:  # one contiguous key range: views, no gather
             ks, vs, allowed = k[:, :, k0:k1], v[:, :, k0:k1], attn[..., q0:q1, k0:k1]
