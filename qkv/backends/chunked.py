@@ -39,9 +39,10 @@ and rounded once. A negative or zero scale moves into the query first
 (:meth:`AttentionCall.positive_scale`), so the row maximum of ``q·kᵀ`` is the largest score.
 Differences from ``math``: no dropout, and no gradient to a float ``attn_mask``.
 
-Calls without gradients on a CPU (and without a dense ``attn_mask``) run on torch's fused
-flash kernel instead, dispatched block by block under the same positional rules
-(:mod:`.flash_cpu`): the same tiles skipped, at the speed of torch's vectorised kernel.
+Calls without gradients on a CPU (and without a float ``attn_mask``) run on torch's fused
+flash kernel instead, dispatched block by block under the same rules (:mod:`.flash_cpu`):
+the same tiles skipped, at the speed of torch's vectorised kernel. The loops here are torch
+custom ops, so ``torch.compile`` keeps a call in one graph without tracing into them.
 
 The autograd functions follow ``torch.func``'s protocol (``setup_context`` and a ``vmap``
 rule), so ``jacrev``, ``vmap`` and ``grad`` work; batched cotangents from the autograd engine
