@@ -18,16 +18,12 @@ import json
 import math
 import os
 import sys
-import zlib
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
-
-from .reference.trace import Trace, trace
+from .reference.toy import SENTENCE, sentence_trace, worked_example
 
 __all__ = ["main", "build_parser", "sentence_trace", "worked_example", "DEMO_PARTS", "MODEL_SENTENCE", "UsageError"]
 
-SENTENCE = "Thinking Machines"
 MODEL_SENTENCE = (
     "Alice is an outstanding software engineer; she led the development of the company's core "
     "recommendation system."
@@ -147,48 +143,6 @@ def _write_error(flag: str, path: str, e: OSError) -> UsageError:
 
 
 # -- the glass box on a sentence ------------------------------------------------------------
-
-
-def sentence_trace(
-    sentence: str = SENTENCE,
-    *,
-    d_model: int = 4,
-    d_k: int = 3,
-    heads: int = 1,
-    causal: bool = False,
-    seed: int = 0,
-) -> Trace:
-    """Trace self-attention on a whitespace-split sentence with small seeded random numbers.
-
-    Embeddings come from ``(seed, word)`` alone, so a repeated word gets the same row, as with a
-    real embedding table. Weights come from ``seed``. Everything is rounded to one decimal so the
-    arithmetic can be followed by hand. Shapes: ``x (N, d_model)``, ``W_Q, W_K, W_V
-    (d_model, heads·d_k)``, and ``W_O (heads·d_k, d_model)`` when ``heads > 1``.
-    """
-    tokens = sentence.split()
-    if not tokens:
-        raise ValueError('the sentence is empty; pass some words, e.g. qkv trace "Thinking Machines"')
-    x = np.stack(
-        [np.random.default_rng([seed, zlib.crc32(w.encode("utf-8"))]).normal(size=d_model) for w in tokens]
-    ).round(1)  # (N, d_model)
-    rng = np.random.default_rng(seed)
-    width = heads * d_k
-    w_q, w_k, w_v = (rng.normal(scale=0.7, size=(d_model, width)).round(1) for _ in range(3))
-    w_o = rng.normal(scale=0.7, size=(width, d_model)).round(1) if heads > 1 else None
-    return trace(x, w_q, w_k, w_v, w_o=w_o, num_heads=heads, is_causal=causal, tokens=tokens)
-
-
-def worked_example() -> Trace:
-    """The tutorials' numbers: two tokens, d_k = 64, q₁·k₁ = 112 and q₁·k₂ = 96.
-
-    With q₁ all ones, keys filled with 1.75 and 1.5 give exactly those dot products; the values
-    are the unit vectors, so each output row reads back as that row's weights.
-    """
-    d_k = 64
-    q = np.stack([np.ones(d_k), np.full(d_k, 0.5)])  # (2, 64)
-    k = np.stack([np.full(d_k, 1.75), np.full(d_k, 1.5)])  # (2, 64): 64·1.75 = 112, 64·1.5 = 96
-    v = np.eye(2)  # (2, 2)
-    return Trace.from_qkv(q, k, v, tokens=["Thinking", "Machines"])
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
