@@ -9,14 +9,17 @@ expressed to it one row block at a time:
   cost of a sliding window is proportional to the window, not to ``Nk``;
 - inside that range the band is either top-left causal (``is_causal=True``, no mask at all) or
   needs an ``(R, k_hi - k_lo)`` additive mask of 0 and −inf, a view of one template;
+- a band with no left edge that starts above the diagonal (bottom-right causal with Nq < Nk)
+  is two unmasked calls over all rows: the keys every row sees, then top-left causality over
+  the rest, merged through their log-sum-exps;
 - key padding whose True entries form a prefix (ragged lengths) trims each batch entry's keys
   to its length; any other padding becomes a broadcast ``(B, 1, 1, Nk)`` mask. Under
   ``torch.compile`` padding always takes the broadcast mask, which needs no host sync;
 - a bool ``attn_mask`` is read once to find its non-empty 128 × 128 blocks, and each row block
   is given only the keys of those blocks (:func:`sparse_forward`).
 
-One call per row block means there is nothing to merge: each row's output and log-sum-exp
-are the kernel's own, as precise as torch SDPA's. This path serves calls without gradients:
+Apart from that merge, one call per row block means each row's output and log-sum-exp are
+the kernel's own, as precise as torch SDPA's. This path serves calls without gradients:
 torch's CPU backward recomputes the weights from the rounded log-sum-exp, which misses qkv's
 accuracy rule where one key takes most of a row's weight (float32 dV up to 30× the rule's
 bound), so gradient calls take the chunked backend's own loop.
@@ -203,8 +206,11 @@ def _banded(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pm: PositionalMask, padding: Optional[torch.Tensor], scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel calls of :func:`_calls` over the keys of ``k`` (a prefix of the call's)."""
-    nq = q.shape[2]
-    calls = _calls(pm, nq, k.shape[2])
+    nq, nk = q.shape[2], k.shape[2]
+    lo, hi = pm.band()
+    if padding is None and lo is None and hi is not None and 0 < hi < nk and pm.block_status(0, nq, 0, nk) != "full":
+        return _open_left(q, k, v, hi, scale)
+    calls = _calls(pm, nq, nk)
     template = _band_template(pm, calls, q.dtype, q.device)
 
     def run(q0: int, q1: int, k0: int, k1: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +229,21 @@ def _banded(
     for q0, q1, k0, k1, causal in calls:
         out[:, :, q0:q1], lse[:, :, q0:q1] = run(q0, q1, k0, k1, causal)
     return out, lse
+
+
+def _open_left(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hi: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The band ``j ≤ i + hi`` (``hi > 0``, no left edge: bottom-right causal with Nq < Nk) in two
+    unmasked kernel calls: every row sees the keys ``[0, hi)``, and over the keys ``[hi, …)`` the
+    rule is the kernel's own top-left causality. The two halves merge through their lse."""
+    out_a, lse_a = _kernel(q, k[:, :, :hi], v[:, :, :hi], False, None, scale)
+    out_b, lse_b = _kernel(q, k[:, :, hi:], v[:, :, hi:], True, None, scale)  # every row sees key hi
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)  # (B, H, Nq), the larger one is 1
+    total = w_a + w_b
+    acc = out_a.to(lse_a.dtype) * (w_a / total).unsqueeze(-1) + out_b.to(lse_a.dtype) * (w_b / total).unsqueeze(-1)
+    return acc.to(q.dtype), top + torch.log(total)
 
 
 # Block-sparse dispatch of a bool attn_mask: rows are taken SPARSE_ROWS at a time, and each row

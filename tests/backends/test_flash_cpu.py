@@ -73,9 +73,14 @@ def test_head_layouts_views_and_scales(layout):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_low_precision_within_rule(dtype):
-    q, k, v = make_qkv(2, 4, 2, 333, 333, 64, dtype=dtype)
-    kw = {"is_causal": "bottom_right", "window": (100, 0), "enable_gqa": True, "key_padding_mask": torch.rand(2, 333) > 0.2}
+@pytest.mark.parametrize("case", ["window_padding", "bottom_right_merged"])
+def test_low_precision_within_rule(dtype, case):
+    if case == "window_padding":
+        q, k, v = make_qkv(2, 4, 2, 333, 333, 64, dtype=dtype)
+        kw = {"is_causal": "bottom_right", "window": (100, 0), "enable_gqa": True, "key_padding_mask": torch.rand(2, 333) > 0.2}
+    else:  # Nq < Nk: two unmasked kernel calls whose halves merge through their lse
+        q, k, v = make_qkv(2, 4, 2, 150, 333, 64, dtype=dtype)
+        kw = {"is_causal": "bottom_right", "enable_gqa": True}
     ref = qkv.attention(*(t.double() for t in (q, k, v)), backend="math", **kw)
     base = qkv.attention(q, k, v, backend="math", **kw)
     out = qkv.attention(q, k, v, backend="chunked", **kw)
