@@ -231,7 +231,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "attention_matrix"), help="path without suffix for .md and .json")
-    ap.add_argument("--append", action="store_true", help="add to the rows already in OUT.json")
+    ap.add_argument("--append", action="store_true", help="add to (or replace cells of) the rows already in OUT.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
     rows: list[dict] = json.loads(out.with_suffix(".json").read_text())["rows"] if args.append and out.with_suffix(".json").exists() else []
@@ -241,7 +241,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 for p in args.passes:
                     for kind in args.kinds:
                         row = run_cell(kind, n, getattr(torch, dtype), p == "fwd+bwd", threads, args.rounds)
-                        rows.append(row)
+                        same = ("kind", "n", "dtype", "pass", "threads")
+                        rows = [r for r in rows if any(r[f] != row[f] for f in same)] + [row]  # a rerun replaces its cell
                         print(json.dumps(row), flush=True)
     meta = {
         "date": dt.date.today().isoformat(),

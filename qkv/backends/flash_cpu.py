@@ -299,8 +299,10 @@ def _occupied_blocks(attn: torch.Tensor, pm: PositionalMask, nq: int, nk: int) -
     keep = attn.reshape(-1, nq, nk).any(0) if attn.numel() > nq * nk else attn.reshape(nq, nk)
     r, c = SPARSE_ROWS, SPARSE_COLS
     nr, nc = -(-nq // r), -(-nk // c)
-    padded = torch.nn.functional.pad(keep, (0, nc * c - nk, 0, nr * r - nq))
-    occupied = padded.view(nr, r, nc, c).any(3).any(1)  # (nr, nc)
+    if nq % r or nk % c:
+        keep = torch.nn.functional.pad(keep, (0, nc * c - nk, 0, nr * r - nq))
+    # a max over bytes is ~4x faster than Tensor.any over these views (16384² mask: 70 vs 255 ms)
+    occupied = keep.contiguous().view(torch.uint8).view(nr * r, nc, c).amax(2).view(nr, r, nc).amax(1).bool()  # (nr, nc)
     if float(occupied.float().mean()) > DENSE_ABOVE:  # skipping saves less than the calls cost
         return [(0, nq, 0, nk, None)]
     occ = occupied.tolist()  # one host sync
