@@ -1,0 +1,528 @@
+"""The glass box, widened: one whole encoder block of the original Transformer, step by step.
+
+A post-LN encoder block ("Attention Is All You Need", §3.1), every intermediate kept::
+
+    embeddings (N, d_model)   one row per token
+    positional (N, d_model)   the sinusoid table PE (zeros with positional=False)
+    x          (N, d_model)   embeddings + positional
+    attention  Trace          multi-head self-attention of x with W_O; attention.projected (N, d_model)
+    residual1  (N, d_model)   x + attention.projected
+    norm1      (N, d_model)   LayerNorm(residual1) = γ₁·(residual1 − mean1)/std1 + β₁
+    ffn_hidden (N, d_ff)      norm1·W1 + b1
+    ffn_relu   (N, d_ff)      max(0, ffn_hidden)
+    ffn_out    (N, d_model)   ffn_relu·W2 + b2
+    residual2  (N, d_model)   norm1 + ffn_out
+    output     (N, d_model)   LayerNorm(residual2) with γ₂, β₂, mean2, std2
+
+``mean1, std1, mean2, std2`` are ``(N,)``: each row's mean and the divisor LayerNorm uses,
+``std = √(var + eps)`` with the biased (1/d_model) variance, as ``torch.nn.LayerNorm`` does.
+Weights follow the row-vector convention of the rest of the glass box: ``W1 (d_model, d_ff)``,
+``W2 (d_ff, d_model)``, so a token's row is multiplied on the right.
+"""
+
+from __future__ import annotations
+
+import html as _html
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from .attention import as_float64
+from .masks import CausalArg
+from .render import Block, fmt, format_matrix, short, vec
+from .toy import toy_embeddings, toy_weights
+from .trace import Trace, _from_json, _to_json, trace
+
+__all__ = ["BlockTrace", "trace_block", "toy_block_trace", "sinusoidal_positions", "layer_norm", "BLOCK_STEPS"]
+
+BLOCK_STEPS: tuple[str, ...] = (
+    "embeddings", "positional", "x", "residual1", "norm1", "ffn_hidden", "ffn_relu", "ffn_out", "residual2", "output",
+)
+"""Names of the block's own steps in the order they happen (the attention step sits after ``x``)."""
+
+_PARAMS: tuple[str, ...] = ("w1", "b1", "w2", "b2", "gamma1", "beta1", "gamma2", "beta2")
+
+
+def sinusoidal_positions(n: int, d_model: int, base: float = 10000.0) -> np.ndarray:
+    """The ``(n, d_model)`` sinusoid table: even columns ``sin(p / base^(2i/d))``, odd columns ``cos``.
+
+    The same table as :func:`qkv.nn.positional.sinusoidal_table`, in float64 without torch.
+    """
+    if n < 0 or d_model <= 0:
+        raise ValueError(f"sinusoidal_positions needs n >= 0 and d_model > 0, got n={n}, d_model={d_model}")
+    pos = np.arange(n, dtype=np.float64)[:, None]  # (n, 1)
+    inv_freq = np.exp(np.arange(0, d_model, 2, dtype=np.float64) * (-np.log(base) / d_model))  # (ceil(d/2),)
+    angle = pos * inv_freq  # (n, ceil(d/2))
+    table = np.empty((n, d_model), dtype=np.float64)
+    table[:, 0::2] = np.sin(angle)
+    table[:, 1::2] = np.cos(angle[:, : d_model // 2])
+    return table
+
+
+def layer_norm(a: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row-wise LayerNorm of ``a (N, d)``: returns ``(γ·(a − mean)/std + β, mean (N,), std (N,))``."""
+    mean = a.mean(axis=-1)  # (N,)
+    std = np.sqrt(((a - mean[:, None]) ** 2).mean(axis=-1) + eps)  # (N,): biased variance, as torch
+    return gamma * (a - mean[:, None]) / std[:, None] + beta, mean, std
+
+
+@dataclass(eq=False)
+class BlockTrace:
+    """Every step of one post-LN Transformer encoder block, as float64 NumPy arrays.
+
+    Build one with :func:`trace_block` or :func:`toy_block_trace`; the module docstring gives
+    the shape of every field. ``attention`` is the full :class:`~qkv.reference.trace.Trace` of
+    the multi-head self-attention inside the block (with its heads and W_O).
+    """
+
+    tokens: list[str]
+    embeddings: np.ndarray
+    positional: np.ndarray
+    x: np.ndarray
+    attention: Trace
+    residual1: np.ndarray
+    norm1: np.ndarray
+    mean1: np.ndarray
+    std1: np.ndarray
+    ffn_hidden: np.ndarray
+    ffn_relu: np.ndarray
+    ffn_out: np.ndarray
+    residual2: np.ndarray
+    output: np.ndarray
+    mean2: np.ndarray
+    std2: np.ndarray
+    w1: np.ndarray
+    b1: np.ndarray
+    w2: np.ndarray
+    b2: np.ndarray
+    gamma1: np.ndarray
+    beta1: np.ndarray
+    gamma2: np.ndarray
+    beta2: np.ndarray
+    eps: float = 1e-5
+    num_heads: int = 1
+
+    # -- derived facts ------------------------------------------------------------------
+
+    @property
+    def n(self) -> int:
+        """Number of tokens N."""
+        return len(self.tokens)
+
+    @property
+    def d_model(self) -> int:
+        return int(self.x.shape[1])
+
+    @property
+    def d_ff(self) -> int:
+        return int(self.w1.shape[1])
+
+    @property
+    def normalized1(self) -> np.ndarray:
+        """``(residual1 − mean1)/std1`` before γ₁, β₁: each row has mean 0 and std ≈ 1. (N, d_model)."""
+        return (self.residual1 - self.mean1[:, None]) / self.std1[:, None]
+
+    @property
+    def normalized2(self) -> np.ndarray:
+        """``(residual2 − mean2)/std2`` before γ₂, β₂. (N, d_model)."""
+        return (self.residual2 - self.mean2[:, None]) / self.std2[:, None]
+
+    @property
+    def relu_off(self) -> np.ndarray:
+        """How many of the d_ff hidden units ReLU set to zero, per token. (N,) int."""
+        return (self.ffn_hidden <= 0).sum(axis=-1)
+
+    def step(self, name: str) -> np.ndarray:
+        """The array of block step ``name`` (one of :data:`BLOCK_STEPS`, or ``"attention"`` for its result)."""
+        if name == "attention":
+            return self.attention.result
+        if name not in BLOCK_STEPS:
+            raise KeyError(f"unknown step {name!r}; the steps are {', '.join(BLOCK_STEPS)}, attention")
+        return getattr(self, name)
+
+    # -- presentation -------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        def shape(a: np.ndarray) -> str:
+            return "×".join(str(s) for s in a.shape)
+
+        parts = ", ".join(f"{s}={shape(getattr(self, s))}" for s in BLOCK_STEPS)
+        return (
+            f"BlockTrace(tokens={self.tokens!r}, d_model={self.d_model}, d_ff={self.d_ff}, "
+            f"num_heads={self.num_heads}, eps={self.eps:g}; {parts}, "
+            f"attention.projected={shape(self.attention.result)})"
+        )
+
+    def blocks(self, precision: int = 3, lang: str = "en") -> list[Block]:
+        """The block's own matrices in computation order (the attention part is one heading)."""
+        tx = _text(lang)
+        toks = list(self.tokens)
+        dims = [str(i) for i in range(self.d_model)]
+        ff = [str(i) for i in range(self.d_ff)]
+        def stats(mean: np.ndarray, std: np.ndarray) -> str:
+            return tx["sep"].join(f"{t} μ={fmt(m, precision)} σ={fmt(s, precision)}" for t, m, s in zip(toks, mean, std))
+
+        relu = tx["sep"].join(f"{t} {int(k)}/{self.d_ff}" for t, k in zip(toks, self.relu_off))
+        return [
+            Block("embeddings", "E", tx["embeddings"], self.embeddings, toks, dims),
+            Block("positional", "PE[p, 2i] = sin(p/10000^(2i/d)), PE[p, 2i+1] = cos(…)", tx["positional"],
+                  self.positional, toks, dims),
+            Block("x", "X = E + PE", tx["x"], self.x, toks, dims),
+            Block("attention", "MultiHead(X) = concat(head₀ … head_{H−1})·W_O",
+                  tx["attention"].format(h=self.num_heads), self.attention.result, toks, dims),
+            Block("residual1", "residual1 = X + MultiHead(X)", tx["residual"], self.residual1, toks, dims),
+            Block("norm1", "norm1 = γ₁·(residual1 − μ)/σ + β₁", tx["norm"], self.norm1, toks, dims,
+                  footer=stats(self.mean1, self.std1)),
+            Block("ffn_hidden", "hidden = norm1·W1 + b1", tx["hidden"], self.ffn_hidden, toks, ff),
+            Block("ffn_relu", "relu = max(0, hidden)", tx["relu"], self.ffn_relu, toks, ff,
+                  footer=tx["relu_off"].format(parts=relu)),
+            Block("ffn_out", "ffn = relu·W2 + b2", tx["ffn"], self.ffn_out, toks, dims),
+            Block("residual2", "residual2 = norm1 + ffn", tx["residual"], self.residual2, toks, dims),
+            Block("output", "output = γ₂·(residual2 − μ)/σ + β₂", tx["output"], self.output, toks, dims,
+                  footer=stats(self.mean2, self.std2)),
+        ]
+
+    def to_string(self, precision: int = 3, steps: Optional[Sequence[str]] = None, lang: str = "en") -> str:
+        """Every step as a labelled, aligned matrix with its formula, for a terminal.
+
+        ``steps`` limits the output to some of :data:`BLOCK_STEPS` plus ``"attention"`` (which
+        prints the attention trace in full, every head); ``lang`` is "en" or "zh".
+        """
+        if isinstance(precision, bool) or not isinstance(precision, (int, np.integer)) or not 0 <= precision <= 15:
+            raise ValueError(f"precision={precision!r} must be an int from 0 to 15 (digits after the point)")
+        tx = _text(lang)
+        if steps is not None:
+            unknown = [s for s in steps if s not in BLOCK_STEPS + ("attention",)]
+            if unknown:
+                raise ValueError(f"steps has unknown names {unknown}; choose from {', '.join(BLOCK_STEPS)}, attention")
+        lines = [tx["header"].format(n=self.n, d=self.d_model, h=self.num_heads, f=self.d_ff, eps=f"{self.eps:g}"),
+                 tx["tokens"] + tx["sep"].join(self.tokens)]
+        for b in self.blocks(precision, lang):
+            if steps is not None and b.step not in steps:
+                continue
+            if b.step == "attention":
+                lines += ["", f"--- {tx['attn_part']} ---"]
+                lines += ["  " + s for s in self.attention.to_string(precision=precision, lang=lang).splitlines()]
+                lines += [f"--- {tx['attn_end']} ---"]
+            shape = "×".join(str(s) for s in b.array.shape)
+            lines += ["", f"{b.title}   ({shape})   {b.note}"]
+            lines += format_matrix(b.array, b.rows, b.cols, precision)
+            if b.footer:
+                lines.append("  " + b.footer)
+        return "\n".join(lines)
+
+    def explain(self, lang: str = "en", token: Union[int, str] = 0, precision: int = 3) -> str:
+        """One token's way through the whole block, in English (``"en"``) or Chinese (``"zh"``),
+        quoting this trace's numbers. ``token`` is a 0-based index or a token label."""
+        _text(lang)
+        i = _resolve(self.tokens, token)
+        return (_explain_zh if lang == "zh" else _explain_en)(self, i, precision)
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def to_html(self, precision: int = 3, lang: str = "en") -> str:
+        """Self-contained HTML tables of every step (no scripts, no external resources)."""
+        from .render import _STYLE, _html_table
+
+        tx = _text(lang)
+        head = tx["header"].format(n=self.n, d=self.d_model, h=self.num_heads, f=self.d_ff, eps=f"{self.eps:g}")
+        out = ['<div class="qkv-trace">', _STYLE, f"<p><strong>{_html.escape(head)}</strong></p>"]
+        for b in self.blocks(precision, lang):
+            if b.step == "attention":
+                out.append(f"<details><summary>{_html.escape(tx['attn_part'])}</summary>"
+                           f"{self.attention.to_html(precision=precision, lang=lang)}</details>")
+            out.append(_html_table(b, precision))
+        out.append("</div>")
+        return "\n".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists and floats, ready for ``json.dumps(..., allow_nan=False)``."""
+        return {
+            "schema_version": 1,
+            "kind": "block",
+            "tokens": list(self.tokens),
+            "d_model": self.d_model,
+            "d_ff": self.d_ff,
+            "num_heads": self.num_heads,
+            "eps": float(self.eps),
+            "steps": {name: _to_json(getattr(self, name)) for name in BLOCK_STEPS},
+            "stats": {name: _to_json(getattr(self, name)) for name in ("mean1", "std1", "mean2", "std2")},
+            "params": {name: _to_json(getattr(self, name)) for name in _PARAMS},
+            "attention": self.attention.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BlockTrace":
+        """Rebuild a block trace from :meth:`to_dict` output (after a JSON round trip, too)."""
+        if d.get("kind", "block") != "block":
+            raise ValueError(f"this dict is a {d.get('kind')!r} trace, not a block; use Trace.from_dict for it")
+        arrays = {name: _from_json(d["steps"][name]) for name in BLOCK_STEPS}
+        arrays.update({name: _from_json(d["stats"][name]) for name in ("mean1", "std1", "mean2", "std2")})
+        arrays.update({name: _from_json(d["params"][name]) for name in _PARAMS})
+        return cls(tokens=list(d["tokens"]), attention=Trace.from_dict(d["attention"]), eps=float(d["eps"]),
+                   num_heads=int(d["num_heads"]), **arrays)  # type: ignore[arg-type]
+
+
+# -- construction ---------------------------------------------------------------------------
+
+
+def _matrix(a: Any, name: str, shape: tuple[Optional[int], ...], legend: str) -> np.ndarray:
+    arr = as_float64(a, name)
+    if arr.ndim != len(shape) or any(want is not None and got != want for got, want in zip(arr.shape, shape)):
+        want = "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{name} must have shape {legend} = {want}, got {tuple(arr.shape)}")
+    if arr.size == 0:
+        raise ValueError(f"{name} must not be empty; expected shape {legend}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} contains NaN or infinite values; every entry must be a finite number")
+    return arr
+
+
+def trace_block(
+    x_embeddings: Any,
+    *,
+    w_q: Any,
+    w_k: Any,
+    w_v: Any,
+    w_o: Any,
+    num_heads: int,
+    w1: Any,
+    b1: Any,
+    w2: Any,
+    b2: Any,
+    gamma1: Any,
+    beta1: Any,
+    gamma2: Any,
+    beta2: Any,
+    eps: float = 1e-5,
+    is_causal: CausalArg = False,
+    tokens: Optional[Sequence[str]] = None,
+    positional: bool = True,
+) -> BlockTrace:
+    """Run one post-LN encoder block on ``x_embeddings (N, d_model)`` in float64, keeping every step.
+
+    Shapes: ``w_q, w_k (d_model, H·d_k)``, ``w_v (d_model, H·d_v)``, ``w_o (H·d_v, d_model)``,
+    ``w1 (d_model, d_ff)``, ``b1 (d_ff,)``, ``w2 (d_ff, d_model)``, ``b2, gamma1, beta1, gamma2,
+    beta2 (d_model,)``. ``positional=True`` adds the sinusoid table to the embeddings first;
+    pass False when they already carry positions. ``is_causal`` masks later tokens in attention.
+    """
+    emb = _matrix(x_embeddings, "x_embeddings", (None, None), "(N, d_model)")
+    n, d = emb.shape
+    if w_o is None:
+        raise ValueError("w_o is required: the block adds the attention result back onto X, so W_O must map "
+                         "the concatenated heads to d_model columns (shape (num_heads·d_v, d_model))")
+    w1_a = _matrix(w1, "w1", (d, None), "(d_model, d_ff)")
+    d_ff = w1_a.shape[1]
+    b1_a = _matrix(b1, "b1", (d_ff,), "(d_ff,)")
+    w2_a = _matrix(w2, "w2", (d_ff, d), "(d_ff, d_model)")
+    vecs = {name: _matrix(v, name, (d,), "(d_model,)") for name, v in
+            (("b2", b2), ("gamma1", gamma1), ("beta1", beta1), ("gamma2", gamma2), ("beta2", beta2))}
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not eps > 0:
+        raise ValueError(f"eps={eps!r} must be a positive number (LayerNorm divides by √(var + eps))")
+    if not isinstance(positional, (bool, np.bool_)):
+        raise TypeError(f"positional must be True or False, got {positional!r}")
+
+    pe = sinusoidal_positions(n, d) if positional else np.zeros((n, d))  # (N, d_model)
+    x = emb + pe  # (N, d_model)
+    att = trace(x, w_q, w_k, w_v, w_o=w_o, num_heads=num_heads, is_causal=is_causal, tokens=tokens)
+    if att.result.shape[1] != d:
+        raise ValueError(f"w_o has {att.result.shape[1]} columns but the residual needs d_model={d}; "
+                         "w_o must be (num_heads·d_v, d_model)")
+    residual1 = x + att.result  # (N, d_model)
+    norm1, mean1, std1 = layer_norm(residual1, vecs["gamma1"], vecs["beta1"], float(eps))
+    hidden = norm1 @ w1_a + b1_a  # (N, d_ff)
+    relu = np.maximum(hidden, 0.0)
+    ffn_out = relu @ w2_a + vecs["b2"]  # (N, d_model)
+    residual2 = norm1 + ffn_out
+    out, mean2, std2 = layer_norm(residual2, vecs["gamma2"], vecs["beta2"], float(eps))
+    return BlockTrace(
+        tokens=list(att.tokens), embeddings=emb, positional=pe, x=x, attention=att,
+        residual1=residual1, norm1=norm1, mean1=mean1, std1=std1,
+        ffn_hidden=hidden, ffn_relu=relu, ffn_out=ffn_out, residual2=residual2,
+        output=out, mean2=mean2, std2=std2,
+        w1=w1_a, b1=b1_a, w2=w2_a, b2=vecs["b2"], gamma1=vecs["gamma1"], beta1=vecs["beta1"],
+        gamma2=vecs["gamma2"], beta2=vecs["beta2"], eps=float(eps), num_heads=att.num_heads,
+    )
+
+
+def toy_block_trace(
+    tokens: Union[str, Sequence[str]],
+    *,
+    d_model: int = 4,
+    d_k: int = 3,
+    heads: int = 2,
+    d_ff: int = 8,
+    causal: bool = False,
+    seed: int = 0,
+) -> BlockTrace:
+    """A whole encoder block on small seeded one-decimal numbers a learner can follow by hand.
+
+    ``tokens`` is a list of words or a sentence (split on whitespace). Embeddings depend on
+    ``(seed, word)`` only; every weight comes from ``seed``. γ and β are near 1 and 0 but not
+    exactly, so their effect shows in the numbers.
+    """
+    if isinstance(tokens, str):
+        tokens = tokens.split()
+    tokens = [str(t) for t in tokens]
+    if not tokens:
+        raise ValueError('tokens is empty; pass some words, e.g. toy_block_trace("Thinking Machines")')
+    for name, v in (("d_model", d_model), ("d_k", d_k), ("heads", heads), ("d_ff", d_ff)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    emb = toy_embeddings(tokens, d_model, seed)  # (N, d_model)
+    rng = np.random.default_rng([seed, 7])  # its own stream: the attention weights differ from sentence_trace's
+    width = heads * d_k
+    w_q, w_k, w_v = (toy_weights(rng, d_model, width) for _ in range(3))
+    w_o = toy_weights(rng, width, d_model)
+    w1 = toy_weights(rng, d_model, d_ff)
+    b1 = toy_weights(rng, 1, d_ff)[0] / 2
+    w2 = toy_weights(rng, d_ff, d_model)
+    b2 = toy_weights(rng, 1, d_model)[0] / 2
+    def near(center: float) -> np.ndarray:
+        return (center + rng.normal(scale=0.15, size=d_model)).round(1)
+
+    return trace_block(emb, w_q=w_q, w_k=w_k, w_v=w_v, w_o=w_o, num_heads=heads, w1=w1, b1=b1.round(2), w2=w2,
+                       b2=b2.round(2), gamma1=near(1.0), beta1=near(0.0), gamma2=near(1.0), beta2=near(0.0),
+                       is_causal=causal, tokens=tokens)
+
+
+# -- words ----------------------------------------------------------------------------------
+
+_TEXT: dict[str, dict[str, str]] = {
+    "en": {
+        "header": "Encoder block, step by step: {n} tokens, d_model = {d}, {h} heads, d_ff = {f}, eps = {eps}",
+        "tokens": "tokens: ", "sep": ", ",
+        "embeddings": "the token embeddings, one row per token",
+        "positional": "the sinusoidal positional encoding of each position",
+        "x": "the attention input: embedding plus position",
+        "attention": "multi-head self-attention ({h} heads) after W_O",
+        "attn_part": "inside multi-head attention", "attn_end": "end of multi-head attention",
+        "residual": "residual connection: the step's input added back",
+        "norm": "LayerNorm: each row shifted to mean 0, scaled to std 1, then γ and β",
+        "hidden": "feed-forward: each token alone, widened to d_ff",
+        "relu": "ReLU: negative units switched off",
+        "relu_off": "units switched off: {parts}",
+        "ffn": "feed-forward output, back to d_model",
+        "output": "the block's output: LayerNorm of the second residual",
+    },
+    "zh": {
+        "header": "编码器块逐步计算：{n} 个词元，d_model = {d}，{h} 个头，d_ff = {f}，eps = {eps}",
+        "tokens": "词元：", "sep": "，",
+        "embeddings": "词元嵌入，每个词元一行",
+        "positional": "每个位置的正弦位置编码",
+        "x": "注意力的输入：嵌入加上位置编码",
+        "attention": "多头自注意力（{h} 个头），已乘以 W_O",
+        "attn_part": "多头注意力内部", "attn_end": "多头注意力结束",
+        "residual": "残差连接：把这一步的输入加回来",
+        "norm": "层归一化：每行先移到均值 0、缩放到标准差 1，再乘 γ 加 β",
+        "hidden": "前馈网络：每个词元单独计算，扩展到 d_ff 维",
+        "relu": "ReLU：负值单元被关掉（置 0）",
+        "relu_off": "被关掉的单元数：{parts}",
+        "ffn": "前馈网络输出，变回 d_model 维",
+        "output": "整个块的输出：第二个残差的层归一化",
+    },
+}
+
+
+def _text(lang: str) -> dict[str, str]:
+    if lang not in _TEXT:
+        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    return _TEXT[lang]
+
+
+def _resolve(tokens: Sequence[str], token: Union[int, str]) -> int:
+    n = len(tokens)
+    if isinstance(token, str):
+        if token not in tokens:
+            raise ValueError(f"token={token!r} is not one of this trace's tokens {list(tokens)}")
+        return list(tokens).index(token)
+    if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not -n <= token < n:
+        raise ValueError(f"token={token!r} must be a token label or an index from {-n} to {n - 1}")
+    return int(token) % n
+
+
+def _heads(b: BlockTrace) -> list[Trace]:
+    return [b.attention] if b.attention.num_heads == 1 else list(b.attention.heads)
+
+
+def _explain_en(b: BlockTrace, i: int, p: int) -> str:
+    def n(v: float) -> str:
+        return short(float(v), p)
+
+    def v(a: np.ndarray) -> str:
+        return vec(a, p)
+
+    me = f'"{b.tokens[i]}"'
+    off = int(b.relu_off[i])
+    lines = [f"How the encoder block rewrites {me} (token {i} of {b.n}, counted from 0)", ""]
+    if np.any(b.positional):
+        lines.append(f"1. Embedding and position. {me} starts as its embedding {v(b.embeddings[i])}. Attention "
+                     f"alone cannot tell word order, so the sinusoidal encoding of position {i}, "
+                     f"{v(b.positional[i])}, is added: x = {v(b.x[i])}.")
+    else:
+        lines.append(f"1. Embedding. {me} starts as x = {v(b.x[i])} (no positional encoding was added).")
+    parts = []
+    for h, t in enumerate(_heads(b)):
+        j = int(t.top_keys[i])
+        label = f"head {h}" if b.num_heads > 1 else "the single head"
+        if j < 0:
+            parts.append(f"{label} sees no token")
+        else:
+            who = "itself" if j == i else f'"{b.tokens[j]}"'
+            parts.append(f"{label} looks most at {who} (weight {n(t.weights[i, j])})")
+    lines.append(f"2. Self-attention. {me} compares its query with every key: " + "; ".join(parts) + ". "
+                 f"The heads' outputs, joined and multiplied by W_O, give {v(b.attention.result[i])}.")
+    lines.append(f"3. Residual. That is added back onto x, so nothing of the input is lost: "
+                 f"residual1 = {v(b.residual1[i])}.")
+    lines.append(f"4. LayerNorm. Its {b.d_model} numbers have mean {n(b.mean1[i])} and standard deviation "
+                 f"{n(b.std1[i])}; subtracting the mean and dividing by the deviation gives "
+                 f"{v(b.normalized1[i])}, then γ₁ scales and β₁ shifts it: norm1 = {v(b.norm1[i])}.")
+    lines.append(f"5. Feed-forward. Each token now goes on alone: norm1·W1 + b1 widens it to d_ff = {b.d_ff} "
+                 f"units, {v(b.ffn_hidden[i])}. ReLU switches off the {off} negative "
+                 f"unit{'' if off == 1 else 's'} ({b.d_ff - off} of {b.d_ff} stay on), and ·W2 + b2 brings it back "
+                 f"to d_model: {v(b.ffn_out[i])}.")
+    lines.append(f"6. Residual and LayerNorm again. residual2 = norm1 + ffn = {v(b.residual2[i])} (mean "
+                 f"{n(b.mean2[i])}, std {n(b.std2[i])}); normalised and scaled by γ₂, β₂ it becomes the block's "
+                 f"output for {me}: {v(b.output[i])}.")
+    lines += ["", "Every row of the output is what the next block (or the model's head) reads for that token."]
+    return "\n".join(lines)
+
+
+def _explain_zh(b: BlockTrace, i: int, p: int) -> str:
+    def n(v: float) -> str:
+        return short(float(v), p)
+
+    def v(a: np.ndarray) -> str:
+        return vec(a, p)
+
+    me = f"“{b.tokens[i]}”"
+    off = int(b.relu_off[i])
+    lines = [f"编码器块如何重新计算{me}（第 {i} 个词元，从 0 数起，共 {b.n} 个）", ""]
+    if np.any(b.positional):
+        lines.append(f"1. 嵌入与位置。{me}一开始是它的嵌入向量 {v(b.embeddings[i])}。注意力本身分不出词的先后顺序，"
+                     f"所以要加上位置 {i} 的正弦位置编码 {v(b.positional[i])}，得到 x = {v(b.x[i])}。")
+    else:
+        lines.append(f"1. 嵌入。{me}一开始是 x = {v(b.x[i])}（没有加位置编码）。")
+    parts = []
+    for h, t in enumerate(_heads(b)):
+        j = int(t.top_keys[i])
+        label = f"第 {h} 个头" if b.num_heads > 1 else "唯一的头"
+        if j < 0:
+            parts.append(f"{label}看不到任何词元")
+        else:
+            who = "它自己" if j == i else f"“{b.tokens[j]}”"
+            parts.append(f"{label}最关注{who}（权重 {n(t.weights[i, j])}）")
+    lines.append(f"2. 自注意力。{me}用自己的查询向量去和每个键比较：" + "；".join(parts) + "。"
+                 f"各头的输出拼接后乘以 W_O，得到 {v(b.attention.result[i])}。")
+    lines.append(f"3. 残差连接。把它加回到 x 上，输入的信息不会丢失：residual1 = {v(b.residual1[i])}。")
+    lines.append(f"4. 层归一化。这 {b.d_model} 个数的均值是 {n(b.mean1[i])}，标准差是 {n(b.std1[i])}；"
+                 f"减去均值再除以标准差得到 {v(b.normalized1[i])}，再用 γ₁ 缩放、β₁ 平移：norm1 = {v(b.norm1[i])}。")
+    lines.append(f"5. 前馈网络。接下来每个词元各算各的：norm1·W1 + b1 把它扩展到 d_ff = {b.d_ff} 个单元，"
+                 f"{v(b.ffn_hidden[i])}。ReLU 把其中 {off} 个负值单元关掉（{b.d_ff} 个里留下 {b.d_ff - off} 个），"
+                 f"再经过 ·W2 + b2 变回 d_model 维：{v(b.ffn_out[i])}。")
+    lines.append(f"6. 再次残差与层归一化。residual2 = norm1 + ffn = {v(b.residual2[i])}（均值 {n(b.mean2[i])}，"
+                 f"标准差 {n(b.std2[i])}）；归一化并经 γ₂、β₂ 调整后，就是{me}在这个块的输出：{v(b.output[i])}。")
+    lines += ["", "输出的每一行，就是下一个块（或模型的输出层）读到的这个词元的表示。"]
+    return "\n".join(lines)
