@@ -26,14 +26,16 @@ function receives HF's (B, H, Nq, D) queries and (B, Hk, Nk, D) keys/values and 
 * ``scaling`` → ``scale``, ``dropout`` → ``dropout_p``.
 
 Observers (:func:`add_observer`, :func:`observe`) get an :class:`HFAttentionCall` per call,
-with the log-sum-exp of every query row; :mod:`qkv.inspect` builds on them.
+with the log-sum-exp of every query row; :mod:`qkv.inspect` builds on them. Interventions
+(:func:`qkv.inspect.patch`, :func:`qkv.inspect.ablate`) replace a module's q, k, v, weights or
+head outputs during the call.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -56,6 +58,9 @@ NAME = "qkv"
 
 Observer = Callable[["HFAttentionCall"], Any]
 _OBSERVERS: List[Observer] = []
+# id(attention module) -> its intervention (set by qkv.inspect.patch): called as
+# edit(point, tensor) -> tensor for "q", "k", "v", "weights" (when edit.edits_weights) and "output"
+_EDITORS: Dict[int, Any] = {}
 
 
 @dataclass
@@ -225,6 +230,9 @@ def attention_forward(
     gqa = groups > 1
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
     observed = bool(_OBSERVERS)
+    ed = _EDITORS.get(id(module))
+    if ed is not None:
+        query, key, value = ed("q", query), ed("k", key), ed("v", value)
     result = attention(
         query,
         key,
@@ -238,6 +246,14 @@ def attention_forward(
         return_lse=observed,
     )
     out, lse = result if observed else (result, None)  # (B, H, Nq, D), (B, H, Nq)
+    if ed is not None:
+        if ed.edits_weights:  # the weights themselves are edited: materialise, edit, multiply by V
+            w = ed("weights", attention_weights(query, key, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa, window=window))
+            if dropout_p > 0:
+                w = torch.nn.functional.dropout(w, dropout_p)
+            b, hk, nk_, d = value.shape
+            out = (w.reshape(b, hk, -1, nq, nk_) @ value.unsqueeze(2)).reshape(b, -1, nq, d)  # (B, H, Nq, D)
+        out = ed("output", out)
     if observed:
         call = HFAttentionCall(module, query, key, value, mask, causal, window, scaling, out, lse)
         for fn in tuple(_OBSERVERS):

@@ -7,9 +7,21 @@
 - :func:`record` — capture ``q``/``k``/``v``/``scores``/``weights``/``lse``/``output`` (or only
   statistics) from every :class:`qkv.nn.MultiHeadAttention` in a model during a forward pass.
 - :func:`head_summary` — rank and classify heads (previous-token, sink, broad, self).
+- :func:`ablate`, :func:`patch`, :func:`patch_from`, :func:`patching_effects` — change what heads
+  compute during a forward pass (qkv.nn models and Hugging Face models on qkv) and measure it.
 """
 
 from .capture import POINTS, Recording, record
+from .intervene import (
+    EDIT_POINTS,
+    PatchingEffects,
+    ablate,
+    attention_modules,
+    capture_outputs,
+    patch,
+    patch_from,
+    patching_effects,
+)
 from .maps import attention_map, attention_scores
 from .stats import AttentionStats, attention_stats
 from .summary import HeadSummary, head_summary
@@ -24,4 +36,12 @@ __all__ = [
     "POINTS",
     "head_summary",
     "HeadSummary",
+    "EDIT_POINTS",
+    "attention_modules",
+    "patch",
+    "ablate",
+    "patch_from",
+    "capture_outputs",
+    "patching_effects",
+    "PatchingEffects",
 ]

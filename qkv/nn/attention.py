@@ -58,9 +58,15 @@ class MultiHeadAttention(nn.Module):
     the attention call's query, key and mask arguments as context, and ``"output"``
     (B, H, Nq, Dh) before the heads merge. The log-sum-exp is requested from the fused
     attention call only when ``_capture.wants_lse`` is true.
+
+    Edit points (set by :func:`qkv.inspect.patch` and friends): ``_edit(name, tensor)`` returns
+    the tensor to use instead for ``"q"``, ``"k"``, ``"v"``, ``"weights"`` (B, H, Nq, Nk) and
+    ``"output"``; with ``_edit.edits_weights`` the weights are materialised and multiplied by V.
+    Edits apply before capture, so a recording inside a patch sees the patched tensors.
     """
 
     _capture = None  # an inspection recorder, or None
+    _edit = None  # an intervention (qkv.inspect.patch), or None
 
     def __init__(
         self,
@@ -253,6 +259,9 @@ class MultiHeadAttention(nn.Module):
                 f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, Nk) = ({b}, {nk})"
             )
 
+        ed = self._edit
+        if ed is not None:
+            q, k, v = ed("q", q), ed("k", k), ed("v", v)
         cap = self._capture
         want_lse = False
         if cap is not None:
@@ -267,7 +276,8 @@ class MultiHeadAttention(nn.Module):
         weights: Optional[Tensor] = None
         lse: Optional[Tensor] = None
         dropout_p = self.dropout if self.training else 0.0
-        if need_weights:
+        edit_weights = ed is not None and getattr(ed, "edits_weights", False)
+        if need_weights or edit_weights:
             weights = attention_weights(
                 q,
                 k,
@@ -277,6 +287,8 @@ class MultiHeadAttention(nn.Module):
                 window=window,
                 key_padding_mask=key_padding_mask,
             )  # (B, H, Nq, Nk)
+            if edit_weights:
+                weights = ed("weights", weights)
             p = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
             p = p.reshape(b, hk, h // hk, nq, nk)  # (B, Hk, G, Nq, Nk): G query heads per kv head
             out = (p @ v.unsqueeze(2)).view(b, h, nq, dh)  # (B, H, Nq, Dh)
@@ -299,6 +311,9 @@ class MultiHeadAttention(nn.Module):
         if cap is not None:
             masks = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask)
             cap("lse", lse, query=q, key=k, enable_gqa=gqa, **masks)
+        if ed is not None:
+            out = ed("output", out)
+        if cap is not None:
             cap("output", out)
 
         # 4. merge heads: (B, H, Nq, Dh) -> (B, Nq, H·Dh)
@@ -307,7 +322,9 @@ class MultiHeadAttention(nn.Module):
         # 5. output projection
         out = self.out_proj(out)  # (B, Nq, E)
 
-        if weights is not None and average_attn_weights:
+        if not need_weights:
+            weights = None  # materialised only for an edit
+        elif average_attn_weights:
             weights = weights.mean(dim=1)  # (B, Nq, Nk)
         return out, weights
 

@@ -1,0 +1,355 @@
+"""Change what attention computes during a forward pass: ablate heads, patch activations.
+
+Shape legend::
+
+    B batch   H query heads   Hk key/value heads   Nq / Nk query / key length   Dh head dim
+
+Edit points are named like capture points, ``<module path>.<point>``::
+
+    q        (B, H, Nq, Dh)    after the head split (and rotary)
+    k, v     (B, Hk, Nk, Dh)   after the head split (and rotary, and the KV cache)
+    weights  (B, H, Nq, Nk)    softmax weights; editing them materialises them and multiplies by V
+    output   (B, H, Nq, Dh)    each head's output, before the heads merge and the output projection
+
+They exist on every :class:`qkv.nn.MultiHeadAttention` (so on :mod:`qkv.models`) and on the
+attention modules of Hugging Face models loaded with ``attn_implementation="qkv"``
+(:func:`qkv.hf.register`). "Layer" ``L`` means the ``L``-th attention module in
+``model.named_modules()`` order (:func:`attention_modules` lists them).
+
+Inside a ``with`` block only the named points change; outside it (and for every point not
+named) the model computes exactly what it computed before, bit for bit::
+
+    with qkv.inspect.ablate(model, heads=[(1, 3)]):          # zero layer 1 head 3
+        ablated = model(ids)
+    with qkv.inspect.patch(model, {"encoder.layers.0.self_attn.weights": lambda w: w.flip(-1)}):
+        model(ids)
+    effects = qkv.inspect.patching_effects(model, lambda: model(clean), lambda: model(corrupt), metric)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.attention import MultiHeadAttention
+
+__all__ = [
+    "EDIT_POINTS",
+    "attention_modules",
+    "patch",
+    "ablate",
+    "patch_from",
+    "capture_outputs",
+    "patching_effects",
+    "PatchingEffects",
+]
+
+EDIT_POINTS: tuple[str, ...] = ("q", "k", "v", "weights", "output")
+Edit = Union[Tensor, Callable[[Tensor], Optional[Tensor]]]
+HeadRef = Union[tuple[int, int], tuple[str, int]]
+
+
+def _is_hf_attention(m: nn.Module) -> bool:
+    # Hugging Face attention modules carry both; their forward calls the registered attention function
+    return hasattr(m, "layer_idx") and hasattr(m, "is_causal") and not isinstance(m, MultiHeadAttention)
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of every attention module that can be edited, in ``named_modules()``
+    order (index = the "layer" of :func:`ablate`): :class:`qkv.nn.MultiHeadAttention` modules,
+    or for a Hugging Face model its attention modules."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    mods = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    if mods:
+        return mods
+    mods = [(p, m) for p, m in model.named_modules() if _is_hf_attention(m)]
+    if not mods:
+        raise ValueError(
+            f"{type(model).__name__} has no qkv.nn.MultiHeadAttention and no Hugging Face attention module; "
+            "interventions attach to those"
+        )
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is not None:
+        from ..hf import NAME, is_registered
+
+        if impl != NAME or not is_registered():
+            raise ValueError(
+                f"this Hugging Face model runs attention with {impl!r}, so qkv cannot edit it; call "
+                f"qkv.hf.register() and load it with attn_implementation={NAME!r} "
+                f"(or model.set_attn_implementation({NAME!r}))"
+            )
+    return mods
+
+
+class _Editor:
+    """The ``edit(point, tensor) -> tensor`` callable attached to one attention module."""
+
+    def __init__(self, path: str, edits: dict[str, list[Edit]], prev: Any) -> None:
+        self.path, self.edits, self.prev = path, edits, prev
+        self.edits_weights = "weights" in edits or bool(getattr(prev, "edits_weights", False))
+
+    def __call__(self, point: str, t: Tensor) -> Tensor:
+        if self.prev is not None:  # an enclosing patch applies first
+            t = self.prev(point, t)
+        for e in self.edits.get(point, ()):
+            t = _apply(e, t, f"{self.path}.{point}" if self.path else point)
+        return t
+
+
+def _apply(e: Edit, t: Tensor, name: str) -> Tensor:
+    if isinstance(e, Tensor):
+        try:
+            return e.to(device=t.device, dtype=t.dtype).expand_as(t)
+        except RuntimeError:
+            raise ValueError(
+                f"the replacement for {name} has shape {tuple(e.shape)}, which does not broadcast to the "
+                f"point's shape {tuple(t.shape)}"
+            ) from None
+    got = e(t.clone())  # a clone: an edit may write in place without touching the model's own tensor
+    if got is None:
+        raise ValueError(f"the edit for {name} returned None; return the tensor to use (e.g. the edited argument)")
+    if not isinstance(got, Tensor) or got.shape != t.shape:
+        shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
+        raise ValueError(f"the edit for {name} returned {shape}; it must return a tensor of shape {tuple(t.shape)}")
+    return got.to(t.dtype)
+
+
+def _resolve(model: nn.Module, edits: Mapping[str, Edit]) -> dict[str, tuple[nn.Module, dict[str, list[Edit]]]]:
+    """module path → (module, point → edits); glob keys allowed, each must match something."""
+    mods = attention_modules(model)
+    plan: dict[str, tuple[nn.Module, dict[str, list[Edit]]]] = {}
+    for key, edit in edits.items():
+        if not (isinstance(edit, Tensor) or callable(edit)):
+            raise TypeError(f"the edit for {key!r} must be a tensor or a callable tensor -> tensor, got {type(edit).__name__}")
+        hits = 0
+        for path, m in mods:
+            for point in EDIT_POINTS:
+                names = (f"{path}.{point}",) if path else (point, f".{point}")
+                if any(fnmatch.fnmatchcase(n, key) for n in names):
+                    plan.setdefault(path, (m, {}))[1].setdefault(point, []).append(edit)
+                    hits += 1
+        if not hits:
+            example = f"{mods[0][0]}.output" if mods[0][0] else "output"
+            raise ValueError(
+                f"edit point {key!r} matches nothing. Points are '<module path>.<point>' with point one of "
+                f"{list(EDIT_POINTS)}, e.g. {example!r}; attention modules here: {[p or '<model>' for p, _ in mods][:6]}"
+            )
+    return plan
+
+
+@contextmanager
+def patch(model: nn.Module, edits: Mapping[str, Edit]) -> Iterator[None]:
+    """Replace attention tensors during forward passes inside the ``with`` block.
+
+    ``edits`` maps an edit point (``"encoder.layers.1.self_attn.output"``, globs such as
+    ``"*.weights"`` allowed) to a tensor that broadcasts to the point's shape, or to a function
+    ``f(tensor) -> tensor`` of the same shape (it receives a copy and may edit it in place and
+    return it). Patches nest; the inner one applies after the outer one. Hooks are removed on
+    exit, also when the forward pass raises.
+    """
+    if not isinstance(edits, Mapping):
+        raise TypeError(f"edits must be a mapping from edit point to tensor or function, got {type(edits).__name__}")
+    from .. import hf
+
+    attached: list[tuple[nn.Module, bool, Any]] = []
+    try:
+        for path, (m, point_edits) in _resolve(model, edits).items():
+            if isinstance(m, MultiHeadAttention):
+                had, prev = "_edit" in m.__dict__, m.__dict__.get("_edit")
+                m._edit = _Editor(path, point_edits, prev)
+            else:
+                had, prev = id(m) in hf._EDITORS, hf._EDITORS.get(id(m))
+                hf._EDITORS[id(m)] = _Editor(path, point_edits, prev)
+            attached.append((m, had, prev))
+        yield
+    finally:
+        for m, had, prev in reversed(attached):
+            if isinstance(m, MultiHeadAttention):
+                if had:
+                    m._edit = prev
+                else:
+                    del m.__dict__["_edit"]  # back to the class default (None)
+            elif had:
+                hf._EDITORS[id(m)] = prev
+            else:
+                hf._EDITORS.pop(id(m), None)
+
+
+def _heads_by_module(model: nn.Module, heads: Sequence[HeadRef]) -> dict[str, list[int]]:
+    mods = attention_modules(model)
+    paths = [p for p, _ in mods]
+    out: dict[str, list[int]] = {}
+    if isinstance(heads, tuple) and len(heads) == 2 and isinstance(heads[1], int):
+        heads = [heads]  # a single (layer, head)
+    for ref in heads:
+        if not (isinstance(ref, (tuple, list)) and len(ref) == 2):
+            raise ValueError(f"heads entries are (layer, head) or (module path, head) pairs, got {ref!r}")
+        where, h = ref
+        if isinstance(where, str):
+            if where not in paths:
+                raise ValueError(f"{where!r} is not an attention module; attention modules: {paths[:6]}")
+            path = where
+        elif isinstance(where, int) and not isinstance(where, bool):
+            if not -len(paths) <= where < len(paths):
+                raise ValueError(f"layer {where} is out of range: the model has {len(paths)} attention modules (0–{len(paths) - 1})")
+            path = paths[where]
+        else:
+            raise TypeError(f"a head's layer must be an int or a module path, got {where!r}")
+        m = dict(mods)[path]
+        n_heads = getattr(m, "num_heads", None) or getattr(getattr(m, "config", None), "num_attention_heads", None)
+        if not isinstance(h, int) or isinstance(h, bool) or (n_heads is not None and not 0 <= h < n_heads):
+            raise ValueError(f"head {h!r} of {path!r} is out of range: it has {n_heads} heads (0–{(n_heads or 1) - 1})")
+        out.setdefault(path, []).append(h)
+    return out
+
+
+@contextmanager
+def ablate(model: nn.Module, heads: Sequence[HeadRef], mode: str = "zero") -> Iterator[None]:
+    """Knock out attention heads inside the ``with`` block.
+
+    ``heads``: ``[(layer, head), ...]`` (0-based; layer = index in :func:`attention_modules`)
+    or ``(module path, head)`` pairs. ``mode="zero"`` sets the head's output (B, H, Nq, Dh) to 0;
+    ``mode="mean"`` replaces every position's output by the head's mean output over the batch
+    and the positions of the same forward pass (the head keeps its average contribution but no
+    longer depends on which token attends where).
+    """
+    if mode not in ("zero", "mean"):
+        raise ValueError(f"mode={mode!r} is not an ablation; use 'zero' or 'mean'")
+    edits: dict[str, Edit] = {}
+    for path, hs in _heads_by_module(model, heads).items():
+        idx = sorted(set(hs))
+
+        def knock(out: Tensor, idx: list[int] = idx) -> Tensor:  # (B, H, Nq, Dh)
+            if mode == "zero":
+                out[:, idx] = 0
+            else:
+                out[:, idx] = out[:, idx].mean(dim=(0, 2), keepdim=True).expand_as(out[:, idx])
+            return out
+
+        edits[f"{path}.output" if path else "output"] = knock
+    with patch(model, edits):
+        yield
+
+
+@contextmanager
+def capture_outputs(model: nn.Module) -> Iterator[dict[str, Tensor]]:
+    """Record every attention module's head outputs ``(B, H, Nq, Dh)`` by module path (the
+    source for :func:`patch_from`); works on qkv.nn and Hugging Face (``"qkv"``) models alike."""
+    got: dict[str, Tensor] = {}
+    edits: dict[str, Edit] = {}
+    for path, _ in attention_modules(model):
+        def keep(out: Tensor, path: str = path) -> Tensor:
+            got[path] = out.detach().clone()
+            return out
+
+        edits[f"{path}.output" if path else "output"] = keep
+    with patch(model, edits):
+        yield got
+
+
+def _source_output(source: Mapping[str, Tensor], path: str) -> Tensor:
+    for key in (path, f"{path}.output" if path else "output"):
+        if key in source:
+            return source[key]
+    raise KeyError(f"no recorded output for {path!r}: record it with capture_outputs(model) or record(model, '*.output')")
+
+
+@contextmanager
+def patch_from(model: nn.Module, source: Mapping[str, Tensor], heads: Sequence[HeadRef]) -> Iterator[None]:
+    """Activation patching: inside the block, the listed heads output what they output in
+    another run. ``source`` maps module paths (or ``"<path>.output"``, as a
+    :class:`~qkv.inspect.Recording` of ``"*.output"`` does) to ``(B, H, Nq, Dh)`` outputs from
+    :func:`capture_outputs`; the patched run must have the same shapes."""
+    edits: dict[str, Edit] = {}
+    for path, hs in _heads_by_module(model, heads).items():
+        src = _source_output(source, path)
+        idx = sorted(set(hs))
+
+        def put(out: Tensor, src: Tensor = src, idx: list[int] = idx, path: str = path) -> Tensor:
+            if src.shape != out.shape:
+                raise ValueError(
+                    f"the source output of {path!r} has shape {tuple(src.shape)} but this run's is "
+                    f"{tuple(out.shape)}; patch between inputs of the same length"
+                )
+            out[:, idx] = src[:, idx].to(out)
+            return out
+
+        edits[f"{path}.output" if path else "output"] = put
+    with patch(model, edits):
+        yield
+
+
+@dataclass
+class PatchingEffects:
+    """Per-head effect of patching clean activations into a corrupted run.
+
+    ``effects[L, h] = (metric(patched) - metric(corrupted)) / (metric(clean) - metric(corrupted))``:
+    1 means this head alone restores the clean behaviour, 0 that it changes nothing.
+    ``raw[L, h]`` is ``metric(patched)``. Shapes ``(layers, heads)``.
+    """
+
+    effects: Tensor
+    raw: Tensor
+    clean: float
+    corrupted: float
+    modules: list[str]
+
+    def top(self, k: int = 5) -> list[tuple[int, int, float]]:
+        """The ``k`` heads with the largest effect: ``(layer, head, effect)``."""
+        flat = self.effects.flatten()
+        order = torch.argsort(flat.nan_to_num(float("-inf")), descending=True)[:k]
+        h = self.effects.shape[1]
+        return [(int(i) // h, int(i) % h, float(flat[i])) for i in order]
+
+    def to_string(self, precision: int = 2) -> str:
+        h = self.effects.shape[1]
+        lines = [
+            f"metric: clean {self.clean:.4g}, corrupted {self.corrupted:.4g}; effect = share of the difference a head restores",
+            "layer " + " ".join(f"{f'h{j}':>{precision + 4}}" for j in range(h)),
+        ]
+        for i, row in enumerate(self.effects.tolist()):
+            lines.append(f"{i:>5} " + " ".join(f"{v:>{precision + 4}.{precision}f}" for v in row))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"PatchingEffects({tuple(self.effects.shape)}, clean={self.clean:.4g}, corrupted={self.corrupted:.4g})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"effects": self.effects.tolist(), "raw": self.raw.tolist(), "clean": self.clean,
+                "corrupted": self.corrupted, "modules": list(self.modules)}
+
+
+def patching_effects(
+    model: nn.Module,
+    clean: Callable[[], Any],
+    corrupted: Callable[[], Any],
+    metric: Callable[[Any], Union[float, Tensor]],
+) -> PatchingEffects:
+    """Patch each head's clean output into the corrupted run, one head at a time, and measure.
+
+    ``clean`` and ``corrupted`` run the model (e.g. ``lambda: model(clean_ids)``); ``metric``
+    turns a run's result into a number (e.g. the logit difference of the right and wrong
+    answer). Runs ``2 + layers × heads`` forward passes under ``torch.no_grad()``.
+    """
+    mods = attention_modules(model)
+    with torch.no_grad():
+        with capture_outputs(model) as src:
+            m_clean = float(metric(clean()))
+        m_corrupt = float(metric(corrupted()))
+        n_heads = max(int(src[p].shape[1]) for p, _ in mods if p in src) if src else 0
+        raw = torch.full((len(mods), n_heads), float("nan"), dtype=torch.float64)
+        for i, (path, _) in enumerate(mods):
+            if path not in src:  # a module the clean run never called
+                continue
+            for h in range(src[path].shape[1]):
+                with patch_from(model, src, heads=[(path, h)]):
+                    raw[i, h] = float(metric(corrupted()))
+    denom = m_clean - m_corrupt
+    effects = (raw - m_corrupt) / denom if denom != 0 else torch.full_like(raw, float("nan"))
+    return PatchingEffects(effects, raw, m_clean, m_corrupt, [p for p, _ in mods])
