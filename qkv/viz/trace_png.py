@@ -1,0 +1,396 @@
+"""A glass-box trace as one static picture for slides (matplotlib, Agg backend: never a window).
+
+:func:`save_trace_png` draws, for a :class:`~qkv.reference.trace.Trace`, the flow
+X → Q, K, V → scores → ÷√d_k → mask → softmax → weights·V → output as labelled boxes and arrows,
+above annotated heatmaps of X, Q, K, V, the scaled (or masked) scores, the weights and the
+output of one head. For a :class:`~qkv.reference.block.BlockTrace` the figure also shows the
+embeddings, the positional encoding, the residual connections, both LayerNorms and the
+feed-forward network. The narrated token's row is framed in every matrix that has one row per
+query. Small matrices carry their numbers in the cells; long ones are drawn without numbers and
+wide ones show their first :data:`MAX_COLS` columns (the title says so).
+
+Chinese labels (``lang="zh"``) need a font with CJK glyphs. :func:`cjk_font` looks for one
+(``QKV_CJK_FONT=/path/to/font.otf`` first, then installed fonts such as Noto Sans CJK or
+WenQuanYi). Without one the figure falls back to English labels and warns, rather than drawing
+empty boxes for every character; token labels the fonts cannot draw become ``#i``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+__all__ = ["save_trace_png", "trace_figure", "cjk_font", "MAX_COLS", "MAX_ANNOTATED_ROWS"]
+
+MAX_COLS = 12  # wider matrices show their first 12 columns: more would be unreadable on a slide
+MAX_ANNOTATED_ROWS = 12  # more rows than this: colours only, no numbers in the cells
+_KNOWN_CJK = (
+    "Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "Source Han Sans CN", "WenQuanYi Micro Hei",
+    "WenQuanYi Zen Hei", "Microsoft YaHei", "SimHei", "PingFang SC", "Hiragino Sans GB", "Heiti SC",
+    "Noto Sans CJK JP", "Noto Sans CJK TC", "AR PL UMing CN", "AR PL UKai CN", "Droid Sans Fallback",
+)
+_PROBE = "注意力词元输出"  # characters a Chinese figure certainly uses
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+@functools.lru_cache(maxsize=256)
+def _charmap(path: str) -> frozenset[int]:
+    from matplotlib.ft2font import FT2Font
+
+    try:
+        return frozenset(FT2Font(path).get_charmap())
+    except (OSError, RuntimeError, ValueError):
+        return frozenset()
+
+
+def _covers(path: str, text: str) -> bool:
+    codes = _charmap(path)
+    return all(ord(c) in codes for c in text if not c.isspace())
+
+
+@functools.lru_cache(maxsize=None)
+def cjk_font() -> Optional[str]:
+    """The family name of a font that can draw Chinese, or None when this machine has none.
+
+    ``QKV_CJK_FONT`` may name a font file (.ttf, .otf, .ttc), which is registered with matplotlib.
+    """
+    _plt()
+    from matplotlib import font_manager as fm
+
+    path = os.environ.get("QKV_CJK_FONT")
+    if path:
+        if not os.path.isfile(path):
+            warnings.warn(f"QKV_CJK_FONT={path!r} is not a file; looking for an installed CJK font instead", stacklevel=2)
+        elif _covers(path, _PROBE):
+            fm.fontManager.addfont(path)
+            return fm.FontProperties(fname=path).get_name()
+        else:
+            warnings.warn(f"QKV_CJK_FONT={path!r} has no Chinese glyphs; looking for an installed CJK font instead",
+                          stacklevel=2)
+    fonts = {f.name: f.fname for f in fm.fontManager.ttflist}
+    for name in _KNOWN_CJK:
+        if name in fonts and _covers(fonts[name], _PROBE):
+            return name
+    for name, fname in sorted(fonts.items()):  # any other font that happens to cover Chinese
+        if "last resort" not in name.lower() and _covers(fname, _PROBE):  # Last Resort draws placeholder boxes
+            return name
+    return None
+
+
+def _drawable(text: str, families: Sequence[str]) -> bool:
+    """Whether one of ``families`` has a glyph for every character of ``text``."""
+    paths = [_find(f) for f in families]
+    return all(any(_covers(p, c) for p in paths) for c in text if not c.isspace())
+
+
+@functools.lru_cache(maxsize=32)
+def _find(family: str) -> str:
+    from matplotlib import font_manager as fm
+
+    return fm.findfont(fm.FontProperties(family=[family]), fallback_to_default=True)
+
+
+# -- words -----------------------------------------------------------------------------------
+
+_TEXT: dict[str, dict[str, str]] = {
+    "en": {
+        "X": "input X", "Q": "query Q", "K": "key K", "V": "value V", "scores": "scores\nQ·Kᵀ",
+        "scale": "scale\n÷√d_k", "mask": "mask\n(−∞ hides)", "nomask": "mask\n(none)", "softmax": "softmax\nper row",
+        "sum": "weighted sum\nweights·V", "out": "output",
+        "E": "embeddings E", "PE": "+ positional\nencoding PE", "MHA": "multi-head\nattention", "add": "+ residual",
+        "LN": "LayerNorm", "FFN": "feed-forward\nReLU(·W1+b1)·W2+b2", "block_out": "block output",
+        "t_x": "X (input)", "t_q": "Q = X·W_Q", "t_k": "K = X·W_K", "t_v": "V = X·W_V",
+        "t_scaled": "scores / √d_k", "t_masked": "scores / √d_k + mask", "t_weights": "weights = softmax",
+        "t_output": "output = weights·V", "t_projected": "MultiHead(X) = concat·W_O",
+        "t_embeddings": "E (embeddings)", "t_positional": "PE (positions)", "t_x_block": "X = E + PE",
+        "t_residual1": "residual1 = X + MultiHead(X)", "t_norm1": "norm1 = LayerNorm₁", "t_ffn_hidden": "norm1·W1 + b1",
+        "t_ffn_relu": "ReLU", "t_ffn_out": "FFN = ReLU·W2 + b2", "t_residual2": "residual2 = norm1 + FFN",
+        "t_block_output": "output = LayerNorm₂",
+        "first_cols": "first {k} of {n} columns", "head_of": "head {h} of {n}", "head_default": " (default; choose with head=)",
+        "title": "Self-attention of {n} tokens: {head}; token {i} \"{tok}\" framed",
+        "block_title": "Encoder block of {n} tokens (d_model = {d}, d_ff = {f}); attention {head}; token {i} \"{tok}\" framed",
+        "key": "key", "query": "query",
+    },
+    "zh": {
+        "X": "输入 X", "Q": "查询 Q", "K": "键 K", "V": "值 V", "scores": "打分\nQ·Kᵀ",
+        "scale": "缩放\n÷√d_k", "mask": "掩码\n(−∞ 屏蔽)", "nomask": "掩码\n(无)", "softmax": "softmax\n逐行归一化",
+        "sum": "加权求和\nweights·V", "out": "输出",
+        "E": "词嵌入 E", "PE": "+ 位置编码 PE", "MHA": "多头\n自注意力", "add": "+ 残差",
+        "LN": "层归一化", "FFN": "前馈网络\nReLU(·W1+b1)·W2+b2", "block_out": "块的输出",
+        "t_x": "X（输入）", "t_q": "Q = X·W_Q（查询）", "t_k": "K = X·W_K（键）", "t_v": "V = X·W_V（值）",
+        "t_scaled": "分数 / √d_k", "t_masked": "分数 / √d_k + 掩码", "t_weights": "权重 = softmax",
+        "t_output": "输出 = 权重·V", "t_projected": "多头输出 = 拼接·W_O",
+        "t_embeddings": "E（词嵌入）", "t_positional": "PE（位置编码）", "t_x_block": "X = E + PE",
+        "t_residual1": "残差1 = X + 多头输出", "t_norm1": "层归一化1", "t_ffn_hidden": "norm1·W1 + b1",
+        "t_ffn_relu": "ReLU", "t_ffn_out": "前馈 = ReLU·W2 + b2", "t_residual2": "残差2 = norm1 + 前馈",
+        "t_block_output": "输出 = 层归一化2",
+        "first_cols": "前 {k} 列，共 {n} 列", "head_of": "第 {h} 个头（共 {n} 个）", "head_default": "（默认；可用 head= 选择）",
+        "title": "{n} 个词元的自注意力：{head}；红框为第 {i} 个词元“{tok}”",
+        "block_title": "{n} 个词元的编码器块（d_model = {d}，d_ff = {f}）；注意力{head}；红框为第 {i} 个词元“{tok}”",
+        "key": "键", "query": "查询",
+    },
+}
+
+
+@dataclass
+class _Panel:
+    step: str  # the Axes gid: which array the heatmap shows
+    title: str
+    array: np.ndarray
+    rows: list[str]
+    cols: list[str]
+    frame_row: Optional[int]  # the narrated token's row, or None for matrices without query rows
+    weights: bool = False
+
+
+# -- the figure -------------------------------------------------------------------------------
+
+
+def _resolve_token(tokens: Sequence[str], token: Union[int, str, None]) -> int:
+    n = len(tokens)
+    if token is None:
+        return 0
+    if isinstance(token, str):
+        if token not in tokens:
+            raise ValueError(f"token={token!r} is not one of the trace's tokens {list(tokens)}")
+        return list(tokens).index(token)
+    if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not -n <= token < n:
+        raise ValueError(f"token={token!r} must be a token label or a 0-based index from {-n} to {n - 1}")
+    return int(token) % n
+
+
+def _resolve_head(t: Any, head: Optional[int]) -> tuple[Any, int, bool]:
+    """(the single-head trace to draw, its index, whether it was chosen by default)."""
+    if head is not None and (isinstance(head, bool) or not isinstance(head, (int, np.integer))):
+        raise TypeError(f"head must be an int (0-based) or None, got {type(head).__name__}")
+    if head is not None and not 0 <= head < t.num_heads:
+        raise ValueError(f"head={head} is out of range; this trace has heads 0 to {t.num_heads - 1}")
+    h = 0 if head is None else int(head)
+    return (t if t.num_heads == 1 else t.heads[h]), h, head is None
+
+
+def _attention_panels(t: Any, ht: Any, x: Optional[np.ndarray], tx: dict[str, str], i: int,
+                      toks: list[str], block: bool) -> list[_Panel]:
+    def dims(a: np.ndarray) -> list[str]:
+        return [str(c) for c in range(a.shape[1])]
+
+    out = []
+    if x is not None and not block:
+        out.append(_Panel("x", tx["t_x"], x, toks, dims(x), i))
+    for name in ("q", "k", "v"):
+        a = getattr(ht, name)
+        out.append(_Panel(name, tx["t_" + name], a, toks, dims(a), i if name == "q" else None))
+    src = "masked" if ht.masked is not None else "scaled"
+    out.append(_Panel(src, tx["t_" + src], getattr(ht, src), toks, toks, i))
+    out.append(_Panel("weights", tx["t_weights"], ht.weights, toks, toks, i, weights=True))
+    out.append(_Panel("output", tx["t_output"], ht.output, toks, dims(ht.output), i))
+    if t.projected is not None:
+        out.append(_Panel("projected", tx["t_projected"], t.projected, toks, dims(t.projected), i))
+    return out
+
+
+def _block_panels(b: Any, tx: dict[str, str], i: int, toks: list[str]) -> tuple[list[_Panel], list[_Panel]]:
+    def p(step: str, key: str) -> _Panel:
+        a = getattr(b, step)
+        return _Panel(step, tx[key], a, toks, [str(c) for c in range(a.shape[1])], i)
+
+    before = [p("embeddings", "t_embeddings"), p("positional", "t_positional"), p("x", "t_x_block")]
+    after = [p("residual1", "t_residual1"), p("norm1", "t_norm1"), p("ffn_hidden", "t_ffn_hidden"),
+             p("ffn_relu", "t_ffn_relu"), p("ffn_out", "t_ffn_out"), p("residual2", "t_residual2"),
+             p("output", "t_block_output")]
+    return before, after
+
+
+def _box(ax: Any, x: float, y: float, text: str, color: str) -> Any:
+    return ax.text(x, y, text, ha="center", va="center", fontsize=9, gid="flow",
+                   bbox=dict(boxstyle="round,pad=0.4", facecolor=color, edgecolor="#444", linewidth=1))
+
+
+def _arrow(ax: Any, a: Any, b: Any, *, start: tuple[float, float] = (1.0, 0.5), end: tuple[float, float] = (0.0, 0.5),
+           style: str = "arc3", color: str = "#333", dashed: bool = False) -> None:
+    """An arrow from box ``a`` to box ``b``, edge to edge (points given as fractions of each box)."""
+    ax.annotate("", xy=end, xycoords=b, xytext=start, textcoords=a,
+                arrowprops=dict(arrowstyle="->", color=color, lw=1.2, shrinkA=4, shrinkB=4, connectionstyle=style,
+                                linestyle="--" if dashed else "-"))
+
+
+def _attention_flow(ax: Any, tx: dict[str, str], masked: bool) -> None:
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    xs = np.linspace(0.05, 0.95, 9)
+    x_box = _box(ax, xs[0], 0.5, tx["X"], "#e8eefc")
+    qkv = {name: _box(ax, xs[1], y, tx[name], "#fde8d8") for name, y in (("Q", 0.85), ("K", 0.5), ("V", 0.15))}
+    for b in qkv.values():
+        _arrow(ax, x_box, b)
+    chain = [("scores", "#eef7e8"), ("scale", "#eef7e8"), ("mask" if masked else "nomask", "#eef7e8"),
+             ("softmax", "#f3e8fc"), ("sum", "#fff6d6"), ("out", "#e8eefc")]
+    boxes = [_box(ax, xs[k + 2], 0.5, tx[key], color) for k, (key, color) in enumerate(chain)]
+    for a, b in zip(boxes, boxes[1:]):
+        _arrow(ax, a, b)
+    _arrow(ax, qkv["Q"], boxes[0])
+    _arrow(ax, qkv["K"], boxes[0])
+    # V skips the scoring steps: along the bottom, then up into the weighted sum
+    _arrow(ax, qkv["V"], boxes[4], end=(0.5, 0.0), style="angle,angleA=0,angleB=90,rad=0")
+
+
+def _block_flow(ax: Any, tx: dict[str, str]) -> None:
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    chain = [("E", "#e8eefc"), ("PE", "#e8eefc"), ("MHA", "#fde8d8"), ("add", "#eef7e8"), ("LN", "#f3e8fc"),
+             ("FFN", "#fff6d6"), ("add", "#eef7e8"), ("LN", "#f3e8fc"), ("block_out", "#e8eefc")]
+    xs = np.linspace(0.05, 0.95, len(chain))
+    boxes = [_box(ax, xs[k], 0.3, tx[key], color) for k, (key, color) in enumerate(chain)]
+    for a, b in zip(boxes, boxes[1:]):
+        _arrow(ax, a, b)
+    for a, b in ((1, 3), (4, 6)):  # the residual paths skip their sublayer
+        _arrow(ax, boxes[a], boxes[b], start=(0.5, 1.0), end=(0.5, 1.0), style="arc3,rad=-0.3", color="#888",
+               dashed=True)
+
+
+def _heatmap(fig: Any, ax: Any, p: _Panel, tx: dict[str, str], precision: int) -> None:
+    from matplotlib.patches import Rectangle
+
+    a = p.array
+    title = p.title
+    if a.shape[1] > MAX_COLS:
+        title += "\n(" + tx["first_cols"].format(k=MAX_COLS, n=a.shape[1]) + ")"
+        a = a[:, :MAX_COLS]
+        cols = p.cols[:MAX_COLS]
+    else:
+        cols = p.cols
+    shown = np.ma.masked_invalid(a)
+    cmap = _plt().get_cmap("Blues" if p.weights else "RdBu_r").with_extremes(bad="#cccccc")  # masked: grey
+    if p.weights:
+        vmin, vmax = 0.0, 1.0
+    else:
+        lim = float(np.max(np.abs(a[np.isfinite(a)]))) if np.isfinite(a).any() else 1.0
+        vmin, vmax = -(lim or 1.0), (lim or 1.0)
+    ax.imshow(shown, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
+    ax.set_gid(p.step)
+    ax.set_title(title, fontsize=9)
+    n_rows, n_cols = a.shape
+    ax.set_yticks(range(n_rows) if n_rows <= 40 else range(0, n_rows, -(-n_rows // 40)))
+    ax.set_yticklabels([p.rows[r] for r in ax.get_yticks()], fontsize=7)
+    ax.set_xticks(range(n_cols) if n_cols <= 40 else range(0, n_cols, -(-n_cols // 40)))
+    ax.set_xticklabels([cols[c] for c in ax.get_xticks()], fontsize=7,
+                       rotation=45 if p.cols is p.rows else 0, ha="right" if p.cols is p.rows else "center")
+    if n_rows <= MAX_ANNOTATED_ROWS and n_cols <= MAX_COLS:
+        from qkv.reference.render import fmt
+
+        for r in range(n_rows):
+            for c in range(n_cols):
+                v = float(a[r, c])
+                level = (v - vmin) / (vmax - vmin) if np.isfinite(v) else 0.0
+                dark = level > 0.75 if p.weights else abs(level - 0.5) > 0.33
+                ax.text(c, r, fmt(v, precision), ha="center", va="center", fontsize=7 if n_cols > 6 else 8,
+                        color="white" if dark else "black", gid=f"cell:{r}:{c}")
+    if p.frame_row is not None:
+        ax.add_patch(Rectangle((-0.5, p.frame_row - 0.5), n_cols, 1, fill=False, edgecolor="crimson", linewidth=2.2,
+                               clip_on=False))
+
+
+def trace_figure(trace: Any, *, lang: str = "en", head: Optional[int] = None, token: Union[int, str, None] = None,
+                 precision: int = 2) -> Any:
+    """The matplotlib figure :func:`save_trace_png` saves (close it with ``plt.close(fig)``).
+
+    Each heatmap's Axes has ``get_gid()`` = the step it shows (``"q"``, ``"weights"``, ``"norm1"`` …)
+    and each number in a cell is a Text with gid ``"cell:row:col"``.
+    """
+    from qkv.reference.block import BlockTrace
+    from qkv.reference.trace import Trace
+
+    if lang not in _TEXT:
+        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    if not isinstance(trace, (Trace, BlockTrace)):
+        raise TypeError(f"trace must be a qkv.reference Trace or BlockTrace, got {type(trace).__name__}")
+    families = _families(lang)
+    if lang == "zh" and families is None:
+        warnings.warn("no font with Chinese glyphs was found, so the figure is drawn with English labels; "
+                      "install one (e.g. apt-get install fonts-noto-cjk) or set QKV_CJK_FONT=/path/to/font.otf",
+                      UserWarning, stacklevel=3)
+        lang = "en"
+    families = families or ["DejaVu Sans"]
+    plt = _plt()
+    import matplotlib
+
+    with matplotlib.rc_context({"font.family": "sans-serif", "font.sans-serif": families + ["DejaVu Sans"],
+                                "axes.unicode_minus": False}):
+        return _draw(plt, trace, BlockTrace, lang, head, token, precision, families)
+
+
+def _families(lang: str) -> Optional[list[str]]:
+    if lang == "en":
+        return ["DejaVu Sans"]
+    name = cjk_font()
+    return None if name is None else [name, "DejaVu Sans"]
+
+
+def _draw(plt: Any, trace: Any, block_cls: type, lang: str, head: Optional[int], token: Union[int, str, None],
+          precision: int, families: list[str]) -> Any:
+    tx = _TEXT[lang]
+    is_block = isinstance(trace, block_cls)
+    t = trace.attention if is_block else trace
+    i = _resolve_token(t.tokens, token)
+    ht, h, default = _resolve_head(t, head)
+    toks = [tok if _drawable(tok, families) else f"#{k}" for k, tok in enumerate(t.tokens)]
+    head_text = tx["head_of"].format(h=h, n=t.num_heads) + (tx["head_default"] if default and t.num_heads > 1 else "")
+    panels = _attention_panels(t, ht, t.x, tx, i, toks, is_block)
+    if is_block:
+        before, after = _block_panels(trace, tx, i, toks)
+        panels = before + panels + after
+        ncols = 6
+    else:
+        ncols = 4
+    nrows = -(-len(panels) // ncols)
+    n = len(toks)
+    cell_h = max(2.2, min(6.0, 0.25 * n + 1.4))
+    flows = 2 if is_block else 1
+    fig = plt.figure(figsize=(4.0 * ncols, 2.0 * flows + cell_h * nrows + 0.8), dpi=100)
+    gs = fig.add_gridspec(flows + nrows, ncols, height_ratios=[2.0] * flows + [cell_h] * nrows,
+                          hspace=0.7, wspace=0.35, left=0.05, right=0.98, top=0.93, bottom=0.06)
+    if is_block:
+        _block_flow(fig.add_subplot(gs[0, :]), tx)
+    _attention_flow(fig.add_subplot(gs[flows - 1, :]), tx, ht.masked is not None)
+    for k, p in enumerate(panels):
+        ax = fig.add_subplot(gs[flows + k // ncols, k % ncols])
+        _heatmap(fig, ax, p, tx, precision)
+    tok = toks[i]
+    if is_block:
+        title = tx["block_title"].format(n=n, d=trace.d_model, f=trace.d_ff, head=head_text, i=i, tok=tok)
+    else:
+        title = tx["title"].format(n=n, head=head_text, i=i, tok=tok)
+    fig.suptitle(title, fontsize=13)
+    return fig
+
+
+def save_trace_png(trace: Any, path: "str | os.PathLike[str]", *, lang: str = "en", head: Optional[int] = None,
+                   token: Union[int, str, None] = None) -> str:
+    """Draw ``trace`` (a Trace or a BlockTrace) and write it to ``path`` as a PNG; returns the absolute path.
+
+    ``head`` (0-based) picks the head a multi-head trace shows (head 0 by default, and the title
+    says so); ``token`` (0-based index or label, default 0) is the row framed in red; ``lang`` is
+    "en" or "zh" (Chinese needs a CJK font, see :func:`cjk_font`; without one the labels stay
+    English and a warning says why).
+    """
+    fig = trace_figure(trace, lang=lang, head=head, token=token)
+    plt = _plt()
+    try:
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+    return os.path.abspath(os.fspath(path))
