@@ -318,19 +318,25 @@ def trace_figure(trace: Any, *, lang: str = "en", head: Optional[int] = None, to
         raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
     if not isinstance(trace, (Trace, BlockTrace)):
         raise TypeError(f"trace must be a qkv.reference Trace or BlockTrace, got {type(trace).__name__}")
-    families = _families(lang)
-    if lang == "zh" and families is None:
-        warnings.warn("no font with Chinese glyphs was found, so the figure is drawn with English labels; "
-                      "install one (e.g. apt-get install fonts-noto-cjk) or set QKV_CJK_FONT=/path/to/font.otf",
-                      UserWarning, stacklevel=3)
-        lang = "en"
-    families = families or ["DejaVu Sans"]
+    families, lang = _fonts_for(lang)
     plt = _plt()
     import matplotlib
 
-    with matplotlib.rc_context({"font.family": "sans-serif", "font.sans-serif": families + ["DejaVu Sans"],
-                                "axes.unicode_minus": False}):
+    # Concrete family names (not "sans-serif"): each Text keeps them, so a later savefig outside
+    # this context still draws Chinese with the CJK font and everything else with DejaVu Sans.
+    with matplotlib.rc_context({"font.family": families, "axes.unicode_minus": False}):
         return _draw(plt, trace, BlockTrace, lang, head, token, precision, families)
+
+
+def _fonts_for(lang: str) -> tuple[list[str], str]:
+    """(font families to draw with, the language the labels can be drawn in)."""
+    families = _families(lang)
+    if families is None:
+        warnings.warn("no font with Chinese glyphs was found, so the figure is drawn with English labels; "
+                      "install one (e.g. apt-get install fonts-noto-cjk) or set QKV_CJK_FONT=/path/to/font.otf",
+                      UserWarning, stacklevel=4)
+        return ["DejaVu Sans"], "en"
+    return families, lang
 
 
 def _families(lang: str) -> Optional[list[str]]:
