@@ -2,6 +2,7 @@
 
 - :func:`qkv.attention` — exact attention, a drop-in superset of torch's SDPA;
   :func:`qkv.attention_varlen` for packed variable-length batches.
+- :func:`qkv.linear_attention` — linear attention (elu, relu, FAVOR+ features) in O(N).
 - :func:`qkv.trace` / :class:`qkv.Trace` — the glass box: every step, with the numbers.
 - :mod:`qkv.nn` — multi-head attention, Transformer layers, positional encodings, KV cache.
 - :mod:`qkv.inspect` — attention maps and streaming statistics without the N×N matrix.
@@ -27,6 +28,10 @@ def __getattr__(name: str):
         from . import functional
 
         value = getattr(functional, name)
+    elif name in ("linear_attention", "LinearAttentionState"):
+        from . import linear
+
+        value = getattr(linear, name)
     elif name == "attention_varlen":
         from .varlen import attention_varlen
 
@@ -49,6 +54,8 @@ __all__ = [
     "attention",
     "attention_weights",
     "attention_varlen",
+    "linear_attention",
+    "LinearAttentionState",
     "attention_ref",
     "trace",
     "Trace",

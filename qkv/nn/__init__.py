@@ -6,6 +6,7 @@ are True where a query **may attend** (key padding masks included).
 
 from .attention import MultiHeadAttention
 from .cache import KVCache
+from .linear_attention import LinearAttention
 from .positional import RotaryEmbedding, SinusoidalPositionalEncoding, sinusoidal_table
 from .transformer import (
     Transformer,
@@ -18,6 +19,7 @@ from .transformer import (
 __all__ = [
     "MultiHeadAttention",
     "KVCache",
+    "LinearAttention",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "sinusoidal_table",

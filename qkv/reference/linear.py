@@ -1,0 +1,117 @@
+"""Linear attention written out with its N × N matrix, in NumPy float64: the oracle of
+:func:`qkv.linear_attention` and the glass box of why it is linear.
+
+Softmax attention weighs key j for query i by ``exp(q_i·k_j / √d)``. Linear attention replaces
+that kernel by a dot product of feature maps, ``φ(q_i)·φ(k_j)``, so that
+
+    out_i = Σ_j (φ(q_i)·φ(k_j)) v_j / (Σ_j φ(q_i)·φ(k_j) + eps)
+          = φ(q_i) (Σ_j φ(k_j) v_jᵀ) / (φ(q_i)·Σ_j φ(k_j) + eps)
+
+and the bracket (a ``(F, Dv)`` state) is shared by every query: O(N) instead of O(N²).
+
+Feature maps (F features from head dim D)::
+
+    "elu"    φ(x) = elu(x) + 1                        F = D   (Katharopoulos et al., 2020)
+    "relu"   φ(x) = max(x, 0)                         F = D
+    "favor"  φ(x) = exp(W x̃ - |x̃|²/2) / √m, x̃ = x·s^½  F = m   (Performer's FAVOR+: positive
+             random features with E[φ(q)·φ(k)] = exp(s·q·k), W (m, D) orthogonal random rows)
+
+Shapes: ``q (..., Nq, D)``, ``k (..., Nk, D)``, ``v (..., Nk, Dv)`` → ``(..., Nq, Dv)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+
+from .attention import as_float64
+
+__all__ = ["FEATURE_MAPS", "favor_projection", "feature_map_ref", "linear_attention_ref", "LinearSteps", "linear_steps"]
+
+FEATURE_MAPS = ("elu", "relu", "favor")
+
+
+def favor_projection(d: int, m: int, seed: int = 0) -> np.ndarray:
+    """FAVOR+'s random projection ``W (m, d)``: blocks of ``d`` orthogonal rows (QR of a Gaussian
+    matrix), each row rescaled to the length of a Gaussian vector, so ``E[w wᵀ] = I`` as for
+    plain Gaussian rows but with lower variance. Deterministic in ``seed``."""
+    if d < 1 or m < 1:
+        raise ValueError(f"favor_projection needs d >= 1 and m >= 1, got d={d}, m={m}")
+    rng = np.random.default_rng(seed)
+    blocks = []
+    for _ in range(-(-m // d)):
+        qmat, _ = np.linalg.qr(rng.standard_normal((d, d)))
+        blocks.append(qmat.T)  # rows orthonormal
+    w = np.concatenate(blocks)[:m]
+    norms = np.linalg.norm(rng.standard_normal((m, d)), axis=1)
+    return w * norms[:, None]
+
+
+def feature_map_ref(
+    x: Any, feature_map: Union[str, Callable[[np.ndarray], np.ndarray]] = "elu",
+    projection: Optional[np.ndarray] = None, scale: Optional[float] = None,
+) -> np.ndarray:
+    """φ(x) for rows ``x (..., N, D)`` → ``(..., N, F)`` (see the module docstring).
+
+    ``favor`` needs ``projection (m, D)`` (:func:`favor_projection`); ``scale`` defaults to 1/√D,
+    so that φ(q)·φ(k) estimates softmax attention's ``exp(q·k/√D)``."""
+    x = as_float64(x, "x")
+    if callable(feature_map):
+        return as_float64(feature_map(x), "feature_map(x)")
+    if feature_map == "elu":
+        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+    if feature_map == "relu":
+        return np.maximum(x, 0.0)
+    if feature_map == "favor":
+        if projection is None:
+            raise ValueError("feature_map='favor' needs projection=favor_projection(d, m, seed)")
+        d = x.shape[-1]
+        xs = x * np.sqrt(1.0 / np.sqrt(d) if scale is None else scale)  # x̃: q̃·k̃ = scale · q·k
+        m = projection.shape[0]
+        return np.exp(xs @ projection.T - 0.5 * (xs**2).sum(-1, keepdims=True)) / np.sqrt(m)
+    raise ValueError(f"feature_map={feature_map!r} is unknown; use one of {FEATURE_MAPS} or a callable")
+
+
+@dataclass
+class LinearSteps:
+    """Every step of linear attention for one head (float64): the N × N form and the linear form
+    side by side. ``kernel`` ``(Nq, Nk)`` = φ(Q)φ(K)ᵀ (masked), ``state`` ``(F, Dv)`` = φ(K)ᵀV,
+    ``normaliser`` ``(F,)`` = Σ_j φ(k_j) (non-causal; causal rows each have their own prefix)."""
+
+    phi_q: np.ndarray
+    phi_k: np.ndarray
+    kernel: np.ndarray
+    numerator: np.ndarray
+    denominator: np.ndarray
+    output: np.ndarray
+    state: np.ndarray
+    normaliser: np.ndarray
+
+
+def linear_steps(
+    q: Any, k: Any, v: Any, feature_map: Union[str, Callable[[np.ndarray], np.ndarray]] = "elu", *,
+    is_causal: bool = False, eps: float = 1e-6, projection: Optional[np.ndarray] = None,
+    scale: Optional[float] = None, key_padding_mask: Any = None,
+) -> LinearSteps:
+    """Linear attention through the explicit ``(Nq, Nk)`` kernel matrix; see :class:`LinearSteps`."""
+    q, k, v = as_float64(q, "q"), as_float64(k, "k"), as_float64(v, "v")
+    fq = feature_map_ref(q, feature_map, projection, scale)  # (..., Nq, F)
+    fk = feature_map_ref(k, feature_map, projection, scale)  # (..., Nk, F)
+    if key_padding_mask is not None:
+        fk = fk * np.asarray(key_padding_mask, dtype=bool)[..., :, None]  # padded keys weigh nothing
+    kern = fq @ np.swapaxes(fk, -1, -2)  # (..., Nq, Nk)
+    if is_causal:
+        nq, nk = kern.shape[-2:]
+        kern = kern * np.tril(np.ones((nq, nk)))
+    num = kern @ v  # (..., Nq, Dv)
+    den = kern.sum(-1)  # (..., Nq)
+    return LinearSteps(fq, fk, kern, num, den, num / (den[..., None] + eps),
+                       np.swapaxes(fk, -1, -2) @ v, fk.sum(-2))
+
+
+def linear_attention_ref(q: Any, k: Any, v: Any, feature_map: Union[str, Callable[[np.ndarray], np.ndarray]] = "elu",
+                         **kw: Any) -> np.ndarray:
+    """The output of :func:`linear_steps` (keywords as there)."""
+    return linear_steps(q, k, v, feature_map, **kw).output
