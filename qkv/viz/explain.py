@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Explanation", "explain", "explain_attentions", "match_word", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
+__all__ = ["Explanation", "explain", "explain_attentions", "match_word", "zh_note", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
 
 SENTENCE = (
     "Alice is an outstanding software engineer; she led the development of the company's core "
@@ -223,8 +223,15 @@ class Explanation:
             ],
         }
 
-    def to_string(self, top: int = 1) -> str:
-        """The terminal report: tokens, a layer × head table of top tokens, top heads, statistics."""
+    def to_string(self, top: int = 1, lang: str = "en") -> str:
+        """The terminal report: tokens, a layer × head table of top tokens, top heads, statistics.
+
+        ``lang`` is "en" (English) or "zh" (Chinese, notes included).
+        """
+        if lang not in ("en", "zh"):
+            raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+        if lang == "zh":
+            return self._to_string_zh(top)
         toks, f, t = self.tokens, self.focus_index, self.target_index
         out = [f"Model: {self.model_name} ({self.num_layers} layers × {self.num_heads} heads), {len(toks)} tokens"]
         out.append("Tokens: " + " ".join(f"{i}:{tok}" for i, tok in enumerate(toks)))
@@ -267,6 +274,82 @@ class Explanation:
         out.append(f"  on average {mean_first:.0%} of the focus token's attention goes to {toks[0]} and "
                    f"{mean_last:.0%} to {toks[-1]}: heads with nothing to do often park their weight there.")
         return "\n".join(out)
+
+
+    def _to_string_zh(self, top: int) -> str:
+        toks, f, t = self.tokens, self.focus_index, self.target_index
+        out = [f"模型：{self.model_name}（{self.num_layers} 层 × {self.num_heads} 个头），{len(toks)} 个词元"]
+        out.append("词元：" + " ".join(f"{i}:{tok}" for i, tok in enumerate(toks)))
+        out.append(f"关注词元：“{toks[f]}”（第 {f} 个词元）" + (f"，对应“{self.focus_word}”" if self.focus_word else ""))
+        for n in self.notes:
+            out.append(f"说明：{zh_note(n)}")
+        out.append("")
+        out.append(f"“{toks[f]}”最关注哪里：每一层（列）每个头（行）中权重最大的 {top} 个词元及其权重：")
+        cell = [[", ".join(f"{_short(toks[i])} {w:.2f}" for i, w in self.top_tokens(l, h, top))
+                 for l in range(self.num_layers)] for h in range(self.num_heads)]
+        width = max(len(c) for row in cell for c in row)
+        per_line = max(1, 112 // (width + 2))
+        for start in range(0, self.num_layers, per_line):
+            ls = range(start, min(self.num_layers, start + per_line))
+            out.append("       " + "  ".join(f"L{l}".ljust(width) for l in ls).rstrip())
+            for h in range(self.num_heads):
+                out.append(f"  H{h:<3} " + "  ".join(cell[h][l].ljust(width) for l in ls).rstrip())
+        out.append("")
+        how = "" if self.target_given else "（自动选出的、它最关注的另一个实词；可用 --target 指定）"
+        out.append(f"把“{toks[f]}”和“{toks[t]}”联系得最紧的头{how}：")
+        for l, h, w in self.top_heads(5):
+            tops = self.top_tokens(l, h, 1)[0]
+            out.append(f"  L{l} H{h}  权重 {w:.3f}   （它最关注的词元：{toks[tops[0]]} {tops[1]:.3f}）")
+        out.append("")
+        st = self.stats
+        first = _short(toks[0], 5)
+        out.append(f"“{toks[f]}”的注意力在每个头上的统计：熵（单位 nats；在 {len(toks)} 个词元上均匀分布时为 "
+                   f"{math.log(len(toks)):.2f}）、最大权重、落在 {toks[0]} 上的权重：")
+        head_cell = f"{'熵':>3} {'最大':>2} {first:>5}"
+        for start in range(0, self.num_layers, 6):
+            ls = range(start, min(self.num_layers, start + 6))
+            out.append("       " + "   ".join(f"L{l}".ljust(15) for l in ls).rstrip())
+            out.append("       " + "   ".join(head_cell for _ in ls))
+            for h in range(self.num_heads):
+                out.append(f"  H{h:<3} " + "   ".join(
+                    f"{st['entropy'][l, h]:4.2f} {st['max_weight'][l, h]:4.2f} {st['first_weight'][l, h]:5.2f}" for l in ls))
+        mean_first = float(np.mean(st["first_weight"]))
+        mean_last = float(np.mean(st["last_weight"]))
+        out.append(f"  平均而言，关注词元的注意力有 {mean_first:.0%} 落在 {toks[0]} 上，{mean_last:.0%} 落在 {toks[-1]} 上："
+                   "没有事可做的头常常把权重“停放”在这里。")
+        return "\n".join(out)
+
+
+_ZH_NOTES: list[tuple[str, str]] = [
+    (r'"(?P<w>.*)" is not a whole word of the text; using the first place it occurs inside one',
+     "“{w}”不是文本中的一个完整单词；使用它在某个词内部第一次出现的位置"),
+    (r'"(?P<w>.*)" occurs (?P<n>\d+) times; using the first as target', "“{w}”出现了 {n} 次；取第一次作为目标"),
+    (r'"(?P<w>.*)" occurs (?P<n>\d+) times; using the first', "“{w}”出现了 {n} 次；取第一次"),
+    (r'"(?P<w>.*)" is (?P<n>\d+) tokens; using the first as target', "“{w}”对应 {n} 个词元；取第一个作为目标"),
+    (r'"(?P<w>.*)" is (?P<n>\d+) tokens; using the first', "“{w}”对应 {n} 个词元；取第一个"),
+    (r'"(?P<w>.*)" is split into (?P<n>\d+) tokens \((?P<parts>.*)\); following the first, "(?P<t>.*)"',
+     "“{w}”被切分成 {n} 个词元（{parts}）；跟踪第一个“{t}”"),
+    (r'target "(?P<w>.*)" is split into (?P<n>\d+) tokens; using the first, "(?P<t>.*)"',
+     "目标“{w}”被切分成 {n} 个词元；使用第一个“{t}”"),
+    (r"the text has (?P<n>\d+) tokens but the model reads at most (?P<m>\d+); using the first (?P<k>\d+) and the "
+     r"closing (?P<t>.*)", "文本有 {n} 个词元，但模型最多读取 {m} 个；使用前 {k} 个和结尾的 {t}"),
+    (r"(?P<n>\d+) tokens: the attention maps would take (?P<mb>\d+) MB \(limits: (?P<lt>[^ ]+) tokens, (?P<lb>\d+) MB\); "
+     r"showing statistics of the focus token's attention instead of full maps",
+     "{n} 个词元：注意力矩阵将占用 {mb} MB（上限：{lt} 个词元，{lb} MB）；改为只显示关注词元注意力的统计"),
+    (r"the focus token's rows were recorded by qkv.inspect.record: no N×N map was built",
+     "关注词元的注意力行由 qkv.inspect.record 逐块记录：没有构建 N×N 矩阵"),
+    (r"(?P<n>\d+) tokens: the full maps would make the page (?P<mb>\d+) MB; it shows the focus token's attention only",
+     "{n} 个词元：完整矩阵会让页面达到 {mb} MB；页面只显示关注词元的注意力"),
+]
+
+
+def zh_note(note: str) -> str:
+    """The Chinese wording of one of the notes :func:`explain` writes (unknown notes stay as they are)."""
+    for pattern, template in _ZH_NOTES:
+        m = re.fullmatch(pattern, note)
+        if m:
+            return template.format(**m.groupdict())
+    return note
 
 
 def _short(s: str, n: int = 10) -> str:

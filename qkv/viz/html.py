@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .explain import zh_note
+
 __all__ = ["render_html", "save_html", "page_data", "decode_weights", "MAX_HTML_MAP_BYTES"]
 
 MAX_HTML_MAP_BYTES = 8_000_000  # 16-bit maps beyond this (about 240 tokens × 72 heads) stay out of the page
@@ -40,9 +42,16 @@ def decode_weights(b64: str, shape: tuple[int, ...]) -> np.ndarray:
     return (np.frombuffer(base64.b64decode(b64), dtype="<u2").astype(np.float64) / 65535.0).reshape(shape)
 
 
+def _labels(lang: str) -> dict[str, Any]:
+    if lang not in _LABELS:
+        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    return _LABELS[lang]
+
+
 def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
-              max_map_bytes: int = MAX_HTML_MAP_BYTES) -> dict[str, Any]:
+              max_map_bytes: int = MAX_HTML_MAP_BYTES, lang: str = "en") -> dict[str, Any]:
     """The data embedded in the page (JSON-ready); ``layer``/``head`` as :meth:`Explanation.select`."""
+    labels = _labels(lang)
     layer, head = ex.select(layer, head)
     L, H, N = ex.focus_weights.shape
     notes = list(ex.notes)
@@ -60,7 +69,7 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "num_layers": L,
         "num_heads": H,
         "mode": "maps" if maps is not None else "stats",
-        "notes": notes,
+        "notes": notes if lang == "en" else [zh_note(n) for n in notes],
         "focus": {"index": ex.focus_index, "token": ex.tokens[ex.focus_index], "word": ex.focus_word},
         "target": {"index": ex.target_index, "token": ex.tokens[ex.target_index], "word": ex.target_word},
         "top_heads": [{"layer": l, "head": h, "weight": round(w, 4)} for l, h, w in ex.top_heads(5)],
@@ -68,72 +77,126 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "encoding": "base64 little-endian uint16, weight = value / 65535",
         "maps": maps,  # (L, H, N, N) or None
         "focus_weights": _encode(ex.focus_weights),  # (L, H, N)
+        "labels": labels["js"],
     }
 
 
 def render_html(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
-                max_map_bytes: int = MAX_HTML_MAP_BYTES) -> str:
-    """The page as a string."""
-    data = page_data(ex, layer, head, max_map_bytes)
+                max_map_bytes: int = MAX_HTML_MAP_BYTES, lang: str = "en") -> str:
+    """The page as a string; ``lang`` ("en" or "zh") is the language of every label and tooltip."""
+    labels = _labels(lang)
+    data = page_data(ex, layer, head, max_map_bytes, lang)
     blob = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     blob = blob.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")  # inert inside <script>
-    title = f"qkv attention report: {ex.model_name}"
+    title = labels["title"].format(model=ex.model_name)
+    body = _BODY.replace("%TEXT%", _html.escape(ex.text)).replace("%MODEL%", _html.escape(ex.model_name))
+    for key, value in labels.items():
+        if isinstance(value, str):
+            # attends_most carries the page's own markup; every other label is plain text
+            body = body.replace(f"%{key}%", value if key == "attends_most" else _html.escape(value, quote=False).replace('"', "&quot;"))
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        f"<!DOCTYPE html>\n<html lang=\"{labels['html_lang']}\">\n<head>\n<meta charset=\"utf-8\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
         f"<title>{_html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
-        f"{_BODY.replace('%TEXT%', _html.escape(ex.text)).replace('%MODEL%', _html.escape(ex.model_name))}\n"
+        f"{body}\n"
         f"<script type=\"application/json\" id=\"qkv-data\">{blob}</script>\n"
         f"<script>{_JS}</script>\n</body>\n</html>\n"
     )
 
 
-def save_html(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = None, head: Optional[int] = None) -> str:
-    """Write the report for ``ex`` to ``path`` and return the path."""
-    page = render_html(ex, layer, head)  # first: a bad layer/head must not leave an empty file behind
+def save_html(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = None, head: Optional[int] = None,
+              lang: str = "en") -> str:
+    """Write the report for ``ex`` to ``path`` and return the path; ``lang`` is "en" or "zh"."""
+    page = render_html(ex, layer, head, lang=lang)  # first: a bad layer/head must not leave an empty file behind
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(page)
     return os.fspath(path)
 
 
 _BODY = """<header>
-  <h1>Attention report <span class="model">%MODEL%</span></h1>
+  <h1>%report% <span class="model">%MODEL%</span></h1>
   <p class="text">%TEXT%</p>
   <p id="summary"></p>
   <ul id="notes"></ul>
 </header>
 <nav class="tabs">
-  <button id="tab-head" class="tab active" type="button">Head view</button>
-  <button id="tab-model" class="tab" type="button">Model view</button>
+  <button id="tab-head" class="tab active" type="button">%head_view%</button>
+  <button id="tab-model" class="tab" type="button">%model_view%</button>
 </nav>
 <section id="controls">
-  <label>Layer <select id="layer"></select></label>
-  <span class="heads-label">Heads</span><span id="heads"></span>
-  <button id="all-heads" type="button" title="show every head of this layer">all heads</button>
-  <span class="hint">click a head to see it alone, shift-click to add it; hover a token, click to pin it</span>
+  <label>%layer% <select id="layer"></select></label>
+  <span class="heads-label">%heads%</span><span id="heads"></span>
+  <button id="all-heads" type="button" title="%all_heads_title%">%all_heads%</button>
+  <span class="hint">%hint%</span>
 </section>
 <h2 id="head-label"></h2>
 <main>
   <section id="head-view">
     <div id="columns">
-      <div class="col-title left">query (attends)</div><div></div><div class="col-title right">key (attended to)</div>
+      <div class="col-title left">%query_col%</div><div></div><div class="col-title right">%key_col%</div>
       <div id="left" class="tokens"></div>
       <svg id="lines"></svg>
       <div id="right" class="tokens"></div>
     </div>
     <aside id="info">
-      <p><b id="sel-token"></b> attends most to <b id="top-token"></b> (<span id="top-weight"></span>)</p>
+      <p>%attends_most%</p>
       <ol id="top-list"></ol>
-      <table id="stats-table"><thead><tr><th>head</th><th title="entropy of the weights, nats">entropy</th>
-        <th>max</th><th id="first-col">first</th><th id="last-col">last</th></tr></thead><tbody></tbody></table>
-      <p class="small">Statistics of the selected token's row in each head of this layer.</p>
+      <table id="stats-table"><thead><tr><th>%th_head%</th><th title="%entropy_title%">%th_entropy%</th>
+        <th>%th_max%</th><th id="first-col">%th_first%</th><th id="last-col">%th_last%</th></tr></thead><tbody></tbody></table>
+      <p class="small">%stats_caption%</p>
     </aside>
   </section>
   <section id="model-view" hidden>
-    <p id="model-caption" class="small">Each cell is one head's map (rows: queries, columns: keys). Click one to open it in the head view.</p>
+    <p id="model-caption" class="small">%model_caption%</p>
     <div id="grid"></div>
   </section>
 </main>"""
+
+# Every visible word of the page, per language. Static ones fill %key% in _BODY; the script
+# builds the rest from the templates under "js" ({name} placeholders).
+_LABELS: dict[str, dict[str, Any]] = {
+    "en": {
+        "html_lang": "en", "title": "qkv attention report: {model}", "report": "Attention report",
+        "head_view": "Head view", "model_view": "Model view", "layer": "Layer", "heads": "Heads",
+        "all_heads": "all heads", "all_heads_title": "show every head of this layer",
+        "hint": "click a head to see it alone, shift-click to add it; hover a token, click to pin it",
+        "query_col": "query (attends)", "key_col": "key (attended to)",
+        "attends_most": '<b id="sel-token"></b> attends most to <b id="top-token"></b> (<span id="top-weight"></span>)',
+        "th_head": "head", "entropy_title": "entropy of the weights, nats", "th_entropy": "entropy", "th_max": "max",
+        "th_first": "first", "th_last": "last",
+        "stats_caption": "Statistics of the selected token's row in each head of this layer.",
+        "model_caption": "Each cell is one head's map (rows: queries, columns: keys). Click one to open it in the head view.",
+        "js": {
+            "summary": '{n} tokens, {L} layers \u00d7 {H} heads. Focus "{focus}" (token {fi}), target "{target}": '
+                       "strongest in {top}.",
+            "top_item": "L{layer} H{head} ({w})", "list_sep": ", ", "on": "on {tok}", "layer_option": "Layer {l}",
+            "head_title": "head {h}", "head_label_one": "Layer {l} \u00b7 Head {h}",
+            "head_label_many": "Layer {l} \u00b7 Heads {hs}",
+            "cell_title": 'layer {l}, head {h}: "{focus}" \u2192 "{target}" {w}',
+        },
+    },
+    "zh": {
+        "html_lang": "zh-CN", "title": "qkv 注意力报告：{model}", "report": "注意力报告",
+        "head_view": "注意力头视图", "model_view": "模型视图", "layer": "层", "heads": "头",
+        "all_heads": "全部头", "all_heads_title": "显示这一层的所有头",
+        "hint": "点击一个头单独查看，按住 Shift 点击可加入；鼠标悬停在词元上查看，点击固定",
+        "query_col": "查询（发出关注）", "key_col": "键（被关注）",
+        "attends_most": '<b id="sel-token"></b> 最关注 <b id="top-token"></b>（<span id="top-weight"></span>）',
+        "th_head": "头", "entropy_title": "权重的熵，单位 nats", "th_entropy": "熵", "th_max": "最大",
+        "th_first": "首个", "th_last": "末个",
+        "stats_caption": "所选词元在这一层每个头中那一行注意力的统计。",
+        "model_caption": "每个格子是一个头的注意力矩阵（行：查询，列：键）。点击即可在注意力头视图中打开。",
+        "js": {
+            "summary": "{n} 个词元，{L} 层 \u00d7 {H} 个头。关注词元“{focus}”（第 {fi} 个词元），目标“{target}”："
+                       "联系最强的是 {top}。",
+            "top_item": "L{layer} H{head}（{w}）", "list_sep": "、", "on": "在 {tok} 上", "layer_option": "第 {l} 层",
+            "head_title": "第 {h} 个头", "head_label_one": "第 {l} 层 \u00b7 第 {h} 个头",
+            "head_label_many": "第 {l} 层 \u00b7 第 {hs} 个头",
+            "cell_title": "第 {l} 层，第 {h} 个头：“{focus}” \u2192 “{target}” {w}",
+        },
+    },
+}
+
 
 _CSS = """
 :root { --bg:#fbfbfd; --fg:#1d1d24; --muted:#6b6b78; --line:#d9d9e3; --accent:#d6336c; }
@@ -217,21 +280,23 @@ _JS = r"""
   function $(id) { return document.getElementById(id); }
   function el(tag, cls, text) { var e = document.createElement(tag); if (cls) e.className = cls; if (text !== undefined) e.textContent = text; return e; }
   function fmt(x) { return x.toFixed(3); }
+  var T = D.labels;
+  function say(key, o) { return T[key].replace(/\{(\w+)\}/g, function (m, k) { return String(o[k]); }); }
 
   // header
-  $('summary').textContent = N + ' tokens, ' + L + ' layers \u00d7 ' + H + ' heads. Focus "' + D.focus.token +
-    '" (token ' + D.focus.index + '), target "' + D.target.token + '": strongest in ' +
-    D.top_heads.slice(0, 3).map(function (t) { return 'L' + t.layer + ' H' + t.head + ' (' + t.weight.toFixed(2) + ')'; }).join(', ') + '.';
+  $('summary').textContent = say('summary', { n: N, L: L, H: H, focus: D.focus.token, fi: D.focus.index,
+    target: D.target.token, top: D.top_heads.slice(0, 3).map(function (t) {
+      return say('top_item', { layer: t.layer, head: t.head, w: t.weight.toFixed(2) }); }).join(T.list_sep) });
   D.notes.forEach(function (n) { $('notes').appendChild(el('li', '', n)); });
-  $('first-col').textContent = 'on ' + D.tokens[0];
-  $('last-col').textContent = 'on ' + D.tokens[N - 1];
+  $('first-col').textContent = say('on', { tok: D.tokens[0] });
+  $('last-col').textContent = say('on', { tok: D.tokens[N - 1] });
 
   // controls
-  for (var l = 0; l < L; l++) { var o = el('option', '', 'Layer ' + l); o.value = String(l); $('layer').appendChild(o); }
+  for (var l = 0; l < L; l++) { var o = el('option', '', say('layer_option', { l: l })); o.value = String(l); $('layer').appendChild(o); }
   $('layer').addEventListener('change', function () { state.layer = parseInt(this.value, 10); render(); });
   for (var h = 0; h < H; h++) {
     var b = el('button', 'head-btn', String(h));
-    b.type = 'button'; b.style.background = color(h); b.dataset.head = String(h); b.title = 'head ' + h;
+    b.type = 'button'; b.style.background = color(h); b.dataset.head = String(h); b.title = say('head_title', { h: h });
     b.addEventListener('click', function (ev) {
       var hh = parseInt(this.dataset.head, 10), i = state.heads.indexOf(hh);
       if (ev.shiftKey || ev.ctrlKey || ev.metaKey) {
@@ -344,8 +409,8 @@ _JS = r"""
           for (var j = 0; j < N; j++) { var p = rgb(r[j]), o = (q * N + j) * 4; img.data[o] = p[0]; img.data[o + 1] = p[1]; img.data[o + 2] = p[2]; img.data[o + 3] = 255; }
         }
         ctx.putImageData(img, 0, 0); c.appendChild(cv);
-        c.title = 'layer ' + l + ', head ' + h2 + ': "' + D.focus.token + '" \u2192 "' + D.target.token + '" ' +
-          fmt(row(l, h2, D.focus.index)[D.target.index]);
+        c.title = say('cell_title', { l: l, h: h2, focus: D.focus.token, target: D.target.token,
+          w: fmt(row(l, h2, D.focus.index)[D.target.index]) });
         c.addEventListener('click', function () {
           state.layer = parseInt(this.dataset.layer, 10); state.heads = [parseInt(this.dataset.head, 10)]; setView('head');
         });
@@ -359,8 +424,8 @@ _JS = r"""
     Array.prototype.forEach.call(document.querySelectorAll('.head-btn'), function (b) {
       b.classList.toggle('on', state.heads.indexOf(parseInt(b.dataset.head, 10)) >= 0);
     });
-    $('head-label').textContent = 'Layer ' + state.layer + ' \u00b7 ' +
-      (state.heads.length === 1 ? 'Head ' + state.heads[0] : 'Heads ' + state.heads.join(', '));
+    $('head-label').textContent = state.heads.length === 1 ? say('head_label_one', { l: state.layer, h: state.heads[0] })
+      : say('head_label_many', { l: state.layer, hs: state.heads.join(T.list_sep) });
     cells.forEach(function (c) {
       c.classList.toggle('sel', parseInt(c.dataset.layer, 10) === state.layer && state.heads.indexOf(parseInt(c.dataset.head, 10)) >= 0);
     });

@@ -15,6 +15,24 @@ from typing import Any, Optional
 __all__ = ["save_png", "figure"]
 
 _CMAP = "viridis"
+_TEXT: dict[str, dict[str, str]] = {
+    "en": {
+        "grid": "All {L} layers × {H} heads (rows: queries, columns: keys)",
+        "key": "key (attended-to token)", "query": "query (attending token)",
+        "head": 'Layer {layer}, head {head}: "{a}" → "{b}" weight {w:.2f}',
+        "weight": "attention weight", "suptitle": "{model}: attention of {n} tokens",
+        "layer_head": "layer · head",
+        "stats": 'Statistics mode ({N} tokens, maps too large): "{tok}" (token {i})\'s attention in every head',
+    },
+    "zh": {
+        "grid": "全部 {L} 层 × {H} 个头（行：查询，列：键）",
+        "key": "键（被关注的词元）", "query": "查询（发出关注的词元）",
+        "head": "第 {layer} 层第 {head} 个头：“{a}” → “{b}” 权重 {w:.2f}",
+        "weight": "注意力权重", "suptitle": "{model}：{n} 个词元的注意力",
+        "layer_head": "层 · 头",
+        "stats": "统计模式（{N} 个词元，矩阵太大）：“{tok}”（第 {i} 个词元）在每个头中的注意力",
+    },
+}
 _MAX_LABELS = 80  # more token labels than this are unreadable: show every k-th
 
 
@@ -46,14 +64,32 @@ def _tick_labels(ax: Any, tokens: list[str], axis: str, highlight: tuple[int, ..
             t.set_fontweight("bold")
 
 
-def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None) -> Any:
-    """The matplotlib figure for ``ex``; the big map shows ``(layer, head)``, default the top head's."""
+def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None, lang: str = "en") -> Any:
+    """The matplotlib figure for ``ex``; the big map shows ``(layer, head)``, default the top head's.
+
+    ``lang`` ("en" or "zh") is the language of titles and axis labels; Chinese needs a CJK font
+    (see :func:`qkv.viz.trace_png.cjk_font`), without one the labels stay English with a warning.
+    """
+    import matplotlib
+
+    from .trace_png import _drawable, _fonts_for
+
+    if lang not in _TEXT:
+        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
     layer, head = ex.select(layer, head)
+    families, lang = _fonts_for(lang)
+    # token labels no installed font can draw become their index instead of empty boxes
+    toks = [tok if _drawable(tok, families) else f"#{k}" for k, tok in enumerate(ex.tokens)]
+    with matplotlib.rc_context({"font.family": families}):
+        return _figure(ex, layer, head, _TEXT[lang], toks)
+
+
+def _figure(ex: Any, layer: int, head: int, tx: dict[str, str], toks: list[str]) -> Any:
     plt = _plt()
     L, H = ex.num_layers, ex.num_heads
-    toks, f, t = ex.tokens, ex.focus_index, ex.target_index
+    f, t = ex.focus_index, ex.target_index
     if ex.maps is None:
-        return _stats_figure(plt, ex)
+        return _stats_figure(plt, ex, tx, toks)
     n = len(toks)
     big = max(5.0, min(11.0, 0.28 * n + 2.5))
     fig = plt.figure(figsize=(H * 0.95 + big + 1.5, max(L * 0.95 + 1.2, big + 0.5)), dpi=100)
@@ -73,19 +109,19 @@ def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None) -> 
                 for s in ax.spines.values():
                     s.set_edgecolor("red")
                     s.set_linewidth(2.5)
-    fig.text(0.04 + 0.5 * H * 0.95 / (H * 0.95 + big) * 0.9, 0.93, f"All {L} layers × {H} heads (rows: queries, columns: keys)",
+    fig.text(0.04 + 0.5 * H * 0.95 / (H * 0.95 + big) * 0.9, 0.93, tx["grid"].format(L=L, H=H),
              ha="center", fontsize=11)
     ax = fig.add_subplot(gs[1])
     im = ax.imshow(ex.maps[layer, head], cmap=_CMAP, vmin=0.0, interpolation="nearest")
     _tick_labels(ax, toks, "x", (t,))
     _tick_labels(ax, toks, "y", (f,))
-    ax.set_xlabel("key (attended-to token)")
-    ax.set_ylabel("query (attending token)")
+    ax.set_xlabel(tx["key"])
+    ax.set_ylabel(tx["query"])
     w = float(ex.focus_weights[layer, head, t])
-    ax.set_title(f'Layer {layer}, head {head}: "{toks[f]}" → "{toks[t]}" weight {w:.2f}', fontsize=11)
+    ax.set_title(tx["head"].format(layer=layer, head=head, a=toks[f], b=toks[t], w=w), fontsize=11)
     ax.add_patch(_rect(plt, (t - 0.5, f - 0.5)))
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="attention weight")
-    fig.suptitle(f"{ex.model_name}: attention of {n} tokens", fontsize=13)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=tx["weight"])
+    fig.suptitle(tx["suptitle"].format(model=ex.model_name, n=n), fontsize=13)
     return fig
 
 
@@ -95,27 +131,27 @@ def _rect(plt: Any, xy: tuple[float, float]) -> Any:
     return Rectangle(xy, 1, 1, fill=False, edgecolor="red", linewidth=2)
 
 
-def _stats_figure(plt: Any, ex: Any) -> Any:
+def _stats_figure(plt: Any, ex: Any, tx: dict[str, str], toks: list[str]) -> Any:
     L, H, N = ex.focus_weights.shape
     rows = ex.focus_weights.reshape(L * H, N)  # (L·H, N)
     fig, ax = plt.subplots(figsize=(min(24.0, 6 + N * 0.03), 10), dpi=100)
     im = ax.imshow(rows, cmap=_CMAP, vmin=0.0, aspect="auto", interpolation="nearest")
     ax.set_yticks(range(0, L * H, H))
     ax.set_yticklabels([f"L{l} H0" for l in range(L)], fontsize=8)
-    _tick_labels(ax, ex.tokens, "x", (ex.target_index,))
-    ax.set_xlabel("key (attended-to token)")
-    ax.set_ylabel("layer · head")
-    ax.set_title(f'Statistics mode ({N} tokens, maps too large): "{ex.tokens[ex.focus_index]}" '
-                 f"(token {ex.focus_index})'s attention in every head", fontsize=11)
-    fig.colorbar(im, ax=ax, label="attention weight")
+    _tick_labels(ax, toks, "x", (ex.target_index,))
+    ax.set_xlabel(tx["key"])
+    ax.set_ylabel(tx["layer_head"])
+    ax.set_title(tx["stats"].format(N=N, tok=toks[ex.focus_index], i=ex.focus_index), fontsize=11)
+    fig.colorbar(im, ax=ax, label=tx["weight"])
     fig.tight_layout()
     return fig
 
 
-def save_png(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = None, head: Optional[int] = None) -> str:
-    """Write the heatmaps of ``ex`` to ``path`` (PNG) and return the path."""
+def save_png(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = None, head: Optional[int] = None,
+             lang: str = "en") -> str:
+    """Write the heatmaps of ``ex`` to ``path`` (PNG) and return the path; ``lang`` as in :func:`figure`."""
     plt = _plt()
-    fig = figure(ex, layer, head)
+    fig = figure(ex, layer, head, lang)
     try:
         fig.savefig(path, format="png")
     finally:
