@@ -140,3 +140,97 @@ def test_explain_refuses_nan_and_negative_limits():
             explain("Alice said she likes tests", model=object(), **kw)
     with pytest.raises(TypeError, match="text must be a string, got list"):
         explain(["Alice"], model=object())
+
+
+# -- Chinese reports --------------------------------------------------------------------------
+
+EN_LABELS = ("Model:", "Tokens:", "Focus:", "Where", "Heads that link", "Per-head statistics", "on average",
+             "weight", "Note:", "its top token")
+
+
+def _all_notes_ex():
+    ex = explain_attentions(list(_maps()), TOKENS, focus="she", text=TEXT, offsets=_offsets(TEXT, TOKENS))
+    ex.notes.extend(['"she" occurs 2 times; using the first', '"it" is 3 tokens; using the first as target',
+                     '"Zylphoria" is split into 4 tokens (z ##yl ##ph ##oria); following the first, "z"',
+                     "the text has 600 tokens but the model reads at most 512; using the first 511 and the closing [SEP]",
+                     "900 tokens: the attention maps would take 233 MB (limits: 512 tokens, 50 MB); "
+                     "showing statistics of the focus token's attention instead of full maps"])
+    return ex
+
+
+def test_terminal_report_in_chinese():
+    ex = _all_notes_ex()
+    en, zh = ex.to_string(), ex.to_string(lang="zh")
+    assert en == ex.to_string(lang="en") and "Heads that link" in en
+    for label in ("模型：", "词元：", "关注词元：", "最关注哪里", "联系得最紧的头", "熵", "平均而言", "说明："):
+        assert label in zh, label
+    for label in EN_LABELS:
+        assert label not in zh, label
+    assert zh.count("说明：") == len(ex.notes)
+    assert "出现了 2 次" in zh and "被切分成 4 个词元" in zh and "最多读取 512 个" in zh and "233 MB" in zh
+    assert "L1 H2  权重 0.999" in zh  # the same numbers as the English report
+    with pytest.raises(ValueError, match="lang"):
+        ex.to_string(lang="fr")
+
+
+HTML_EN = ("Attention report", "Head view", "Model view", "all heads", "show every head", "click a head",
+           "query (attends)", "key (attended to)", "attends most to", "entropy of the weights", "Statistics of the",
+           "Each cell is one head", ">head<", ">max<", ">first<", ">last<", "Layer <select")
+
+
+def test_html_report_in_chinese(ex, tmp_path):
+    en = render_html(ex)
+    assert en == render_html(ex, lang="en") and '<html lang="en">' in en
+    for label in HTML_EN:
+        assert label in en, label
+    page = open(save_html(ex, tmp_path / "zh.html", lang="zh"), encoding="utf-8").read()
+    static = page.split('<script type="application/json"')[0]
+    for label in HTML_EN:
+        assert label not in static, label
+    for label in ("注意力报告", "注意力头视图", "模型视图", "全部头", "查询（发出关注）", "键（被关注）", "最关注", "熵"):
+        assert label in static, label
+    assert '<html lang="zh-CN">' in page
+    d = json.loads(re.search(r'id="qkv-data">(.*?)</script>', page, re.S).group(1))
+    for key, template in d["labels"].items():  # every text the script builds
+        words = re.sub(r"\{\w+\}", "", template)  # the placeholders are filled with data
+        assert not re.search(r"\b(tokens|layers?|heads?|Focus|target|strongest|on)\b", words, re.I), (key, template)
+    d_small = json.loads(re.search(r'id="qkv-data">(.*?)</script>', render_html(ex, max_map_bytes=100, lang="zh"),
+                                   re.S).group(1))
+    assert d_small["notes"] and all("focus token" not in n for n in d_small["notes"])
+    with pytest.raises(ValueError, match="lang"):
+        render_html(ex, lang="fr")
+
+
+def _texts(fig) -> str:
+    parts = [fig._suptitle.get_text() if fig._suptitle else ""]
+    for ax in fig.axes:
+        parts += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()] + [t.get_text() for t in ax.texts]
+    return " ".join(parts + [t.get_text() for t in fig.texts])
+
+
+@pytest.mark.parametrize("keep_maps", [True, False])
+def test_png_labels_in_chinese(keep_maps, monkeypatch, tmp_path):
+    import matplotlib.pyplot as plt
+
+    from qkv.viz import png, trace_png
+
+    ex = explain_attentions(list(_maps()), TOKENS, focus="she", text=TEXT, offsets=_offsets(TEXT, TOKENS),
+                            keep_maps=keep_maps)
+    fig = png.figure(ex)
+    en = _texts(fig)
+    plt.close(fig)
+    assert "key (attended-to token)" in en and "attention" in en
+    if trace_png.cjk_font() is not None:
+        fig = png.figure(ex, lang="zh")
+        zh = _texts(fig)
+        plt.close(fig)
+        assert "键（被关注的词元）" in zh or "层 · 头" in zh
+        for label in ("key (", "query (", "Layer ", "attention of", "Statistics mode", "All "):
+            assert label not in zh, label
+        with PIL.open(save_png(ex, tmp_path / "zh.png", lang="zh")) as im:
+            assert im.format == "PNG"
+    monkeypatch.setattr(trace_png, "cjk_font", lambda: None)  # a machine without a Chinese font
+    with pytest.warns(UserWarning, match="English labels"):
+        fig = png.figure(ex, lang="zh")
+    assert "key (attended-to token)" in _texts(fig)
+    plt.close(fig)
