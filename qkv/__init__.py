@@ -2,7 +2,8 @@
 
 - :func:`qkv.attention` — exact attention, a drop-in superset of torch's SDPA;
   :func:`qkv.attention_varlen` for packed variable-length batches.
-- :func:`qkv.linear_attention` — linear attention (elu, relu, FAVOR+ features) in O(N).
+- :func:`qkv.linear_attention` — linear attention (elu, relu, FAVOR+ features) in O(N);
+  :mod:`qkv.sparse` — block-sparse masks (Longformer, BigBird, strided, from a dense mask).
 - :func:`qkv.trace` / :class:`qkv.Trace` — the glass box: every step, with the numbers.
 - :mod:`qkv.nn` — multi-head attention, Transformer layers, positional encodings, KV cache.
 - :mod:`qkv.inspect` — attention maps and streaming statistics without the N×N matrix.
@@ -36,7 +37,7 @@ def __getattr__(name: str):
         from .varlen import attention_varlen
 
         value = attention_varlen
-    elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz", "distributed"):
+    elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz", "distributed", "sparse", "linear"):
         import importlib
 
         value = importlib.import_module(f".{name}", __name__)
@@ -61,6 +62,7 @@ __all__ = [
     "Trace",
     "reference",
     "nn",
+    "sparse",
     "backends",
     "functional",
     "inspect",

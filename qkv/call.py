@@ -20,6 +20,7 @@ import torch
 
 from .reference.attention import causal_bias_alignment
 from .reference.masks import Alignment, PositionalMask, parse_alignment, parse_causal, parse_window
+from .sparse import BlockSparseMask
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -283,6 +284,13 @@ def validate(
                 f"key has {hk} heads but query has {hq}; pass enable_gqa=True for grouped-query attention "
                 f"(each key/value head serves {hq // hk} query heads)"
             )
+    if isinstance(attn_mask, BlockSparseMask):  # it means its dense bool mask; empty blocks are skipped downstream
+        if attn_mask.shape != (nq, nk):
+            raise ValueError(
+                f"attn_mask is a BlockSparseMask for {attn_mask.shape} but (query_len, key_len) = ({nq}, {nk}); "
+                f"build it for n = {nq}" + ("" if nq == nk else f" queries and {nk} keys (qkv.sparse.from_dense)")
+            )
+        attn_mask = attn_mask.to_dense(q.device)
     bias_alignment = causal_bias_alignment(attn_mask) if attn_mask is not None else None
     if bias_alignment is not None:  # torch.nn.attention.bias.causal_upper_left / causal_lower_right
         if is_causal is not False:

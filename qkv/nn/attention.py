@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..functional import attention, attention_weights
+from ..sparse import BlockSparseMask
 from .cache import KVCache
 from .positional import RotaryEmbedding
 
@@ -248,6 +249,8 @@ class MultiHeadAttention(nn.Module):
         elif positions is not None:
             raise ValueError("positions= only has an effect together with rotary=")
         nk = past + n  # every key the queries will see
+        if isinstance(attn_mask, BlockSparseMask):
+            attn_mask = attn_mask.to_dense(query.device)  # (Nq, Nk) or batched: what the layout means
         if attn_mask is not None:  # checked before the cache is touched, so a bad call changes nothing
             attn_mask = self._head_mask(attn_mask, b, nq, nk)
         if cache is not None:
