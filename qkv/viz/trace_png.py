@@ -7,7 +7,8 @@ output of one head. For a :class:`~qkv.reference.block.BlockTrace` the figure al
 embeddings, the positional encoding, the residual connections, both LayerNorms and the
 feed-forward network. The narrated token's row is framed in every matrix that has one row per
 query. Small matrices carry their numbers in the cells; long ones are drawn without numbers and
-wide ones show their first :data:`MAX_COLS` columns (the title says so).
+wide ones show their first :data:`MAX_COLS` feature columns (the title says so; query × key maps
+always show every key).
 
 Chinese labels (``lang="zh"``) need a font with CJK glyphs. :func:`cjk_font` looks for one
 (``QKV_CJK_FONT=/path/to/font.otf`` first, then installed fonts such as Noto Sans CJK or
@@ -267,7 +268,7 @@ def _heatmap(fig: Any, ax: Any, p: _Panel, tx: dict[str, str], precision: int) -
 
     a = p.array
     title = p.title
-    if a.shape[1] > MAX_COLS:
+    if a.shape[1] > MAX_COLS and p.cols is not p.rows:  # feature columns are cut; a query × key map never
         title += "\n(" + tx["first_cols"].format(k=MAX_COLS, n=a.shape[1]) + ")"
         a = a[:, :MAX_COLS]
         cols = p.cols[:MAX_COLS]
@@ -275,8 +276,8 @@ def _heatmap(fig: Any, ax: Any, p: _Panel, tx: dict[str, str], precision: int) -
         cols = p.cols
     shown = np.ma.masked_invalid(a)
     cmap = _plt().get_cmap("Blues" if p.weights else "RdBu_r").with_extremes(bad="#cccccc")  # masked: grey
-    if p.weights:
-        vmin, vmax = 0.0, 1.0
+    if p.weights:  # up to the largest weight: near-uniform rows over many tokens stay visible
+        vmin, vmax = 0.0, max(float(np.nanmax(np.where(np.isfinite(a), a, 0.0))), 1e-9)
     else:
         lim = float(np.max(np.abs(a[np.isfinite(a)]))) if np.isfinite(a).any() else 1.0
         vmin, vmax = -(lim or 1.0), (lim or 1.0)

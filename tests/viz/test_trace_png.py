@@ -143,6 +143,7 @@ def test_large_trace_is_summarised() -> None:
         assert not _cells(axes["weights"])  # 20 rows: colours only
         assert axes["x"].images[0].get_array().shape == (n, MAX_COLS)
         assert f"first {MAX_COLS} of {d} columns" in axes["x"].get_title()
+        assert axes["weights"].images[0].get_array().shape == (n, n)  # every key of a query × key map
     finally:
         plt.close(fig)
 
