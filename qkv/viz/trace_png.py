@@ -123,7 +123,7 @@ _TEXT: dict[str, dict[str, str]] = {
         "first_cols": "first {k} of {n} columns", "head_of": "head {h} of {n}", "head_default": " (default; choose with head=)",
         "title": "Self-attention of {n} tokens: {head}; token {i} \"{tok}\" framed",
         "block_title": "Encoder block of {n} tokens (d_model = {d}, d_ff = {f}); attention {head}; token {i} \"{tok}\" framed",
-        "key": "key", "query": "query",
+        "key": "key", "query": "query", "meta": "{model}", "meta_layer": ", layer {layer}", "meta_sep": ": ",
     },
     "zh": {
         "X": "输入 X", "Q": "查询 Q", "K": "键 K", "V": "值 V", "scores": "打分\nQ·Kᵀ",
@@ -141,7 +141,7 @@ _TEXT: dict[str, dict[str, str]] = {
         "first_cols": "前 {k} 列，共 {n} 列", "head_of": "第 {h} 个头（共 {n} 个）", "head_default": "（默认；可用 head= 选择）",
         "title": "{n} 个词元的自注意力：{head}；红框为第 {i} 个词元“{tok}”",
         "block_title": "{n} 个词元的编码器块（d_model = {d}，d_ff = {f}）；注意力{head}；红框为第 {i} 个词元“{tok}”",
-        "key": "键", "query": "查询",
+        "key": "键", "query": "查询", "meta": "{model}", "meta_layer": " 第 {layer} 层", "meta_sep": "：",
     },
 }
 
@@ -381,6 +381,12 @@ def _draw(plt: Any, trace: Any, block_cls: type, lang: str, head: Optional[int],
         title = tx["block_title"].format(n=n, d=trace.d_model, f=trace.d_ff, head=head_text, i=i, tok=tok)
     else:
         title = tx["title"].format(n=n, head=head_text, i=i, tok=tok)
+    meta = getattr(t, "meta", None) or {}
+    if meta.get("model") is not None:  # a model's trace says where it comes from
+        where = tx["meta"].format(model=meta["model"])
+        if meta.get("layer") is not None:
+            where += tx["meta_layer"].format(layer=meta["layer"])
+        title = where + tx["meta_sep"] + title
     fig.suptitle(title, fontsize=13)
     return fig
 

@@ -101,6 +101,10 @@ def test_multi_head_defaults_to_head_0_and_says_so() -> None:
             assert "projected" in axes
         finally:
             plt.close(fig)
+    t.meta = {"model": "all-MiniLM-L6-v2", "layer": 1, "head": 2, "source": "model"}
+    fig = trace_figure(t, head=2)
+    assert fig._suptitle.get_text().startswith("all-MiniLM-L6-v2, layer 1: ")
+    plt.close(fig)
     with pytest.raises(ValueError, match="heads 0 to 2"):
         trace_figure(t, head=3)
     with pytest.raises(ValueError, match="token"):
