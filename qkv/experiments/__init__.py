@@ -7,7 +7,7 @@ into ``out`` and returns a :class:`Result` whose ``held`` verdict is computed fr
 self-contained ``report.html`` next to them (:mod:`qkv.experiments.report`).
 
 Experiments in the registry: ``scaling``, ``masking``, ``cost``, ``cross_attention``,
-``parallel``, ``path_length``, ``heads``, ``tied_qk`` (see ``EXPERIMENTS``).
+``parallel``, ``path_length``, ``heads``, ``tied_qk``, ``sparse``, ``linear`` (see ``EXPERIMENTS``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ _MODULES: Dict[str, str] = {
     "path_length": "qkv.experiments.path_length",
     "heads": "qkv.experiments.heads",
     "tied_qk": "qkv.experiments.tied_qk",
+    "sparse": "qkv.experiments.sparse",
+    "linear": "qkv.experiments.linear",
 }
 EXPERIMENTS: List[str] = list(_MODULES)
 

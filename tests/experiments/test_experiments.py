@@ -154,3 +154,27 @@ def test_parallel_rnn_time_linear_attention_faster_when_short(tmp_path: Path) ->
     assert all(0.7 < e < 1.3 for e in m["rnn_time_exponent"].values())
     assert m["faster_at_short"]
     assert r.held
+
+
+def test_linear_attention_scales_and_favor_converges_on_mild_scores(tmp_path: Path) -> None:
+    r = experiments.run("linear", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    m = r.metrics
+    print(r.result)
+    assert m["time_exp"]["linear"] < m["time_exp"]["exact"]
+    assert m["times"]["linear"][-1] < m["times"]["exact"][-1]  # linear wins at N = 2048 on one thread
+    errs = m["favor_err"]["0.25"] if "0.25" in m["favor_err"] else m["favor_err"][0.25]
+    assert errs[-1] < 0.5 * errs[0]  # more random features, smaller error
+    assert m["acc"]["softmax"][0] > 0.9
+
+
+def test_sparse_time_follows_density_and_global_tokens_reach_far(tmp_path: Path) -> None:
+    r = experiments.run("sparse", tmp_path, quick=True)
+    _check_outputs(r, tmp_path)
+    m = r.metrics
+    print(r.result)
+    assert m["relative_time"][0] < 0.6  # the sparsest layout: a fraction of dense attention's time
+    assert 0.5 < m["slope"] < 1.5
+    first, back = m["tasks"].index("first"), m["tasks"].index("back16")
+    assert m["acc"]["local+global"][first] > 0.9 and m["acc"]["local"][first] < 0.5
+    assert m["acc"]["full"][back] > 0.9 and m["acc"]["local+global"][back] < 0.5
