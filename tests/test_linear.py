@@ -208,3 +208,19 @@ def test_bad_arguments_name_the_fix(kw, match):
         linear_attention(args["query"], args["key"], args["value"], **kw)
     with pytest.raises(ValueError, match="num_features"):
         qkv.nn.LinearAttention(8, 2, num_features=4)
+
+
+def test_glass_box_shows_state_normaliser_and_softmax_side_by_side():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((4, 3)) for _ in range(3))
+    s = linear_steps(q, k, v, "elu", is_causal=True)
+    text = s.to_string(tokens=["a", "b", "c", "d"])
+    for label in ("φ(Q)", "φ(K)", "S = φ(K)ᵀ·V", "z = Σ_j φ(k_j)", "softmax attention", "prefix sums"):
+        assert label in text
+    assert np.allclose(s.weights.sum(-1), 1.0) and np.allclose(np.triu(s.weights, 1), 0.0)
+    w = s.softmax_weights()
+    assert np.allclose(w.sum(-1), 1.0) and np.allclose(np.triu(w, 1), 0.0)
+    zh = s.to_string(lang="zh")
+    assert "线性注意力" in zh and "归一化" in zh
+    with pytest.raises(ValueError, match="lang='fr'"):
+        s.to_string(lang="fr")

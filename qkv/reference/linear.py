@@ -74,6 +74,38 @@ def feature_map_ref(
     raise ValueError(f"feature_map={feature_map!r} is unknown; use one of {FEATURE_MAPS} or a callable")
 
 
+_TEXT = {
+    "en": {
+        "title": "Linear attention, step by step ({fm} features, {n} tokens, F = {f} features, {mask})",
+        "causal": "causal", "full": "no mask",
+        "phi_q": "φ(Q): each query mapped to {f} non-negative features",
+        "phi_k": "φ(K): each key mapped the same way",
+        "state": "S = φ(K)ᵀ·V  ({f} × {dv}): every key's value, summed once and shared by all queries",
+        "norm": "z = Σ_j φ(k_j)  ({f}): the normaliser, also shared",
+        "causal_state": "causal: query i uses the prefix sums S_i = Σ_(j≤i) φ(k_j)·v_jᵀ and z_i = Σ_(j≤i) φ(k_j) instead",
+        "kernel": "φ(Q)·φ(K)ᵀ: the N × N matrix linear attention never builds (shown to compare with softmax)",
+        "out": "output = φ(Q)·S / (φ(Q)·z + eps)",
+        "softmax": "softmax attention on the same Q, K, V, for comparison: weights",
+        "weights": "linear attention's implied weights: each row of φ(Q)·φ(K)ᵀ divided by its sum",
+        "cost": "cost: S and z take N·F·Dv steps, the outputs N·F·Dv more — linear in N; softmax needs N·N·(D + Dv)",
+    },
+    "zh": {
+        "title": "线性注意力逐步计算（{fm} 特征，{n} 个词元，F = {f} 个特征，{mask}）",
+        "causal": "因果", "full": "无掩码",
+        "phi_q": "φ(Q)：每个查询映射为 {f} 个非负特征",
+        "phi_k": "φ(K)：每个键按同样方式映射",
+        "state": "S = φ(K)ᵀ·V（{f} × {dv}）：所有键的值只求和一次，供所有查询共用",
+        "norm": "z = Σ_j φ(k_j)（{f}）：归一化项，同样共用",
+        "causal_state": "因果：查询 i 改用前缀和 S_i = Σ_(j≤i) φ(k_j)·v_jᵀ 与 z_i = Σ_(j≤i) φ(k_j)",
+        "kernel": "φ(Q)·φ(K)ᵀ：线性注意力从不构造的 N × N 矩阵（列出来与 softmax 对比）",
+        "out": "输出 = φ(Q)·S / (φ(Q)·z + eps)",
+        "softmax": "同一组 Q、K、V 上的 softmax 注意力权重（对比用）",
+        "weights": "线性注意力隐含的权重：φ(Q)·φ(K)ᵀ 的每一行除以该行之和",
+        "cost": "计算量：S 和 z 需要 N·F·Dv 步，输出再需 N·F·Dv 步——与 N 成线性；softmax 需要 N·N·(D + Dv)",
+    },
+}
+
+
 @dataclass
 class LinearSteps:
     """Every step of linear attention for one head (float64): the N × N form and the linear form
@@ -88,6 +120,62 @@ class LinearSteps:
     output: np.ndarray
     state: np.ndarray
     normaliser: np.ndarray
+    q: Optional[np.ndarray] = None
+    k: Optional[np.ndarray] = None
+    v: Optional[np.ndarray] = None
+    feature_map: str = "elu"
+    is_causal: bool = False
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The weights linear attention implies: each kernel row over its sum (+ eps ignored)."""
+        s = self.kernel.sum(-1, keepdims=True)
+        return np.divide(self.kernel, s, out=np.zeros_like(self.kernel), where=s > 0)
+
+    def softmax_weights(self) -> Optional[np.ndarray]:
+        """Softmax attention's weights on the same q, k (scale 1/√D, same mask), to compare."""
+        if self.q is None or self.k is None:
+            return None
+        s = self.q @ np.swapaxes(self.k, -1, -2) / np.sqrt(self.q.shape[-1])
+        if self.is_causal:
+            s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        return w / w.sum(-1, keepdims=True)
+
+    def to_string(self, precision: int = 3, lang: str = "en", tokens: Optional[list[str]] = None) -> str:
+        """Every step as labelled matrices (single head, 2-D inputs), softmax's weights beside."""
+        from .render import format_matrix
+
+        if lang not in _TEXT:
+            raise ValueError(f"lang={lang!r} is not available; use 'en' or 'zh'")
+        if self.phi_q.ndim != 2:
+            raise ValueError("to_string shows one head: build the steps from 2-D q, k, v (N, D)")
+        tx = _TEXT[lang]
+        n, f = self.phi_q.shape
+        dv = self.state.shape[-1]
+        rows = tokens or [f"t{i}" for i in range(n)]
+        keys = tokens or [f"t{j}" for j in range(self.phi_k.shape[0])]
+        fcols = [f"f{i}" for i in range(f)]
+        fm = self.feature_map if isinstance(self.feature_map, str) else "custom"
+        out = [tx["title"].format(fm=fm, n=n, f=f, mask=tx["causal" if self.is_causal else "full"]), ""]
+
+        def block(title: str, a: np.ndarray, r: list[str], c: list[str]) -> None:
+            out.extend([title, *format_matrix(np.atleast_2d(a), r, c, precision), ""])
+
+        block(tx["phi_q"].format(f=f), self.phi_q, rows, fcols)
+        block(tx["phi_k"].format(f=f), self.phi_k, keys, fcols)
+        block(tx["state"].format(f=f, dv=dv), self.state, fcols, [f"v{i}" for i in range(dv)])
+        block(tx["norm"].format(f=f), self.normaliser[None], ["z"], fcols)
+        if self.is_causal:
+            out.extend([tx["causal_state"], ""])
+        block(tx["out"], self.output, rows, [f"o{i}" for i in range(dv)])
+        block(tx["kernel"], self.kernel, rows, keys)
+        block(tx["weights"], self.weights, rows, keys)
+        soft = self.softmax_weights()
+        if soft is not None:
+            block(tx["softmax"], soft, rows, keys)
+        out.append(tx["cost"])
+        return "\n".join(out)
 
 
 def linear_steps(
@@ -107,8 +195,8 @@ def linear_steps(
         kern = kern * np.tril(np.ones((nq, nk)))
     num = kern @ v  # (..., Nq, Dv)
     den = kern.sum(-1)  # (..., Nq)
-    return LinearSteps(fq, fk, kern, num, den, num / (den[..., None] + eps),
-                       np.swapaxes(fk, -1, -2) @ v, fk.sum(-2))
+    return LinearSteps(fq, fk, kern, num, den, num / (den[..., None] + eps), np.swapaxes(fk, -1, -2) @ v, fk.sum(-2),
+                       q, k, v, feature_map if isinstance(feature_map, str) else "custom", bool(is_causal))
 
 
 def linear_attention_ref(q: Any, k: Any, v: Any, feature_map: Union[str, Callable[[np.ndarray], np.ndarray]] = "elu",
