@@ -12,10 +12,11 @@ TORCH_SPEC ?= torch==2.13.0
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
-	@# Debian's Chromium for the HTML report's browser test (root on the project's machines).
-	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) || \
-	  echo "warning: could not install chromium; the browser test will be skipped"
+	@# Debian's Chromium for the HTML pages' browser tests, and a CJK font so Chinese figure labels
+	@# render (root on the project's machines; both are optional: their tests skip without them).
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null && fc-list :lang=zh | grep -q . || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver fonts-wqy-microhei) || \
+	  echo "warning: could not install chromium or a CJK font; the browser and Chinese-figure tests will be skipped"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"
