@@ -467,6 +467,8 @@ def _stats_run(model: Any, input_ids: Any, mask: Any, f: int) -> Optional[np.nda
     mean row entropy is left out in this mode. None when the model has no
     :class:`qkv.nn.MultiHeadAttention` to record from (the caller then reduces materialised maps).
     """
+    if hasattr(model, "hf_tokenizer"):  # a Hugging Face checkpoint: maps are reduced layer by layer
+        return None
     try:
         from qkv.inspect import record
     except ImportError:
@@ -484,6 +486,8 @@ def _stats_run(model: Any, input_ids: Any, mask: Any, f: int) -> Optional[np.nda
 
 def _encode(model: Any, text: str) -> tuple[list[int], list[str], Optional[list[tuple[int, int]]]]:
     """Token ids, strings and character offsets (None when unknown), with no padding or truncation."""
+    if hasattr(model, "hf_tokenizer"):  # a Hugging Face checkpoint (qkv.viz.hf_model)
+        return model.encode(text)
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "to_str"):  # a Hugging Face `tokenizers.Tokenizer`
         from tokenizers import Tokenizer
@@ -577,6 +581,11 @@ _MODELS: dict[Optional[str], Any] = {}  # loaded once per process: explain only 
 
 
 def _load(path: Optional[str]) -> Any:
+    if path not in _MODELS and path:
+        from .hf_model import is_bert_directory, load_hf
+
+        if not is_bert_directory(path):  # GPT-2, LLaMA, Mistral, Qwen2, ...: through transformers on qkv
+            _MODELS[path] = load_hf(path)
     if path not in _MODELS:
         try:
             from qkv.models import load

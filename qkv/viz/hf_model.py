@@ -1,0 +1,129 @@
+"""Any local Hugging Face checkpoint as a model for :func:`qkv.viz.explain`.
+
+:func:`load_hf` reads a directory offline (``config.json``, weights, tokenizer files), runs the
+model with ``attn_implementation="qkv"`` (:mod:`qkv.hf`) and rebuilds every layer's attention
+maps from what qkv's own capture sees — each call's q, k, mask and log-sum-exp — with
+:func:`qkv.inspect.attention_map`. ``output_attentions`` is never asked for (several
+transformers models no longer return it under fused attention). Decoders (GPT-2, LLaMA,
+Mistral, Qwen2, …) give causal maps; encoders (BERT-style) full ones.
+
+Shapes: ``input_ids``/``attention_mask`` (1, N); each map (1, H, N, N).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["HFExplainModel", "load_hf", "is_bert_directory"]
+
+_BERT_TYPES = frozenset({"bert"})
+_MARKERS = ("Ġ", "▁", "Ċ")  # byte-level BPE / sentencepiece word-start and newline markers
+
+
+def is_bert_directory(path: str) -> bool:
+    """Whether ``path`` holds a BERT checkpoint, which :func:`qkv.models.load` rebuilds natively
+    (``model_type`` "bert", or no readable config: qkv.models then says what is missing)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return True
+    return cfg.get("model_type", "bert") in _BERT_TYPES
+
+
+@dataclass
+class _Output:
+    attentions: list[Any]
+
+
+class HFExplainModel:
+    """A transformers model and its tokenizer, callable as ``model(ids, mask) -> .attentions``."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str) -> None:
+        self.model, self.hf_tokenizer, self.name = model, tokenizer, name
+        self.config = model.config
+        self.is_decoder = bool(getattr(model.config, "is_decoder", False)) or any(
+            a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (getattr(model.config, "architectures", None) or [])
+        ) or getattr(model.config, "model_type", "") in ("gpt2", "llama", "mistral", "qwen2", "gemma", "phi3", "gpt_neox")
+
+    @property
+    def max_position_embeddings(self) -> int:
+        for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+            v = getattr(self.config, name, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        return 2048
+
+    def encode(self, text: str) -> tuple[list[int], list[str], Optional[list[tuple[int, int]]]]:
+        """Token ids, readable token strings and character offsets (fast tokenizers)."""
+        tok = self.hf_tokenizer
+        try:
+            enc = tok(text, return_offsets_mapping=True, add_special_tokens=True)
+            offsets = [tuple(o) for o in enc["offset_mapping"]]
+        except (NotImplementedError, ValueError, TypeError):
+            enc, offsets = tok(text, add_special_tokens=True), None
+        ids = list(enc["input_ids"])
+        tokens = [self.readable(t) for t in tok.convert_ids_to_tokens(ids)]
+        return ids, tokens, offsets
+
+    @staticmethod
+    def readable(token: str) -> str:
+        for m in _MARKERS:
+            token = token.replace(m, "" if m != "Ċ" else "\\n")
+        return token or "␣"
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, **_: Any) -> _Output:
+        import torch
+
+        from ..hf import observe
+        from ..inspect import attention_map
+
+        maps: list[Any] = []
+
+        def on_call(c: Any) -> None:
+            maps.append(attention_map(
+                c.query, c.key, lse=c.lse, attn_mask=c.attn_mask, is_causal=c.is_causal, window=c.window,
+                scale=c.scale, enable_gqa=c.query.shape[1] != c.key.shape[1], check_lse=False,
+            ).float())  # fmt: skip  (1, H, N, N)
+
+        with torch.inference_mode(), observe(on_call):
+            self.model(input_ids=input_ids, attention_mask=attention_mask)
+        return _Output(maps)
+
+
+def _tokenizer(transformers: Any, path: str) -> Any:
+    """The directory's tokenizer: the class its tokenizer_config.json names when transformers has
+    it (AutoTokenizer may otherwise pick the model type's own class and ignore tokenizer.json)."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is not None and hasattr(cls, "from_pretrained"):
+        return cls.from_pretrained(path, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_hf(path: str) -> HFExplainModel:
+    """Load a local checkpoint directory for :func:`qkv.viz.explain` (offline)."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise RuntimeError(f"explaining a Hugging Face checkpoint needs transformers: pip install transformers ({e})") from e
+    from ..hf import NAME, register
+
+    register()
+    try:
+        tokenizer = _tokenizer(transformers, path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {path}: no tokenizer could be loaded from the directory ({e})") from e
+    try:
+        model = transformers.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation=NAME)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {path}: the model could not be loaded with qkv's attention ({e})") from e
+    model.eval()
+    return HFExplainModel(model, tokenizer, os.path.basename(os.path.normpath(path)))
