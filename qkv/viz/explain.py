@@ -371,7 +371,9 @@ def _row_stats(w: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _pick_target(tokens: Sequence[str], focus_weights: np.ndarray, exclude: Sequence[int]) -> int:
-    """The content token with the largest weight from the focus token in any head."""
+    """The content token with the largest weight from the focus token in any head, leaving out
+    ``exclude`` (the focus itself and its previous token: self and previous-token heads put
+    ~1.0 there whatever the sentence means)."""
     cand = [j for j, t in enumerate(tokens) if _is_content(t) and j not in exclude]
     if not cand:
         cand = [j for j in range(len(tokens)) if j not in exclude] or [0]
@@ -403,7 +405,12 @@ def _build(
     if mean_entropy is not None:
         stats["mean_entropy"] = np.asarray(mean_entropy, dtype=np.float64)
     if target is None:
-        t_idx = _pick_target(tokens, fw, f_idx)
+        prev = f_idx[0] - 1
+        skip = list(f_idx) + ([prev] if prev >= 0 and _is_content(tokens[prev]) else [])
+        t_idx = _pick_target(tokens, fw, skip)
+        left_out = [f'"{tokens[f_idx[0]]}" itself', "special tokens"] + ([f'the previous token "{tokens[prev]}"'] if prev in skip else [])
+        notes.append(f'target: "{tokens[t_idx]}", the content token "{tokens[f_idx[0]]}" gives most attention to in any head, '
+                     f"leaving out {', '.join(left_out)} (name one with --target)")
     else:
         t_list, more = match_word(target, text, tokens, offsets)
         notes += [m.replace("using the first", "using the first as target") for m in more]

@@ -88,6 +88,11 @@ def cjk_font() -> Optional[str]:
     for name, fname in sorted(fonts.items()):  # any other font that happens to cover Chinese
         if "last resort" not in name.lower() and _covers(fname, _PROBE):  # Last Resort draws placeholder boxes
             return name
+    known = set(fonts.values())
+    for fname in sorted(fm.findSystemFonts()):  # installed after matplotlib cached its font list
+        if fname not in known and "lastresort" not in fname.lower().replace(" ", "") and _covers(fname, _PROBE):
+            fm.fontManager.addfont(fname)
+            return fm.FontProperties(fname=fname).get_name()
     return None
 
 
