@@ -126,6 +126,16 @@ class Explanation:
     notes: list[str] = field(default_factory=list)
     focus_word: str = ""
     target_word: str = ""
+    vectors: Optional[np.ndarray] = None  # (L, 2, H, N, Dh): each head's query and key vectors (neuron view)
+    scale: Optional[float] = None  # the factor q·k is multiplied by (1/√Dh)
+
+    def score_terms(self, layer: int, head: int, query: int, key: int) -> np.ndarray:
+        """q_d · k_d for every dimension d of one head (Dh,): their sum times ``scale`` is the
+        scaled score, the softmax of those scores over keys is the map. Needs ``vectors``."""
+        if self.vectors is None:
+            raise ValueError("this explanation kept no query/key vectors (too many tokens, or a model qkv cannot record)")
+        q, k = self.vectors[layer, 0, head, query], self.vectors[layer, 1, head, key]
+        return q.astype(np.float64) * k.astype(np.float64)
 
     @property
     def num_layers(self) -> int:
@@ -465,6 +475,20 @@ def explain_attentions(
                   model_name=model_name, notes=list(notes) + more)
 
 
+MAX_VECTOR_TOKENS = 64  # query/key vectors (the neuron view) are kept up to this many tokens
+
+
+def _vectors(pairs: Sequence[tuple[Any, Any]], heads: int) -> np.ndarray:
+    """Per layer (q (1, H, N, Dh), k (1, Hk, N, Dh)) → (L, 2, H, N, Dh) float32 (shared key heads repeated)."""
+    out = []
+    for q, k in pairs:
+        q, k = q[0].float().cpu(), k[0].float().cpu()
+        if k.shape[0] != q.shape[0]:
+            k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        out.append(np.stack([q.numpy(), k.numpy()]))
+    return np.stack(out).astype(np.float32)
+
+
 def _stats_run(model: Any, input_ids: Any, mask: Any, f: int) -> Optional[np.ndarray]:
     """The focus token's rows ``(L, H, N)`` without any ``N × N`` map, or None if it cannot record.
 
@@ -575,13 +599,30 @@ def explain(
             fw, mean_ent, maps = streamed, None, None
             notes.append("the focus token's rows were recorded by qkv.inspect.record: no N×N map was built")
         else:
-            result = model(input_ids, mask, output_attentions=True)
+            pairs: Optional[list[tuple[Any, Any]]] = None
+            if n <= MAX_VECTOR_TOKENS and not hasattr(model, "hf_tokenizer"):
+                try:
+                    from qkv.inspect import record
+
+                    with record(model, ["*.q", "*.k"]) as rec:
+                        result = model(input_ids, mask, output_attentions=True)
+                    pairs = [(rec[f"{m}.q" if m else "q"], rec[f"{m}.k" if m else "k"]) for m in rec.modules]
+                except (ImportError, ValueError, TypeError, AttributeError):  # not a qkv.nn model
+                    result = model(input_ids, mask, output_attentions=True)
+            else:
+                result = model(input_ids, mask, output_attentions=True)
+                if n <= MAX_VECTOR_TOKENS:
+                    pairs = getattr(result, "vectors", None)
             attentions = getattr(result, "attentions", None)
             if attentions is None and isinstance(result, (tuple, list)):
                 attentions = result[-1]
             fw, mean_ent, maps = _reduce(attentions, f_idx[0], n, keep)
-    return _build(text, tokens, f_idx, fw, mean_ent, maps, focus=focus, target=target, offsets=offsets,
-                  model_name=name, notes=notes)
+    ex = _build(text, tokens, f_idx, fw, mean_ent, maps, focus=focus, target=target, offsets=offsets,
+                model_name=name, notes=notes)
+    if streamed is None and pairs and len(pairs) == ex.num_layers:
+        ex.vectors = _vectors(pairs, ex.num_heads)
+        ex.scale = float(ex.vectors.shape[-1]) ** -0.5
+    return ex
 
 
 _MODELS: dict[Optional[str], Any] = {}  # loaded once per process: explain only reads the weights

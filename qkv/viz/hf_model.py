@@ -37,6 +37,7 @@ def is_bert_directory(path: str) -> bool:
 @dataclass
 class _Output:
     attentions: list[Any]
+    vectors: list[tuple[Any, Any]]  # per layer: (q (1, H, N, D), k (1, Hk, N, D)) as the attention saw them
 
 
 class HFExplainModel:
@@ -82,8 +83,10 @@ class HFExplainModel:
         from ..inspect import attention_map
 
         maps: list[Any] = []
+        vectors: list[tuple[Any, Any]] = []
 
         def on_call(c: Any) -> None:
+            vectors.append((c.query.detach(), c.key.detach()))
             maps.append(attention_map(
                 c.query, c.key, lse=c.lse, attn_mask=c.attn_mask, is_causal=c.is_causal, window=c.window,
                 scale=c.scale, enable_gqa=c.query.shape[1] != c.key.shape[1], check_lse=False,
@@ -91,7 +94,7 @@ class HFExplainModel:
 
         with torch.inference_mode(), observe(on_call):
             self.model(input_ids=input_ids, attention_mask=attention_mask)
-        return _Output(maps)
+        return _Output(maps, vectors)
 
 
 def _tokenizer(transformers: Any, path: str) -> Any:

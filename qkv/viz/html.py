@@ -27,7 +27,7 @@ import numpy as np
 
 from .explain import zh_note
 
-__all__ = ["render_html", "save_html", "page_data", "decode_weights", "MAX_HTML_MAP_BYTES"]
+__all__ = ["render_html", "save_html", "page_data", "decode_weights", "MAX_HTML_MAP_BYTES", "MAX_HTML_VECTOR_BYTES"]
 
 MAX_HTML_MAP_BYTES = 8_000_000  # 16-bit maps beyond this (about 240 tokens × 72 heads) stay out of the page
 
@@ -77,8 +77,21 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "encoding": "base64 little-endian uint16, weight = value / 65535",
         "maps": maps,  # (L, H, N, N) or None
         "focus_weights": _encode(ex.focus_weights),  # (L, H, N)
+        "vectors": _vectors(ex),  # (L, 2, H, N, Dh) float32 base64, or None
+        "head_dim": None if getattr(ex, "vectors", None) is None else int(ex.vectors.shape[-1]),
+        "scale": getattr(ex, "scale", None),
         "labels": labels["js"],
     }
+
+
+MAX_HTML_VECTOR_BYTES = 3_000_000  # query/key vectors (neuron view) beyond this stay out of the page
+
+
+def _vectors(ex: Any) -> Optional[str]:
+    v = getattr(ex, "vectors", None)
+    if v is None or v.size * 4 > MAX_HTML_VECTOR_BYTES:
+        return None
+    return base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
 
 
 def render_html(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
@@ -144,6 +157,12 @@ _BODY = """<header>
       <table id="stats-table"><thead><tr><th>%th_head%</th><th title="%entropy_title%">%th_entropy%</th>
         <th>%th_max%</th><th id="first-col">%th_first%</th><th id="last-col">%th_last%</th></tr></thead><tbody></tbody></table>
       <p class="small">%stats_caption%</p>
+      <div id="neuron" hidden>
+        <h3 id="neuron-title"></h3>
+        <p class="small">%neuron_caption%</p>
+        <table id="neuron-table"><thead><tr><th>d</th><th>q<sub>d</sub></th><th>k<sub>d</sub></th><th>q<sub>d</sub>·k<sub>d</sub></th><th></th></tr></thead><tbody></tbody></table>
+        <p id="neuron-sum"></p>
+      </div>
     </aside>
   </section>
   <section id="model-view" hidden>
@@ -166,7 +185,10 @@ _LABELS: dict[str, dict[str, Any]] = {
         "th_first": "first", "th_last": "last",
         "stats_caption": "Statistics of the selected token's row in each head of this layer.",
         "model_caption": "Each cell is one head's map (rows: queries, columns: keys). Click one to open it in the head view.",
+        "neuron_caption": "Neuron view: the query and key vectors behind one weight. Click a key on the right.",
         "js": {
+            "neuron_title": 'Layer {l} · Head {h}: "{q}" → "{k}"',
+            "neuron_sum": "score q·k = {s}; × {scale} = {scaled}; softmax over the {n} keys = {w} (the map: {m})",
             "summary": '{n} tokens, {L} layers \u00d7 {H} heads. Focus "{focus}" (token {fi}), target "{target}": '
                        "strongest in {top}.",
             "top_item": "L{layer} H{head} ({w})", "list_sep": ", ", "on": "on {tok}", "layer_option": "Layer {l}",
@@ -186,7 +208,10 @@ _LABELS: dict[str, dict[str, Any]] = {
         "th_first": "首个", "th_last": "末个",
         "stats_caption": "所选词元在这一层每个头中那一行注意力的统计。",
         "model_caption": "每个格子是一个头的注意力矩阵（行：查询，列：键）。点击即可在注意力头视图中打开。",
+        "neuron_caption": "神经元视图：一个权重背后的查询向量与键向量。点击右侧的键。",
         "js": {
+            "neuron_title": "第 {l} 层 · 第 {h} 个头：“{q}” → “{k}”",
+            "neuron_sum": "分数 q·k = {s}；× {scale} = {scaled}；对 {n} 个键做 softmax = {w}（注意力矩阵中：{m}）",
             "summary": "{n} 个词元，{L} 层 \u00d7 {H} 个头。关注词元“{focus}”（第 {fi} 个词元），目标“{target}”："
                        "联系最强的是 {top}。",
             "top_item": "L{layer} H{head}（{w}）", "list_sep": "、", "on": "在 {tok} 上", "layer_option": "第 {l} 层",
@@ -250,6 +275,12 @@ tr.sel td { background: #fdeef4; font-weight: 600; }
 .cell canvas { width: 76px; height: 76px; image-rendering: pixelated; background: #000; }
 .cell.strip canvas { height: 12px; }
 .glabel { font-size: 12px; color: var(--muted); text-align: center; }
+#neuron { margin-top: 10px; border-top: 1px solid var(--line); padding-top: 6px; }
+#neuron h3 { font-size: 14px; margin: 2px 0; }
+#neuron-table td:last-child { text-align: left; width: 90px; }
+.nbar { display: inline-block; height: 8px; vertical-align: middle; border-radius: 2px; }
+.nbar.pos { background: var(--accent); } .nbar.neg { background: #3b6fd6; }
+#right .tok.key-sel { outline: 2px solid #3b6fd6; }
 """
 
 _JS = r"""
@@ -275,7 +306,15 @@ _JS = r"""
     return null;
   }
   function selectable(q) { return !!maps || q === D.focus.index; }
-  var state = { layer: D.initial.layer, heads: [D.initial.head], pinned: D.focus.index, hover: null, view: 'head' };
+  var state = { layer: D.initial.layer, heads: [D.initial.head], pinned: D.focus.index, hover: null, view: 'head',
+                key: D.vectors ? D.target.index : null };
+  var vec = null, DH = D.head_dim || 0;                  // (L, 2, H, N, Dh) query and key vectors
+  if (D.vectors) {
+    var vs = atob(D.vectors), vb = new Uint8Array(vs.length);
+    for (var vi = 0; vi < vs.length; vi++) vb[vi] = vs.charCodeAt(vi);
+    vec = new Float32Array(vb.buffer);
+  }
+  function qk(l, h, which, t) { var o = (((l * 2 + which) * H + h) * N + t) * DH; return vec.subarray(o, o + DH); }
   function active() { return state.hover !== null ? state.hover : state.pinned; }
   function $(id) { return document.getElementById(id); }
   function el(tag, cls, text) { var e = document.createElement(tag); if (cls) e.className = cls; if (text !== undefined) e.textContent = text; return e; }
@@ -327,6 +366,7 @@ _JS = r"""
     a.addEventListener('click', function () { if (selectable(i)) { state.pinned = i; render(); } });
     $('left').appendChild(a); left.push(a);
     var k = el('div', 'tok', t); k.id = 'k-' + i; k.dataset.index = String(i);
+    k.addEventListener('click', function () { state.key = i; render(); });
     k.addEventListener('mouseenter', function () { k.classList.add('hovered'); });
     k.addEventListener('mouseleave', function () { k.classList.remove('hovered'); });
     $('right').appendChild(k); right.push(k);
@@ -430,6 +470,37 @@ _JS = r"""
       c.classList.toggle('sel', parseInt(c.dataset.layer, 10) === state.layer && state.heads.indexOf(parseInt(c.dataset.head, 10)) >= 0);
     });
     renderHead();
+    renderNeuron();
+  }
+
+  // neuron view: q_d, k_d and their products for the active query and the clicked key, first selected head
+  function renderNeuron() {
+    if (!vec || state.key === null) return;
+    var l = state.layer, h = state.heads[0], q = active(), k = state.key;
+    right.forEach(function (e, i) { e.classList.toggle('key-sel', i === k); });
+    $('neuron').hidden = false;
+    $('neuron-title').textContent = say('neuron_title', { l: l, h: h, q: D.tokens[q], k: D.tokens[k] });
+    var qv = qk(l, h, 0, q), kv = qk(l, h, 1, k), body = document.querySelector('#neuron-table tbody'), sum = 0, big = 1e-12;
+    for (var d = 0; d < DH; d++) big = Math.max(big, Math.abs(qv[d] * kv[d]));
+    body.innerHTML = '';
+    for (var d2 = 0; d2 < DH; d2++) {
+      var p = qv[d2] * kv[d2]; sum += p;
+      var tr = el('tr'); tr.dataset.dim = String(d2);
+      [String(d2), qv[d2].toFixed(3), kv[d2].toFixed(3), p.toFixed(3)].forEach(function (c) { tr.appendChild(el('td', '', c)); });
+      var bar = el('span', 'nbar ' + (p >= 0 ? 'pos' : 'neg')); bar.style.width = Math.round(80 * Math.abs(p) / big) + 'px';
+      var td = el('td'); td.appendChild(bar); tr.appendChild(td); body.appendChild(tr);
+    }
+    var scale = D.scale || 1 / Math.sqrt(DH), s = [], mx = -Infinity, z = 0;
+    for (var j = 0; j < N; j++) {                        // this query's scaled scores over every key
+      var kj = qk(l, h, 1, j), t = 0;
+      for (var e = 0; e < DH; e++) t += qv[e] * kj[e];
+      s.push(t * scale); mx = Math.max(mx, t * scale);
+    }
+    s.forEach(function (v) { z += Math.exp(v - mx); });
+    var r = row(l, h, q);
+    $('neuron-sum').textContent = say('neuron_sum', { s: sum.toFixed(3), scale: scale.toFixed(4), scaled: (sum * scale).toFixed(3),
+      n: N, w: (Math.exp(s[k] - mx) / z).toFixed(3), m: r ? r[k].toFixed(3) : '—' });
+    $('neuron-sum').dataset.score = String(sum); $('neuron-sum').dataset.weight = String(Math.exp(s[k] - mx) / z);
   }
   buildGrid();
   render();
