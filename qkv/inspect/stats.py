@@ -15,8 +15,8 @@ reduction over the key tiles of a row block, so memory is ``O(Nq · k)`` per hea
 * the largest weight and the top-k weights/keys (running top-k merged per tile),
 * the mean distance ``Σ p · |pos(i) - j|``, where query row ``i`` sits at key position
   ``i + offset`` (offset ``Nk - Nq`` for ``is_causal="bottom_right"``, else 0 — the causal rule's
-  alignment). Tiles wholly on one side of every query reduce to a 2-column matmul
-  ``P · [1, j - k0]``; only tiles straddling the diagonal need the elementwise form,
+  alignment). Tiles wholly on one side of every query reduce to Σp and a matrix-vector product
+  ``P · (j - k0)``; only tiles straddling the diagonal need the elementwise form,
 * the weight on chosen key positions (``key_positions``, e.g. 0: the attention sink) and on keys
   at chosen offsets from the query (``relative_positions``: -1 the previous token, 0 itself).
 """
@@ -32,11 +32,15 @@ from ..backends.base import half_to_float
 from ..backends.chunked import LN2, LOG2E, _augment, _head_groups, _key_blocks, plan_tiles
 from ..masks import MaskTiles
 from ..call import validate_qk
-from .maps import Window, check_row_sums, fused_lse, grouped_lse
+from .maps import Window, check_row_sums, grouped_lse
 
 __all__ = ["AttentionStats", "attention_stats"]
 
 _NEG_INF = float("-inf")
+# Key tiles twice the forward pass's: the statistics do many small per-row updates per tile, and
+# fewer, wider tiles amortise them (N = 8192, 4 heads, 2 threads: 1.32x the forward with 512,
+# 1.56x with 256, 1.46x with 1024).
+STATS_BLOCK_K = 512
 
 
 @dataclass
@@ -53,6 +57,8 @@ class AttentionStats:
         key_weights       (..., Hq, Nq, P)  weight on key ``key_positions[p]``
         relative_weights  (..., Hq, Nq, R)  weight on key ``pos(i) + relative_positions[r]``
         n_keys            (..., Hq, Nq)     how many keys the row may attend (mask-allowed)
+        lse               (..., Hq, Nq)     log-sum-exp of the scores (-inf for an empty row), or None
+                                            when the caller gave it
     """
 
     entropy: torch.Tensor
@@ -63,6 +69,7 @@ class AttentionStats:
     key_weights: torch.Tensor
     relative_weights: torch.Tensor
     n_keys: torch.Tensor
+    lse: Optional[torch.Tensor] = None  # (..., Hq, Nq) natural log-sum-exp, when the pass computed it (no lse given)
     key_positions: tuple[int, ...] = ()
     relative_positions: tuple[int, ...] = ()
     query_offset: int = 0  # key position of query row 0
@@ -84,6 +91,8 @@ class AttentionStats:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested lists, for JSON."""
         out: dict[str, Any] = {name: getattr(self, name).tolist() for name in self.ARRAYS}
+        if self.lse is not None:
+            out["lse"] = self.lse.tolist()
         out.update(key_positions=list(self.key_positions), relative_positions=list(self.relative_positions), query_offset=self.query_offset)
         return out
 
@@ -147,8 +156,8 @@ def attention_stats(
         →     AttentionStats with (..., Hq, Nq[, ·]) arrays (see its docstring)
 
     Mask arguments mean what they mean in :func:`qkv.attention`. ``lse`` is the log-sum-exp
-    from ``qkv.attention(..., return_lse=True)`` on the same call; without it one fused
-    forward pass computes it first. Memory: the inputs, ``O(Nq · (topk + P + R))`` results
+    from ``qkv.attention(..., return_lse=True)`` on the same call; without it the same single
+    pass finds it (online, like the forward pass) and returns it as ``stats.lse``. Memory: the inputs, ``O(Nq · (topk + P + R))`` results
     and one tile of ``block_q × block_k`` scores per head group — never ``Nq × Nk``.
     ``key_positions`` may be negative (``-1`` = the last key). A given ``lse`` is checked as in
     :func:`~qkv.inspect.attention_map` (dtype, device, shape, NaN/+inf, rows summing to 1;
@@ -158,7 +167,8 @@ def attention_stats(
         raise ValueError(f"topk={topk} must be >= 0")
     call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
     check = lse is not None and check_lse
-    lse_g = grouped_lse(call, fused_lse(call) if lse is None else lse, check=check)
+    online = lse is None  # one pass: the lse is found on the way, with every sum rescaled as the row maximum grows
+    lse_g = None if online else grouped_lse(call, lse, check=check)
     kpos = _positions(key_positions, call.nk, "key_positions") if call.nk else ()
     rel = tuple(int(r) for r in relative_positions)
     q, k, _ = call.grouped_qkv()  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, D)
@@ -178,30 +188,52 @@ def attention_stats(
         "total": new(),  # Σp per row: 1 when the lse belongs to these scores
     }
     if call.nk and nq:
-        bq, bk, per_group = plan_tiles(b, hk, g, nq, call.nk, block_q, block_k)
+        bq, bk, per_group = plan_tiles(b, hk, g, nq, call.nk, block_q, block_k or STATS_BLOCK_K)
         tiles = MaskTiles.from_call(call)
         for bs, hs in _head_groups(b, hk, per_group):
             _stats_heads(
-                q[bs, hs], k[bs, hs], lse_g[bs, hs].to(q.dtype), tiles.narrow(bs, hs), call.scale, bq, bk,
-                kpos, rel, {name: t[bs, hs] for name, t in res.items()},
+                q[bs, hs], k[bs, hs], None if online else lse_g[bs, hs].to(q.dtype), tiles.narrow(bs, hs), call.scale,
+                bq, bk, kpos, rel, {name: t[bs, hs] for name, t in res.items()},
             )  # fmt: skip
     if check:
         flat = lambda t: t.reshape(b, hk * g, nq)  # noqa: E731  (B, Hq, Nq): head hk·G + g
         check_row_sums(flat(res["total"]), flat(res["n_keys"] > 0), flat(lse_g.to(q.dtype)), lse_g.dtype)
-    ent = res["entropy"].mul_(-LN2)
+    lse_out = None
+    if online:
+        # the sums hold 2^(s - m) with m the row maximum (log2 units): normalise by l = Σ 2^(s - m)
+        l, m = res["total"], res["max_weight"]
+        has = l > 0
+        inv = torch.where(has, 1.0 / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(l))
+        log2_l = torch.where(has, torch.log2(torch.where(has, l, torch.ones_like(l))), torch.zeros_like(l))
+        lse2 = torch.where(has, m + log2_l, torch.full_like(m, _NEG_INF))  # log2-sum-exp2 of the row
+        ent = (log2_l - res["entropy"] * inv).mul_(LN2)  # H = ln2 · (log2 l - Σ p̃ (s - m) / l)
+        ent = torch.where(has, ent, torch.zeros_like(ent))
+        max_w = torch.where(has, inv, torch.zeros_like(inv))  # the largest p̃ is 2^0 = 1
+        top_w = torch.exp2(res["topk_weights"] - lse2.unsqueeze(-1).masked_fill(~has.unsqueeze(-1), 0.0))
+        res["mean_distance"].mul_(inv)
+        res["key_weights"].mul_(inv.unsqueeze(-1))
+        res["relative_weights"].mul_(inv.unsqueeze(-1))
+        lse_out = lse2 * LN2
+        nan = torch.isnan(m)
+    else:
+        ent = res["entropy"].mul_(-LN2)
+        max_w, top_w = torch.exp2(res["max_weight"]), torch.exp2(res["topk_weights"])
+        nan = torch.isnan(res["max_weight"])
     ent.masked_fill_(ent < 0, 0.0)  # -0.0 and rounding below 0 on one-key rows
     # a NaN score makes the row's maximum NaN; the masked-key fix-up in the pass zeroed its entropy terms
-    ent.masked_fill_(torch.isnan(res["max_weight"]), float("nan"))
+    ent.masked_fill_(nan, float("nan"))
     out = dict(
         entropy=ent,
-        max_weight=torch.exp2(res["max_weight"]),
-        topk_weights=torch.exp2(res["topk_weights"]),
+        max_weight=max_w,
+        topk_weights=top_w,
         topk_indices=res["topk_indices"].masked_fill_(torch.isneginf(res["topk_weights"]), -1),
         mean_distance=res["mean_distance"],
         key_weights=res["key_weights"],
         relative_weights=res["relative_weights"],
         n_keys=res["n_keys"],
     )
+    if lse_out is not None:
+        out["lse"] = lse_out
     out = {name: call.ungroup(t) for name, t in out.items()}  # (..., Hq, Nq[, ·])
     return AttentionStats(
         **out,
@@ -215,7 +247,7 @@ def attention_stats(
 def _stats_heads(
     q: torch.Tensor,
     k: torch.Tensor,
-    lse: torch.Tensor,
+    lse: Optional[torch.Tensor],
     tiles: MaskTiles,
     scale: float,
     bq: int,
@@ -224,14 +256,26 @@ def _stats_heads(
     rel: tuple[int, ...],
     res: dict[str, torch.Tensor],
 ) -> None:
-    """One head group: q ``(b, h, G, Nq, D)``, k ``(b, h, 1, Nk, D)``, lse ``(b, h, G, Nq)``; fills ``res`` views."""
+    """One head group: q ``(b, h, G, Nq, D)``, k ``(b, h, 1, Nk, D)``, lse ``(b, h, G, Nq)``; fills ``res`` views.
+
+    With ``lse`` every tile is ``log2 p`` directly. Without it (one pass) a tile holds
+    ``log2 p̃ = s·log2e - m`` for the row's running maximum ``m`` (``res["max_weight"]``), and
+    when ``m`` grows by ``δ`` every sum is rescaled by ``2^-δ`` — the entropy sum
+    ``Σ p̃ (s - m)`` also gains ``-δ·l`` — exactly as the online softmax rescales its output.
+    """
     b, h, g, nq, _ = q.shape
     dev, dt = q.device, q.dtype
     off = tiles.positional.offset
-    lse2 = (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)  # empty rows: every score is -inf anyway
-    q_aug = torch.cat([q * (scale * LOG2E), -lse2.unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, D+1)
-    k_aug = _augment(k, 1.0).transpose(-1, -2)  # (b, h, 1, D+1, Nk): [k, 1]ᵀ so q_aug·k_aug = log2 p
-    cols = torch.stack([torch.ones(bk, dtype=dt, device=dev), torch.arange(bk, dtype=dt, device=dev)], -1)  # (bk, 2): [1, j - k0]
+    online = lse is None
+    if online:
+        q_aug = q * (scale * LOG2E)  # (b, h, G, Nq, D): q_aug·kᵀ = s·log2e
+        k_aug = k.transpose(-1, -2)  # (b, h, 1, D, Nk)
+    else:
+        lse2 = (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)  # empty rows: every score is -inf anyway
+        q_aug = torch.cat([q * (scale * LOG2E), -lse2.unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, D+1)
+        k_aug = _augment(k, 1.0).transpose(-1, -2)  # (b, h, 1, D+1, Nk): [k, 1]ᵀ so q_aug·k_aug = log2 p
+    # j - k0 within a tile; a matrix-vector product, not a 2-column matmul (BLAS is 4x slower on those)
+    cols = torch.arange(bk, dtype=dt, device=dev)  # (bk,)
     kk = res["topk_indices"].shape[-1]
     for q0 in range(0, nq, bq):
         q1 = min(nq, q0 + bq)
@@ -245,7 +289,9 @@ def _stats_heads(
         topi = torch.full((b, h, g, n, kk), -1, dtype=torch.long, device=dev)
         flat_v, flat_i = topv.view(b * h * g * n, kk), topi.view(b * h * g * n, kk)
         kw, rw = res["key_weights"][..., q0:q1, :], res["relative_weights"][..., q0:q1, :]
+        first_k = None
         for k0, k1 in _key_blocks(tiles, q0, q1, bk):
+            first_k = k0 if first_k is None else first_k
             w = k1 - k0
             allowed, bias = tiles.tile(q0, q1, k0, k1)
             masked = allowed is not None or bias is not None
@@ -259,13 +305,32 @@ def _stats_heads(
             else:
                 cnt += w
             tmax = t.amax(-1)  # (b, h, G, n)
-            mx.copy_(torch.maximum(mx, tmax))
             if kk:
-                # Only rows whose tile maximum beats their current k-th best can change: after the
-                # first tiles, a small fraction.
-                upd = (tmax > topv[..., -1]).view(-1)
-                if bool(upd.any()):
-                    _merge_topk(flat_v, flat_i, t.view(-1, w), upd.nonzero().squeeze(1), k0)
+                # (Online, the values are s·log2e: shifted to weights at the end.)
+                thr = topv[..., -1].reshape(-1)
+                if k0 == first_k or bool(torch.isneginf(thr).all()):  # a row block's first tile: everything is a candidate
+                    upd = (tmax.reshape(-1) > thr).nonzero().squeeze(1)
+                    if upd.numel():
+                        _merge_topk(flat_v, flat_i, t.view(-1, w), upd, k0)
+                else:
+                    upd = (tmax.reshape(-1) > thr).nonzero().squeeze(1)  # rows with some entry above their k-th best
+                    if upd.numel():
+                        _merge_candidates(flat_v, flat_i, t.view(-1, w), thr, k0, upd)
+            if online:
+                new = torch.maximum(mx, tmax)
+                shift = new.masked_fill(torch.isneginf(new), 0.0)  # rows with no key yet: nothing to shift
+                delta = (mx - shift).masked_fill_(torch.isneginf(mx), 0.0)  # ≤ 0: how far the maximum moved
+                if bool((delta < 0).any()):
+                    alpha = torch.exp2(delta)
+                    ent.add_(delta * tot).mul_(alpha)  # Σ p̃ (s - m) re-centred on the new maximum
+                    tot.mul_(alpha)
+                    dist.mul_(alpha)
+                    kw.mul_(alpha.unsqueeze(-1))
+                    rw.mul_(alpha.unsqueeze(-1))
+                mx.copy_(new)
+                t.sub_(shift.unsqueeze(-1))
+            else:
+                mx.copy_(torch.maximum(mx, tmax))
             p = torch.exp2(t)
             pt = p * t
             if masked:
@@ -273,10 +338,10 @@ def _stats_heads(
             ent += pt.sum(-1)
             if k1 - 1 <= q0 + off or k0 >= q1 - 1 + off:
                 # every key of the tile on one side of every query: |pos - j| is linear in j
-                m = p @ cols[:w]  # (b, h, G, n, 2): Σp, Σp·(j - k0)
-                lin = (pos - k0).to(dt) * m[..., 0] - m[..., 1]
+                sp, spj = p.sum(-1), p @ cols[:w]  # (b, h, G, n): Σp, Σp·(j - k0)
+                lin = (pos - k0).to(dt) * sp - spj
                 dist += lin if k1 - 1 <= q0 + off else -lin
-                tot += m[..., 0]
+                tot += sp
             else:
                 d = (pos[:, None] - torch.arange(k0, k1, device=dev)[None, :]).abs().to(dt)  # (n, w)
                 dist += (p * d).sum(-1)
@@ -292,6 +357,35 @@ def _stats_heads(
                     rw[..., i] += p.gather(-1, idx)[..., 0] * inside.to(dt)
         res["topk_weights"][..., q0:q1, :] = topv
         res["topk_indices"][..., q0:q1, :] = topi
+
+
+def _merge_candidates(flat_v: torch.Tensor, flat_i: torch.Tensor, t: torch.Tensor, thr: torch.Tensor, k0: int,
+                      rows_in: torch.Tensor) -> None:
+    """Merge into the running top-k every entry of the tile above its row's k-th best, in place.
+
+    flat_v/flat_i ``(rows, k)`` descending; t ``(rows, w)``; thr ``(rows,)`` the k-th best;
+    ``rows_in`` the rows whose tile maximum beats it (the only ones that can change). Past a
+    row's first tiles only a few entries per tile beat it (about ``k · w / keys seen``), so they are
+    picked out with one comparison and ``nonzero`` and merged per row through a small padded
+    ``topk`` — no ``topk`` over whole tile rows, which costs about ten ``exp2`` passes on a CPU.
+    """
+    sub = t.index_select(0, rows_in)  # (r, w)
+    local, cols = (sub > thr.index_select(0, rows_in).unsqueeze(1)).nonzero(as_tuple=True)  # sorted by row
+    if not local.numel():
+        return
+    rows = rows_in.index_select(0, local)
+    kk = flat_v.shape[1]
+    urows, counts = torch.unique_consecutive(rows, return_counts=True)
+    slot = torch.arange(rows.numel(), device=t.device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    which = torch.repeat_interleave(torch.arange(urows.numel(), device=t.device), counts)
+    width = int(counts.max())
+    pad_v = torch.full((urows.numel(), width), _NEG_INF, dtype=t.dtype, device=t.device)
+    pad_i = torch.full((urows.numel(), width), -1, dtype=flat_i.dtype, device=t.device)
+    pad_v[which, slot] = sub[local, cols]
+    pad_i[which, slot] = cols + k0
+    best, where = torch.cat([flat_v[urows], pad_v], -1).topk(kk, dim=-1)
+    flat_v[urows] = best
+    flat_i[urows] = torch.cat([flat_i[urows], pad_i], -1).gather(-1, where)
 
 
 def _merge_topk(flat_v: torch.Tensor, flat_i: torch.Tensor, t: torch.Tensor, rows: torch.Tensor, k0: int) -> None:

@@ -127,3 +127,29 @@ def test_16_bit_inputs_are_computed_in_float32(dtype):
         err = np.abs(getattr(st, field).double().numpy() - want[field]).max()
         print(dtype, field, err)
         assert err < 1e-3 * max(1.0, np.abs(want[field]).max()), field
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_one_pass_returns_the_lse_and_agrees_with_the_two_pass_form(shape):
+    """Without an lse the single online pass finds it; given the lse, the pass skips the
+    rescaling. Both describe the same weights."""
+    b, hq, hk, nq, nk = shape
+    q, k, v = make_qkv(b, hq, hk, nq, nk, 8, dtype=f64)
+    q = q * 3.0  # maxima that move from tile to tile: the rescaling is exercised
+    for name, kw in mask_cases(b, hq, nq, nk):
+        one = attention_stats(q, k, enable_gqa=hq != hk, topk=3, block_q=8, block_k=8, **kw)
+        _, lse = qkv.attention(q, k, v, enable_gqa=hq != hk, return_lse=True, backend="math", **kw)
+        assert one.lse is not None and one.lse.shape == lse.shape
+        assert torch.equal(torch.isneginf(one.lse), torch.isneginf(lse)), name
+        fin = torch.isfinite(lse)
+        if fin.any():
+            assert (one.lse[fin] - lse[fin]).abs().max() < 1e-12, name
+        two = attention_stats(q, k, lse=lse, enable_gqa=hq != hk, topk=3, block_q=8, block_k=8, **kw)
+        assert two.lse is None
+        for field in AttentionStatsFields:
+            a, c = getattr(one, field).double(), getattr(two, field).double()
+            assert torch.allclose(a, c, atol=1e-11, equal_nan=True), (name, field)
+
+
+AttentionStatsFields = ("entropy", "max_weight", "topk_indices", "topk_weights", "mean_distance", "key_weights",
+                        "relative_weights", "n_keys")
