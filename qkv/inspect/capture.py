@@ -120,19 +120,23 @@ class _Hook:
 
     def _attention(self, lse: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor, **masks: Any) -> None:
         o = self.opts
-        need_lse = "lse" in self.wanted or "weights" in self.wanted or self.stats
+        if self.stats:
+            # without the model's own lse the statistics find it in their single pass (stats.lse)
+            st = attention_stats(
+                query, key, lse=lse, topk=o["topk"], key_positions=o["key_positions"],
+                relative_positions=o["relative_positions"], check_lse=False, **masks,
+            )  # fmt: skip
+            self.rec.stats[self.path] = st
+            if "lse" in self.wanted:
+                self._store("lse", lse if lse is not None else st.lse)
+            return
+        need_lse = "lse" in self.wanted or "weights" in self.wanted
         if lse is None and need_lse:  # not asked of the model's call (reuse_lse=False), or it could not give one
             m = masks
             call = validate_qk(query, key, m["attn_mask"], m["is_causal"], None, m["enable_gqa"], m["window"], m["key_padding_mask"])
             lse = fused_lse(call)
         if "lse" in self.wanted and lse is not None:
             self._store("lse", lse)
-        if self.stats:
-            self.rec.stats[self.path] = attention_stats(
-                query, key, lse=lse, topk=o["topk"], key_positions=o["key_positions"],
-                relative_positions=o["relative_positions"], check_lse=False, **masks,
-            )  # fmt: skip
-            return
         if "weights" in self.wanted:
             # check_lse=False: the lse is this call's own, and a hook must not raise inside the model
             self.rec._data[self._name("weights")] = attention_map(
