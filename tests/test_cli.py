@@ -46,7 +46,7 @@ def test_trace_numbers_are_the_traced_ones(capsys):
 def test_trace_options(capsys):
     assert main(["trace", "the cat sat", "--heads", "2", "--d-k", "2", "--d-model", "5", "--causal"]) == 0
     out = capsys.readouterr().out
-    assert "Head 2 of 2" in out and "masked₁ = scaled₁ + mask" in out and "projected = concat·W_O" in out
+    assert "Head 1 of heads 0–1" in out and "masked₀ = scaled₀ + mask" in out and "projected = concat·W_O" in out
     assert "-inf" in out and "d_model = 5" in out
 
 
@@ -92,7 +92,7 @@ def test_demo_walks_through_and_is_quick(capsys):
     assert 'Self-attention on "Thinking Machines"' in out
     assert "112" in out and "96" in out and "14" in out and "12" in out
     assert "softmax([14, 12]) = [0.881, 0.119]" in out
-    assert "Two heads and a causal mask" in out and "Head 2 of 2" in out and "-inf" in out
+    assert "Two heads and a causal mask" in out and "Head 1 of heads 0–1" in out and "-inf" in out
 
 
 def test_demo_chinese(capsys):

@@ -1,7 +1,10 @@
 """A step-by-step narrative of a :class:`~qkv.reference.trace.Trace`, in English or Chinese.
 
 The story follows one query token through the steps and quotes this trace's own numbers,
-so a reader can redo every step by hand and check it.
+so a reader can redo every step by hand and check it. Tokens and heads are counted from 0.
+When d_k is wider than :data:`~qkv.reference.render.WIDE_COLS` (a real model's 32 or 64), the
+dot product with the most-attended key is quoted by its largest terms plus the sum of the rest,
+and the weighted sum of many tokens by its largest terms, each with the exact total.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
-from .render import root, short, vec
+from .render import WIDE_COLS, root, short, vec
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -72,6 +75,22 @@ class _Story:
                     out.append((j, float(d)))
         return out
 
+    TOP_TERMS = 4  # products quoted from a long dot product, weighted terms from a long sum
+
+    def dot_terms(self, h: "Trace", j: int) -> tuple[list[str], int, float, float]:
+        """The largest products of q_i·k_j as "q[d]·k[d]" texts, how many are left, their sum, the total."""
+        q, k = h.q[self.i], h.k[j]
+        prod = q * k  # (d_k,)
+        top = np.argsort(-np.abs(prod), kind="stable")[: self.TOP_TERMS]
+        def paren(x: float) -> str:
+            return f"({self.n(x)})" if self.n(x).startswith("-") else self.n(x)
+
+        terms = [f"q[{d}]·k[{d}] = {paren(q[d])}·{paren(k[d])}" for d in top]
+        return terms, len(prod) - len(top), float(prod.sum() - prod[top].sum()), float(prod.sum())
+
+    def biased(self) -> bool:
+        return any(getattr(self.t, n) is not None for n in ("b_q", "b_k", "b_v"))
+
     def focus(self, h: "Trace") -> tuple[int, float]:
         j = int(h.top_keys[self.i])
         return j, (float(h.weights[self.i, j]) if j >= 0 else 0.0)
@@ -93,19 +112,19 @@ class _En(_Story):
     def text(self) -> str:
         t, i, h = self.t, self.i, self.head
         me = self.q(i)
-        lines = [f"How self-attention rewrites {me} (token {i + 1} of {t.n})", ""]
+        lines = [f"How self-attention rewrites {me} (token {i} of tokens 0–{t.n - 1})", ""]
         if t.num_heads > 1:
             lines += [
                 f"This layer has {t.num_heads} heads. Q and K have {t.num_heads}·d_k = {t.q.shape[1]} columns "
                 f"and V has {t.v.shape[1]}; each head takes its own block of d_k = {t.d_k} columns "
-                "and runs steps 2–6 on it. Here is head 1:",
+                "and runs steps 2–6 on it. Here is head 0:",
                 "",
             ]
         lines += self.steps(h)
         lines += ["", self.verdict(h)]
         if t.num_heads > 1:
             lines += ["", "The other heads repeat the same steps on their own columns:"]
-            for k, hk in enumerate(t.heads[1:], start=2):
+            for k, hk in enumerate(t.heads[1:], start=1):
                 lines.append(f"  head {k}: " + self.verdict(hk, short_form=True))
             lines += [
                 "",
@@ -128,16 +147,23 @@ class _En(_Story):
                        f"q = {self.v(h.q[i])}.")
         elif t.num_heads > 1:
             out.append(f"1. Query, key, value. The embedding of {me}, x = {self.v(t.x[i])}, is multiplied by W_Q, W_K "
-                       f"and W_V; head 1's share of {me}'s query is q = {self.v(h.q[i])}, of its key "
+                       f"and W_V; head 0's share of {me}'s query is q = {self.v(h.q[i])}, of its key "
                        f"k = {self.v(h.k[i])}, of its value v = {self.v(h.v[i])}.")
         else:
+            plus = ", and the biases b_Q, b_K, b_V are added" if self.biased() else ""
             out.append(f"1. Query, key, value. The embedding of {me}, x = {self.v(t.x[i])}, is multiplied by "
-                       f"W_Q, W_K and W_V. That gives its query q = {self.v(h.q[i])} (what it is looking for), "
+                       f"W_Q, W_K and W_V{plus}. That gives its query q = {self.v(h.q[i])} (what it is looking for), "
                        f"its key k = {self.v(h.k[i])} (what it can be found by) and its value "
                        f"v = {self.v(h.v[i])} (what it hands on). Every token gets its q, k and v the same way.")
         dots = [f"q·k({self.tok(j)}) = {self.n(h.scores[i, j])}" for j in range(t.n)]
         out.append(f"2. Dot products. The query of {me} is compared with the key of every token: "
                    f"{_join(dots, ' and ')}. The larger the dot product, the better that key matches the query.")
+        j_top = int(h.top_keys[i])
+        if h.d_k > WIDE_COLS and j_top >= 0:
+            terms, rest, rest_sum, total = self.dot_terms(h, j_top)
+            out[-1] += (f" Each is a sum of d_k = {h.d_k} products; for {self.q(j_top)} the largest are "
+                        f"{_join(terms, ' and ')}, the other {rest} add up to {self.n(rest_sum)}, "
+                        f"and the total is {self.n(total)}.")
         out.append(f"3. Scaling. Each score is divided by √d_k = {root(t.d_k, self.p)}, giving "
                    f"{_join([self.n(s) for s in h.scaled[i]], ' and ')}. Without this the scores grow with "
                    "d_k, and the softmax would pile nearly all weight on one key and learn slowly.")
@@ -170,7 +196,10 @@ class _En(_Story):
         ws = [f"{self.n(h.weights[i, j])} for {self.q(j)}" for j in range(t.n)]
         out.append(f"{s}. Softmax. Exponentiate the row and divide by its total: the weights are "
                    f"{_join(ws, ' and ')}; together they add up to {self.n(h.weights[i].sum())}.")
-        terms = [f"{self.n(h.weights[i, j])}·v({self.tok(j)})" for j in range(t.n)]
+        order, rest = self.weight_terms(h)
+        terms = [f"{self.n(h.weights[i, j])}·v({self.tok(j)})" for j in order]
+        if rest:
+            terms.append(f"the other {rest} tokens' weighted values (weight {self.n(h.weights[i].sum() - h.weights[i, order].sum())})")
         out.append(f"{w}. Weighted sum. The new vector of {me} is {' + '.join(terms)} = {self.v(h.output[i])}.")
         return out
 
@@ -193,10 +222,18 @@ class _En(_Story):
     # The one-line-per-head summary; the Chinese story swaps these words and punctuation.
     GLANCE_HEAD, GLANCE_NOTHING, GLANCE_PAIR, GLANCE_SEP = "  head {k}: ", "nothing", "{tok} ({w})", ", "
 
+    def weight_terms(self, h: "Trace") -> tuple[list[int], int]:
+        """Keys quoted in the weighted sum (all of them, or the heaviest few of many) and how many are left."""
+        n = h.n
+        if n <= WIDE_COLS:
+            return list(range(n)), 0
+        top = sorted(np.argsort(-h.weights[self.i], kind="stable")[: self.TOP_TERMS + 1].tolist())
+        return top, n - len(top)
+
     def glance(self) -> list[str]:
         out = []
         for k, h in enumerate(self.head_list()):
-            pre = self.GLANCE_HEAD.format(k=k + 1) if self.t.num_heads > 1 else "  "
+            pre = self.GLANCE_HEAD.format(k=k) if self.t.num_heads > 1 else "  "
             items = []
             for i, j in enumerate(h.top_keys):
                 seen = self.GLANCE_NOTHING if j < 0 else self.GLANCE_PAIR.format(tok=self.tok(int(j)), w=self.n(h.weights[i, j]))
@@ -215,20 +252,20 @@ class _Zh(_En):
     def text(self) -> str:
         t, i, h = self.t, self.i, self.head
         me = self.q(i)
-        lines = [f"自注意力如何重新计算{me}的表示（第 {i + 1} 个词元，共 {t.n} 个）", ""]
+        lines = [f"自注意力如何重新计算{me}的表示（词元 {i}，编号 0–{t.n - 1}）", ""]
         if t.num_heads > 1:
             lines += [
                 f"这一层有 {t.num_heads} 个注意力头。Q 和 K 共有 {t.num_heads}·d_k = {t.q.shape[1]} 列，"
                 f"V 有 {t.v.shape[1]} 列；每个头取自己的一段（d_k = {t.d_k} 列），独立完成第 2–6 步。"
-                "下面以第 1 个头为例：",
+                "下面以头 0 为例：",
                 "",
             ]
         lines += self.steps(h)
         lines += ["", self.verdict(h)]
         if t.num_heads > 1:
             lines += ["", "其余的头在各自的列上重复同样的步骤："]
-            for k, hk in enumerate(t.heads[1:], start=2):
-                lines.append(f"  第 {k} 个头：" + self.verdict(hk, short_form=True))
+            for k, hk in enumerate(t.heads[1:], start=1):
+                lines.append(f"  头 {k}：" + self.verdict(hk, short_form=True))
             lines += ["", f"把 {t.num_heads} 个头的输出并排拼接，{me}得到一行 {self.v(t.concat[i])}"
                           f"（长度 {t.concat.shape[1]}）。"]
         if t.projected is not None:
@@ -246,16 +283,22 @@ class _Zh(_En):
             out.append(f"1. 查询、键、值。Q、K、V 是直接给定的；{me}的查询向量 q = {self.v(h.q[i])}。")
         elif t.num_heads > 1:
             out.append(f"1. 查询、键、值。{me}的嵌入向量 x = {self.v(t.x[i])} 分别乘以 W_Q、W_K、W_V；"
-                       f"其中属于第 1 个头的部分是：查询 q = {self.v(h.q[i])}，键 k = {self.v(h.k[i])}，"
+                       f"其中属于头 0 的部分是：查询 q = {self.v(h.q[i])}，键 k = {self.v(h.k[i])}，"
                        f"值 v = {self.v(h.v[i])}。")
         else:
-            out.append(f"1. 查询、键、值。{me}的嵌入向量 x = {self.v(t.x[i])} 分别乘以 W_Q、W_K、W_V，"
+            plus = "，再加上偏置 b_Q、b_K、b_V" if self.biased() else ""
+            out.append(f"1. 查询、键、值。{me}的嵌入向量 x = {self.v(t.x[i])} 分别乘以 W_Q、W_K、W_V{plus}，"
                        f"得到它的查询向量 q = {self.v(h.q[i])}（它想找什么）、键向量 k = {self.v(h.k[i])}"
                        f"（别人凭什么找到它）和值向量 v = {self.v(h.v[i])}（它能提供的内容）。"
                        "每个词元都用同样的方式得到自己的 q、k、v。")
         dots = [f"q·k({self.tok(j)}) = {self.n(h.scores[i, j])}" for j in range(t.n)]
         out.append(f"2. 点积打分。用{me}的查询向量和每个词元的键向量做点积：{'，'.join(dots)}。"
                    "点积越大，说明这个键与查询越匹配。")
+        j_top = int(h.top_keys[i])
+        if h.d_k > WIDE_COLS and j_top >= 0:
+            terms, rest, rest_sum, total = self.dot_terms(h, j_top)
+            out[-1] += (f"每个点积都是 d_k = {h.d_k} 个乘积之和；与{self.q(j_top)}的点积中最大的几项是 "
+                        f"{'，'.join(terms)}，其余 {rest} 项之和为 {self.n(rest_sum)}，总和为 {self.n(total)}。")
         out.append(f"3. 缩放。每个分数都除以 √d_k = {root(t.d_k, self.p)}，得到 {'、'.join(self.n(s) for s in h.scaled[i])}。"
                    "如果不缩放，分数会随 d_k 增大而变大，softmax 会把几乎全部权重压到一个键上，梯度也会变得很小。")
         hidden, bias = self.hidden(h), self.bias(h)
@@ -284,7 +327,10 @@ class _Zh(_En):
         ws = [f"{self.q(j)}得到 {self.n(h.weights[i, j])}" for j in range(t.n)]
         out.append(f"{s}. Softmax 归一化。对这一行取指数再除以总和：{'，'.join(ws)}，"
                    f"加起来等于 {self.n(h.weights[i].sum())}。")
-        terms = [f"{self.n(h.weights[i, j])}·v({self.tok(j)})" for j in range(t.n)]
+        order, rest = self.weight_terms(h)
+        terms = [f"{self.n(h.weights[i, j])}·v({self.tok(j)})" for j in order]
+        if rest:
+            terms.append(f"其余 {rest} 个词元的加权值（权重合计 {self.n(h.weights[i].sum() - h.weights[i, order].sum())}）")
         out.append(f"{w}. 加权求和。{me}的新向量 = {' + '.join(terms)} = {self.v(h.output[i])}。")
         return out
 
@@ -304,5 +350,5 @@ class _Zh(_En):
             s += "，不过它的注意力在能看到的词元之间分布得相当均匀"
         return "总结：" + s + "。"
 
-    GLANCE_HEAD, GLANCE_NOTHING, GLANCE_PAIR, GLANCE_SEP = "  第 {k} 个头：", "（无）", "{tok}（{w}）", "，"
+    GLANCE_HEAD, GLANCE_NOTHING, GLANCE_PAIR, GLANCE_SEP = "  头 {k}：", "（无）", "{tok}（{w}）", "，"
 

@@ -2,6 +2,12 @@
 
 Both renderers walk the same list of :class:`Block` s (one per matrix, in computation order),
 so the terminal and the notebook always show the same steps with the same formulas.
+
+Heads are counted from 0 (head 0 is the first), like tokens and the JSON. A matrix whose
+columns are features (X, W, Q, K, V, outputs) and that is wider than :data:`WIDE_COLS` shows
+its first and last columns, an ellipsis column and each row's length ``‖row‖``; one taller
+than :data:`TALL_ROWS` shows its first and last rows. Token × token matrices (scores, weights)
+always show every column: which key a query weighs is the point of them.
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Block", "blocks", "fmt", "short", "vec", "root", "width", "format_matrix", "trace_to_string", "trace_to_html",
+    "WIDE_COLS", "TALL_ROWS", "shown", "summary_note",
 ]
+
+WIDE_COLS = 10
+"""Feature matrices with more columns than this are summarised (first 4, …, last 2, ‖row‖)."""
+TALL_ROWS = 64
+"""Matrices with more rows than this (a model's 384-row W_Q) show their first 6 and last 2 rows."""
+_HEAD_COLS, _TAIL_COLS, _HEAD_ROWS, _TAIL_ROWS = 4, 2, 6, 2
 
 _SUB = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
 
@@ -70,6 +83,7 @@ class Block:
     cols: Sequence[str] = ()
     heat: bool = False  # shade cells by value (attention weights)
     footer: str = ""
+    features: bool = False  # columns are feature dimensions (summarised when wide), not tokens
 
 
 _TEXT: dict[str, dict[str, str]] = {
@@ -94,7 +108,12 @@ _TEXT: dict[str, dict[str, str]] = {
         "empty_row": " (every key masked)",
         "ok": "each row sums to 1 ✓", "bad": "NOT all rows sum to 1 ✗",
         "out": "row i: the weighted average of the value rows",
-        "head": "Head {h} of {n}", "cols": "columns {a}–{b} of Q and K, {c}–{d} of V",
+        "head": "Head {h} of heads 0–{last}", "cols": "columns {a}–{b} of Q and K, {c}–{d} of V",
+        "b": "learned {role} bias, added to every token's row",
+        "w_model": "{role} weights of layer {layer}, head {head}: its {d} of the layer's {width} columns",
+        "model": "model: {model}, layer {layer}, head {head} (real weights; X = the hidden states entering that layer)",
+        "summary": "(columns {shown} of {n} shown; ‖row‖ = length of the whole row)",
+        "summary_rows": "(rows {shown} of {n} shown)",
         "concat": "the head outputs side by side",
         "proj": "the layer's final output",
         "header": "Self-attention, step by step: {dims}", "tokens": "tokens: ",
@@ -122,7 +141,12 @@ _TEXT: dict[str, dict[str, str]] = {
         "empty_row": "（所有键都被屏蔽）",
         "ok": "每行之和都为 1 ✓", "bad": "并非每行之和都为 1 ✗",
         "out": "第 i 行：各值向量按权重加权平均",
-        "head": "第 {h} 个头（共 {n} 个）", "cols": "Q、K 的第 {a}–{b} 列，V 的第 {c}–{d} 列",
+        "head": "头 {h}（编号 0–{last}）", "cols": "Q、K 的第 {a}–{b} 列，V 的第 {c}–{d} 列",
+        "b": "可学习的{role}偏置，加到每个词元的那一行上",
+        "w_model": "第 {layer} 层第 {head} 号头的{role}权重：该层 {width} 列中属于它的 {d} 列",
+        "model": "模型：{model}，第 {layer} 层，头 {head}（真实权重；X 是进入这一层的隐藏状态）",
+        "summary": "（显示第 {shown} 列，共 {n} 列；‖row‖ 是整行向量的长度）",
+        "summary_rows": "（显示第 {shown} 行，共 {n} 行）",
         "concat": "各头的输出并排拼接",
         "proj": "这一层的最终输出",
         "header": "自注意力逐步计算：{dims}", "tokens": "词元：",
@@ -152,7 +176,7 @@ def _row_check(t: "Trace", weights: np.ndarray, precision: int, tx: dict[str, st
 def _head_blocks(t: "Trace", h: Optional[int], precision: int, tx: dict[str, str]) -> list[Block]:
     """The steps from Q, K, V to the output for one head (h = None: the only head)."""
     toks = list(t.tokens)
-    sub = "" if h is None else str(h + 1).translate(_SUB)
+    sub = "" if h is None else str(h).translate(_SUB)
     out: list[Block] = []
     if h is not None:
         q0, q1 = h * t.d_k, (h + 1) * t.d_k
@@ -160,7 +184,7 @@ def _head_blocks(t: "Trace", h: Optional[int], precision: int, tx: dict[str, str
         for name, lo, hi, what in (("q", q0, q1, "queries"), ("k", q0, q1, "keys"), ("v", v0, v1, "values")):
             arr = getattr(t, name)
             out.append(Block(name, f"{name.upper()}{sub} = {name.upper()}[:, {lo}:{hi}]",
-                             tx["slice"].format(h=h + 1, what=tx[what]), arr, toks, _dims(arr.shape[1])))
+                             tx["slice"].format(h=h, what=tx[what]), arr, toks, _dims(arr.shape[1]), features=True))
     out.append(Block("scores", f"scores{sub} = Q{sub}·K{sub}ᵀ", tx["scores"], t.scores, toks, toks))
     out.append(Block("scaled", f"scaled{sub} = scores{sub} / √d_k",
                      tx["scaled"].format(d=t.d_k, r=root(t.d_k, precision)), t.scaled, toks, toks))
@@ -171,7 +195,7 @@ def _head_blocks(t: "Trace", h: Optional[int], precision: int, tx: dict[str, str
     out.append(Block("weights", tx["softmax"].format(s=sub, src=src), tx["weights"], t.weights, toks, toks,
                      heat=True, footer=_row_check(t, t.weights, precision, tx)))
     out.append(Block("output", f"output{sub} = weights{sub}·V{sub}", tx["out"],
-                     t.output, toks, _dims(t.output.shape[1])))
+                     t.output, toks, _dims(t.output.shape[1]), features=True))
     return out
 
 
@@ -182,35 +206,46 @@ def blocks(t: "Trace", precision: int = 3, lang: str = "en") -> list[Block]:
     out: list[Block] = []
     given = t.x is None
     if not given:
-        out.append(Block("x", "X", tx["x"], t.x, toks, _dims(t.x.shape[1])))
+        out.append(Block("x", "X", tx["x"], t.x, toks, _dims(t.x.shape[1]), features=True))
+    meta = t.meta or {}
     for name, w, role in (("q", t.w_q, "query"), ("k", t.w_k, "key"), ("v", t.w_v, "value")):
         up = name.upper()
+        b = getattr(t, "b_" + name)
         if w is not None:
-            out.append(Block(name, f"W_{up}", tx["w"].format(role=tx[role]), w, _dims(w.shape[0]), _dims(w.shape[1])))
+            note = tx["w"].format(role=tx[role])
+            if meta.get("source") == "model" and "layer" in meta and "head" in meta:
+                note = tx["w_model"].format(role=tx[role], layer=meta["layer"], head=meta["head"], d=w.shape[1],
+                                            width=meta.get("d_model", w.shape[0]))
+            out.append(Block(name, f"W_{up}", note, w, _dims(w.shape[0]), _dims(w.shape[1]), features=True))
+        if b is not None:
+            out.append(Block(name, f"b_{up}", tx["b"].format(role=tx[role]), b.reshape(1, -1), [""], _dims(b.shape[0]),
+                             features=True))
         arr = getattr(t, name)
-        title = tx["given"].format(m=up) if given else f"{up} = X·W_{up}"
+        plus = "" if b is None else f" + b_{up}"
+        title = tx["given"].format(m=up) if given else f"{up} = X·W_{up}{plus}"
         if t.head is not None and not given:  # a head on its own: its columns of the full projection
             d = t.d_v if name == "v" else t.d_k
-            sub = str(t.head + 1).translate(_SUB)
-            title = f"{up}{sub} = (X·W_{up})[:, {t.head * d}:{(t.head + 1) * d}]"
-        out.append(Block(name, title, tx[name], arr, toks, _dims(arr.shape[1])))
+            sub = str(t.head).translate(_SUB)
+            title = f"{up}{sub} = (X·W_{up}{plus})[:, {t.head * d}:{(t.head + 1) * d}]"
+        out.append(Block(name, title, tx[name], arr, toks, _dims(arr.shape[1]), features=True))
     if t.num_heads == 1:
         out.extend(_head_blocks(t, None, precision, tx))
     else:
         for h, ht in enumerate(t.heads):
             cols = tx["cols"].format(a=h * t.d_k, b=(h + 1) * t.d_k - 1, c=h * t.d_v, d=(h + 1) * t.d_v - 1)
-            out.append(Block("head", tx["head"].format(h=h + 1, n=t.num_heads), cols))
+            out.append(Block("head", tx["head"].format(h=h, n=t.num_heads, last=t.num_heads - 1), cols))
             out.extend(_head_blocks(ht, h, precision, tx))
-        parts = " | ".join(f"output{str(h + 1).translate(_SUB)}" for h in range(t.num_heads))
-        out.append(Block("concat", f"concat = [{parts}]", tx["concat"], t.concat, toks, _dims(t.concat.shape[1])))
+        parts = " | ".join(f"output{str(h).translate(_SUB)}" for h in range(t.num_heads))
+        out.append(Block("concat", f"concat = [{parts}]", tx["concat"], t.concat, toks, _dims(t.concat.shape[1]),
+                         features=True))
     if t.projected is not None:
         w = t.w_o
         if w is not None:
             out.append(Block("projected", "W_O", tx["w"].format(role=tx["output"]), w,
-                             _dims(w.shape[0]), _dims(w.shape[1])))
+                             _dims(w.shape[0]), _dims(w.shape[1]), features=True))
         src = "concat" if t.num_heads > 1 else "output"
         out.append(Block("projected", f"projected = {src}·W_O", tx["proj"],
-                         t.projected, toks, _dims(t.projected.shape[1])))
+                         t.projected, toks, _dims(t.projected.shape[1]), features=True))
     return out
 
 
@@ -227,14 +262,71 @@ def _ljust(s: str, n: int) -> str:
     return s + " " * (n - width(s))
 
 
+def _ranges(idx: Sequence[Optional[int]]) -> str:
+    """[0, 1, 2, 3, None, 30, 31] → "0–3, 30–31"."""
+    parts, run = [], []
+    for i in list(idx) + [None]:
+        if i is not None and (not run or i == run[-1] + 1):
+            run.append(i)
+            continue
+        if run:
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}")
+        run = [] if i is None else [i]
+    return ", ".join(parts)
+
+
+def shown(shape: Sequence[int], features: bool = True) -> tuple[list[Optional[int]], list[Optional[int]], bool]:
+    """Which (row, column) indices a summarised matrix shows: None marks the ellipsis.
+
+    The third item says whether a ``‖row‖`` column is added (only when columns were left out).
+    """
+    n_rows, n_cols = int(shape[0]), int(shape[1])
+    rows: list[Optional[int]] = list(range(n_rows))
+    if n_rows > TALL_ROWS:
+        rows = list(range(_HEAD_ROWS)) + [None] + list(range(n_rows - _TAIL_ROWS, n_rows))
+    cols: list[Optional[int]] = list(range(n_cols))
+    wide = features and n_cols > WIDE_COLS
+    if wide:
+        cols = list(range(_HEAD_COLS)) + [None] + list(range(n_cols - _TAIL_COLS, n_cols))
+    return rows, cols, wide
+
+
+def summary_note(shape: Sequence[int], features: bool = True, lang: str = "en") -> str:
+    """The line under a summarised matrix saying what was left out ("" when nothing was)."""
+    tx = _text(lang)
+    rows, cols, wide = shown(shape, features)
+    notes = []
+    if wide:
+        notes.append(tx["summary"].format(shown=_ranges(cols), n=shape[1]))
+    if None in rows:
+        notes.append(tx["summary_rows"].format(shown=_ranges(rows), n=shape[0]))
+    return " ".join(notes)
+
+
 def format_matrix(a: np.ndarray, rows: Sequence[str], cols: Sequence[str], precision: int = 3,
-                  indent: str = "  ") -> list[str]:
-    """Right-aligned columns under their labels, row labels on the left."""
-    cells = [[fmt(float(v), precision) for v in row] for row in a]
-    w = max([len(c) for r in cells for c in r] + [width(c) for c in cols])
-    lw = max(width(r) for r in rows)
-    lines = [indent + " " * lw + "".join("  " + _rjust(c, w) for c in cols)]
-    for label, row in zip(rows, cells):
+                  indent: str = "  ", features: bool = False) -> list[str]:
+    """Right-aligned columns under their labels, row labels on the left.
+
+    With ``features=True`` a matrix wider than :data:`WIDE_COLS` shows its first and last
+    columns, a ``…`` column and each row's length ``‖row‖``; with any setting one taller than
+    :data:`TALL_ROWS` shows its first and last rows around a ``⋮`` row.
+    """
+    r_idx, c_idx, wide = shown(a.shape, features)
+    col_labels = ["…" if j is None else cols[j] for j in c_idx] + (["‖row‖"] if wide else [])
+    row_labels = ["⋮" if i is None else rows[i] for i in r_idx]
+    cells = []
+    for i in r_idx:
+        if i is None:
+            cells.append(["⋮" if j is None else "" for j in c_idx] + ([""] if wide else []))
+            continue
+        row = ["…" if j is None else fmt(float(a[i, j]), precision) for j in c_idx]
+        if wide:
+            row.append(fmt(float(np.linalg.norm(a[i])), precision))
+        cells.append(row)
+    w = max([width(c) for r in cells for c in r] + [width(c) for c in col_labels])
+    lw = max(width(r) for r in row_labels)
+    lines = [indent + " " * lw + "".join("  " + _rjust(c, w) for c in col_labels)]
+    for label, row in zip(row_labels, cells):
         lines.append(indent + _ljust(label, lw) + "".join("  " + _rjust(c, w) for c in row))
     return lines
 
@@ -246,7 +338,11 @@ def _header(t: "Trace", tx: dict[str, str]) -> str:
     dims += [f"d_k = {t.d_k}", f"d_v = {t.d_v}", tx["n_heads"].format(n=t.num_heads, s="s" if t.num_heads != 1 else "")]
     if t.mask_kinds:
         dims.append(tx["mask"].format(kinds=tx["sep"].join(tx["kind_" + k] for k in t.mask_kinds)))
-    return tx["header"].format(dims=tx["sep"].join(dims))
+    head = tx["header"].format(dims=tx["sep"].join(dims))
+    meta = t.meta or {}
+    if "model" in meta and "layer" in meta and "head" in meta:
+        head += "\n" + tx["model"].format(model=meta["model"], layer=meta["layer"], head=meta["head"])
+    return head
 
 
 def trace_to_string(t: "Trace", precision: int = 3, steps: Optional[Sequence[str]] = None, lang: str = "en") -> str:
@@ -263,7 +359,10 @@ def trace_to_string(t: "Trace", precision: int = 3, steps: Optional[Sequence[str
             continue
         shape = "×".join(str(s) for s in b.array.shape)
         lines += ["", f"{b.title}   ({shape})   {b.note}"]
-        lines += format_matrix(b.array, b.rows, b.cols, precision)
+        lines += format_matrix(b.array, b.rows, b.cols, precision, features=b.features)
+        note = summary_note(b.array.shape, b.features, lang)
+        if note:
+            lines.append("  " + note)
         if b.footer:
             lines.append("  " + b.footer)
     return "\n".join(lines)
@@ -285,17 +384,27 @@ _STYLE = """<style>
 </style>"""
 
 
-def _html_table(b: Block, precision: int) -> str:
+def _html_table(b: Block, precision: int, lang: str = "en") -> str:
     e = html.escape
     shape = "×".join(str(s) for s in b.array.shape)
+    r_idx, c_idx, wide = shown(b.array.shape, b.features)
+    heads = ["…" if j is None else b.cols[j] for j in c_idx] + (["‖row‖"] if wide else [])
     parts = [
         "<table>",
         f"<caption><code>{e(b.title)}</code> <span>({shape}) {e(b.note)}</span></caption>",
-        "<tr><th></th>" + "".join(f"<th>{e(c)}</th>" for c in b.cols) + "</tr>",
+        "<tr><th></th>" + "".join(f"<th>{e(c)}</th>" for c in heads) + "</tr>",
     ]
-    for label, row in zip(b.rows, b.array):
+    for i in r_idx:
+        if i is None:
+            parts.append("<tr><th>⋮</th>" + "".join("<td>⋮</td>" if j is None else "<td></td>" for j in c_idx)
+                         + ("<td></td>" if wide else "") + "</tr>")
+            continue
         cells = []
-        for v in row:
+        for j in c_idx:
+            if j is None:
+                cells.append("<td>…</td>")
+                continue
+            v = b.array[i, j]
             text = e(fmt(float(v), precision))
             if b.heat and np.isfinite(v):
                 alpha = float(np.clip(v, 0.0, 1.0))  # weights are probabilities: shade = weight
@@ -305,8 +414,13 @@ def _html_table(b: Block, precision: int) -> str:
                 cells.append(f'<td class="qkv-inf">{text}</td>')
             else:
                 cells.append(f"<td>{text}</td>")
-        parts.append(f"<tr><th>{e(label)}</th>" + "".join(cells) + "</tr>")
+        if wide:
+            cells.append(f"<td>{e(fmt(float(np.linalg.norm(b.array[i])), precision))}</td>")
+        parts.append(f"<tr><th>{e(b.rows[i])}</th>" + "".join(cells) + "</tr>")
     parts.append("</table>")
+    note = summary_note(b.array.shape, b.features, lang)
+    if note:
+        parts.append(f'<div class="qkv-sum">{e(note)}</div>')
     if b.footer:
         parts.append(f'<div class="qkv-sum">{e(b.footer)}</div>')
     return "\n".join(parts)
@@ -317,11 +431,11 @@ def trace_to_html(t: "Trace", precision: int = 3, lang: str = "en") -> str:
     e = html.escape
     tx = _text(lang)
     out = ['<div class="qkv-trace">', _STYLE,
-           f"<p><strong>{e(_header(t, tx))}</strong><br>{e(tx['tokens'] + tx['sep'].join(t.tokens))}</p>"]
+           f"<p><strong>{e(_header(t, tx)).replace(chr(10), '<br>')}</strong><br>{e(tx['tokens'] + tx['sep'].join(t.tokens))}</p>"]
     for b in blocks(t, precision, lang):
         if b.array is None:
             out.append(f"<h4>{e(b.title)} <small>({e(b.note)})</small></h4>")
         else:
-            out.append(_html_table(b, precision))
+            out.append(_html_table(b, precision, lang))
     out.append("</div>")
     return "\n".join(out)

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .tokens import split_words
 from .trace import Trace, trace
 
 __all__ = ["SENTENCE", "toy_embeddings", "toy_weights", "sentence_trace", "worked_example"]
@@ -39,16 +40,21 @@ def sentence_trace(
     causal: bool = False,
     seed: int = 0,
 ) -> Trace:
-    """Trace self-attention on a whitespace-split sentence with small seeded random numbers.
+    """Trace self-attention on a sentence with small seeded random numbers.
+
+    Tokens come from :func:`qkv.reference.tokens.split_words`: words, each CJK character on its
+    own ("我爱机器学习" gives six tokens), and each punctuation mark on its own.
 
     Embeddings come from ``(seed, word)`` alone, so a repeated word gets the same row, as with a
     real embedding table. Weights come from ``seed``. Everything is rounded to one decimal so the
     arithmetic can be followed by hand. Shapes: ``x (N, d_model)``, ``W_Q, W_K, W_V
     (d_model, heads·d_k)``, and ``W_O (heads·d_k, d_model)`` when ``heads > 1``.
     """
-    tokens = sentence.split()
+    if not isinstance(sentence, str):
+        raise TypeError(f"sentence must be a string, got {type(sentence).__name__}")
+    tokens = split_words(sentence)
     if not tokens:
-        raise ValueError('the sentence is empty; pass some words, e.g. qkv trace "Thinking Machines"')
+        raise ValueError('the sentence is empty; pass some words, e.g. qkv trace "Thinking Machines" or "我爱机器学习"')
     x = toy_embeddings(tokens, d_model, seed)  # (N, d_model)
     rng = np.random.default_rng(seed)
     width = heads * d_k

@@ -3,8 +3,8 @@
 Shapes (N tokens, H heads, d_k / d_v per head)::
 
     x        (N, d_model)          the input, one row per token
-    q, k     (N, H·d_k)            Q = X·W_Q, K = X·W_K
-    v        (N, H·d_v)            V = X·W_V
+    q, k     (N, H·d_k)            Q = X·W_Q (+ b_Q), K = X·W_K (+ b_K)
+    v        (N, H·d_v)            V = X·W_V (+ b_V)
     scores   (N, N)   | (H, N, N)  Q·Kᵀ
     scaled   (N, N)   | (H, N, N)  scores / √d_k
     masked   (N, N)   | (H, N, N)  scaled + mask (−∞ where a key is hidden), or None
@@ -31,7 +31,10 @@ import numpy as np
 from .attention import as_float64, combined_mask, softmax_rows
 from .masks import CausalArg, parse_causal
 
-__all__ = ["Trace", "trace"]
+__all__ = ["Trace", "trace", "SCHEMA_VERSION", "STEPS"]
+
+SCHEMA_VERSION = 1
+"""Version of the :meth:`Trace.to_dict` layout; readers accept dicts without it (written before it existed)."""
 
 STEPS: tuple[str, ...] = ("x", "q", "k", "v", "scores", "scaled", "masked", "weights", "output")
 """Names of the per-pass steps, in the order they happen."""
@@ -69,6 +72,10 @@ class Trace:
     w_v: Optional[np.ndarray] = None
     w_o: Optional[np.ndarray] = None
     head: Optional[int] = None  # which head this is, for the per-head traces
+    b_q: Optional[np.ndarray] = None  # (H·d_k,) biases of the projections, None when there are none
+    b_k: Optional[np.ndarray] = None
+    b_v: Optional[np.ndarray] = None
+    meta: dict[str, Any] = field(default_factory=dict)  # where the numbers came from, e.g. {"model": ..., "layer": 1}
 
     # -- construction -------------------------------------------------------------------
 
@@ -208,12 +215,25 @@ class Trace:
 
         return trace_to_html(self, precision=precision, lang=lang)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, precision: Optional[int] = None) -> dict[str, Any]:
         """Plain lists and floats, ready for ``json.dumps(..., allow_nan=False)``.
 
         Masked (−∞) entries become ``None`` (JSON ``null``); :meth:`from_dict` reverses this.
+        ``precision`` rounds every float to that many decimals (None keeps full float64).
+        The dict carries ``"schema_version"`` (:data:`SCHEMA_VERSION`) and ``"kind": "attention"``.
         """
+        if precision is not None and (
+            isinstance(precision, bool) or not isinstance(precision, (int, np.integer)) or not 0 <= precision <= 15
+        ):
+            raise ValueError(f"precision={precision!r} must be None or an int from 0 to 15 (decimals kept)")
+
+        def js(a: Optional[np.ndarray]) -> Any:
+            return _to_json(a, precision)
+
         d: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "attention",
+            "meta": _plain(self.meta),
             "tokens": list(self.tokens),
             "d_k": self.d_k,
             "d_v": self.d_v,
@@ -221,21 +241,37 @@ class Trace:
             "is_causal": self.is_causal,
             "mask": list(self.mask_kinds),
             "head": self.head,
-            "steps": {name: _to_json(getattr(self, name)) for name in STEPS + ("lse",)},
-            "row_sums": _to_json(self.row_sums),
+            "steps": {name: js(getattr(self, name)) for name in STEPS + ("lse",)},
+            "row_sums": js(self.row_sums),
             "top_keys": self.top_keys.tolist(),
-            "concat": _to_json(self.concat),
-            "projected": _to_json(self.projected),
-            "params": {n: _to_json(getattr(self, n)) for n in ("w_q", "w_k", "w_v", "w_o")},
-            "heads": [h.to_dict() for h in self.heads],
+            "concat": js(self.concat),
+            "projected": js(self.projected),
+            "params": {n: js(getattr(self, n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")},
+            "heads": [h.to_dict(precision) for h in self.heads],
         }
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trace":
-        """Rebuild a trace from :meth:`to_dict` output (after a JSON round trip, too)."""
+        """Rebuild a trace from :meth:`to_dict` output (after a JSON round trip, too).
+
+        Dicts written before ``schema_version``, ``meta`` and the biases existed are read as well.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"Trace.from_dict needs the dict that Trace.to_dict() returns, got {type(d).__name__}")
+        version = d.get("schema_version", SCHEMA_VERSION)
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version={version!r} is newer than this qkv reads ({SCHEMA_VERSION}); upgrade qkv"
+            )
+        if d.get("kind", "attention") != "attention":
+            raise ValueError(
+                f"kind={d.get('kind')!r}: this is not an attention trace; a block trace is read by "
+                "qkv.reference.block"
+            )
         steps = {name: _from_json(d["steps"][name]) for name in STEPS + ("lse",)}
-        mats = {n: _from_json(a) for n, a in d.get("params", {}).items()}
+        params = d.get("params") or {}
+        mats = {n: _from_json(params.get(n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")}
         return cls(
             tokens=list(d["tokens"]),
             d_k=int(d["d_k"]),
@@ -247,6 +283,7 @@ class Trace:
             heads=[cls.from_dict(h) for h in d.get("heads", [])],
             concat=_from_json(d.get("concat")),
             projected=_from_json(d.get("projected")),
+            meta=dict(d.get("meta") or {}),
             **steps,  # type: ignore[arg-type]
             **mats,
         )
@@ -259,17 +296,23 @@ def trace(
     w_v: Any,
     *,
     w_o: Any = None,
+    b_q: Any = None,
+    b_k: Any = None,
+    b_v: Any = None,
     num_heads: int = 1,
     is_causal: CausalArg = False,
     attn_mask: Any = None,
     tokens: Optional[Sequence[str]] = None,
+    meta: Optional[dict[str, Any]] = None,
 ) -> Trace:
     """Run self-attention on ``x`` in float64 and keep every intermediate step.
 
     Shapes: ``x (N, d_model)``, ``w_q, w_k (d_model, H·d_k)``, ``w_v (d_model, H·d_v)``,
-    ``w_o (H·d_v, d_model_out)`` (optional), ``attn_mask (N, N)`` boolean (True = may attend)
-    or float (added to the scaled scores). NumPy arrays, torch tensors or nested lists.
-    ``tokens`` labels the rows (default ``t1 … tN``).
+    ``b_q, b_k (H·d_k,)``, ``b_v (H·d_v,)`` (optional biases: Q = X·W_Q + b_Q, as in a real
+    model's linear layers), ``w_o (H·d_v, d_model_out)`` (optional), ``attn_mask (N, N)``
+    boolean (True = may attend) or float (added to the scaled scores). NumPy arrays, torch
+    tensors or nested lists. ``tokens`` labels the rows (default ``t1 … tN``); ``meta`` records
+    where the numbers came from (kept in :attr:`Trace.meta` and the JSON).
     """
     x = _matrix(x, "x", "(N, d_model): one row per token")
     n, d_model = x.shape
@@ -299,6 +342,11 @@ def trace(
         )
     d_k = mats["w_q"].shape[1] // num_heads
     d_v = mats["w_v"].shape[1] // num_heads
+    biases: dict[str, Optional[np.ndarray]] = {}
+    for name, given, w in (("b_q", b_q, "w_q"), ("b_k", b_k, "w_k"), ("b_v", b_v, "w_v")):
+        biases[name] = None if given is None else _bias(given, name, w, mats[w].shape[1])
+    if meta is not None and not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict such as {{'model': 'all-MiniLM-L6-v2', 'layer': 1}}, got {type(meta).__name__}")
     w_o_arr = None
     if w_o is not None:
         w_o_arr = _matrix(w_o, "w_o", "(num_heads·d_v, d_model_out)")
@@ -314,6 +362,12 @@ def trace(
     q = x @ mats["w_q"]  # (N, H·d_k)
     k = x @ mats["w_k"]  # (N, H·d_k)
     v = x @ mats["w_v"]  # (N, H·d_v)
+    if biases["b_q"] is not None:
+        q = q + biases["b_q"]  # (N, H·d_k) + (H·d_k,): the same bias for every token
+    if biases["b_k"] is not None:
+        k = k + biases["b_k"]
+    if biases["b_v"] is not None:
+        v = v + biases["b_v"]
     heads = [
         _single_head(
             labels,
@@ -334,6 +388,8 @@ def trace(
         t = heads[0]
         t.q, t.k, t.v = q, k, v
         t.w_q, t.w_k, t.w_v, t.w_o = mats["w_q"], mats["w_k"], mats["w_v"], w_o_arr
+        t.b_q, t.b_k, t.b_v = biases["b_q"], biases["b_k"], biases["b_v"]
+        t.meta = dict(meta or {})
         if w_o_arr is not None:
             t.projected = t.output @ w_o_arr  # (N, d_model_out)
         return t
@@ -367,6 +423,10 @@ def trace(
         w_k=mats["w_k"],
         w_v=mats["w_v"],
         w_o=w_o_arr,
+        b_q=biases["b_q"],
+        b_k=biases["b_k"],
+        b_v=biases["b_v"],
+        meta=dict(meta or {}),
     )
 
 
@@ -426,6 +486,27 @@ def _matrix(a: Any, name: str, expected: str) -> np.ndarray:
     return arr
 
 
+def _bias(a: Any, name: str, weight: str, width: int) -> np.ndarray:
+    arr = as_float64(a, name)
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]  # a (1, width) row is the same bias
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a vector ({width},) added to every row of x·{weight}, got shape {tuple(arr.shape)}")
+    if arr.shape[0] != width:
+        raise ValueError(
+            f"{name} has {arr.shape[0]} entries but {weight} has {width} columns; {name} adds one number "
+            f"to each column of x·{weight}, so give it exactly {width}"
+        )
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} contains NaN or infinite values; every entry must be a finite number")
+    return arr
+
+
+def _plain(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with NumPy scalars turned into Python ones, so json.dumps accepts it."""
+    return {str(k): (v.item() if isinstance(v, np.generic) else v) for k, v in meta.items()}
+
+
 def _tokens(tokens: Optional[Sequence[str]], n: int, source: str) -> list[str]:
     if tokens is None:
         return [f"t{i + 1}" for i in range(n)]
@@ -468,9 +549,11 @@ def _masks(
     return allowed, bias, tuple(kinds)
 
 
-def _to_json(a: Optional[np.ndarray]) -> Any:
+def _to_json(a: Optional[np.ndarray], precision: Optional[int] = None) -> Any:
     if a is None:
         return None
+    if precision is not None:
+        a = np.round(a, precision)
     obj = np.where(np.isfinite(a), a, np.nan).astype(object)
     obj[~np.isfinite(a)] = None  # −∞ (masked) has no JSON spelling
     return obj.tolist() if obj.ndim else obj.item()

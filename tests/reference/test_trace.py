@@ -204,7 +204,9 @@ def test_multi_head_concat_and_projection(rng):
         np.testing.assert_allclose(head.weights, t.weights[i])
         np.testing.assert_allclose(head.output, out[i])
     text = t.to_string()
-    assert "Head 3 of 3" in text and "concat = [output₁ | output₂ | output₃]" in text
+    # heads are counted from 0, as in heads[h] and the JSON
+    assert "Head 2 of heads 0–2" in text and "concat = [output₀ | output₁ | output₂]" in text
+    assert "Head 3" not in text and "Q₀ = Q[:, 0:2]" in text
     assert "projected = concat·W_O" in text
     en = t.explain()
     assert "3 heads" in en and short(t.projected[0][0]) in en
