@@ -1,18 +1,22 @@
 """CPU benchmark: streaming attention statistics at long sequence length, against the fused forward.
 
-    python bench/inspect_cpu.py                  # N = 32768, writes bench/results/inspect_cpu.md
+    python bench/inspect_cpu.py                         # N = 8192, 16384, 32768 and the model; writes bench/results/inspect_cpu.md
     python bench/inspect_cpu.py --n 8192 --heads 2 --out /tmp/x.md   # a quick run
 
 Workload: batch 1, ``--heads`` heads, head dim 64, float32, causal. The peer, measured in the same
 run and interleaved with the statistics, is the plain fused forward pass
-``qkv.attention(q, k, v, is_causal=True, backend="chunked", return_lse=True)`` — the pass that
-yields the lse the statistics start from. Times are the best of ``--rounds`` interleaved runs
-(single runs take seconds, so timer noise is irrelevant; neighbours on a shared machine are not).
+``qkv.attention(q, k, v, is_causal=True, backend="chunked", return_lse=True)``. Cases:
+the statistics given that lse (``attention_stats(q, k, lse=lse)``), and from scratch in one pass
+(no lse: it is found on the way) without and with the top-k. Times are the best of ``--rounds``
+interleaved runs.
+
+Model: the bundled all-MiniLM-L6-v2 on a 512-token input, unrecorded against recorded with
+``qkv.inspect.record(model, "*.weights", stats=True, reuse_lse=True)`` (the statistics use each
+layer's own lse), interleaved.
 
 Memory: each case runs in a fresh subprocess that reports its peak resident memory above what it
-already held (Linux VmHWM − VmRSS, as bench/attention_cpu.py). For the statistics the lse is
-computed first and the peak counter reset (``/proc/self/clear_refs``), so the number is the
-statistics pass alone.
+already held (Linux VmHWM − VmRSS, as bench/attention_cpu.py). For the statistics given the lse,
+the lse is computed first and the peak counter reset (``/proc/self/clear_refs``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return qkv.attention(q, k, v, is_causal=True, backend="chunked", return_lse=True)
 
 
-def stats(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, topk: int):
+def stats(q: torch.Tensor, k: torch.Tensor, lse, topk: int):
     return attention_stats(q, k, lse=lse, is_causal=True, topk=topk)
 
 
@@ -57,17 +61,62 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+CASES = ("forward", "stats_given_lse", "one_pass_no_topk", "one_pass")
+
+
 def time_case(h: int, n: int, topk: int, rounds: int) -> dict:
     q, k, v = inputs(h, n)
     _, lse = forward(q, k, v)
     small = inputs(h, 512)  # warm-up: lazy imports, allocator
-    stats(small[0], small[1], forward(*small)[1], topk)
-    t_fwd, t_stats = [], []
-    for _ in range(rounds):  # interleaved, so drift on a shared machine hits both
-        t_fwd.append(_timed(lambda: forward(q, k, v)))
-        t_stats.append(_timed(lambda: stats(q, k, lse, topk)))
-        print(json.dumps({"forward_s": t_fwd[-1], "stats_s": t_stats[-1]}), flush=True)
-    return {"forward_s": min(t_fwd), "stats_s": min(t_stats), "rounds": rounds}
+    stats(small[0], small[1], None, topk)
+    fns = {
+        "forward": lambda: forward(q, k, v),
+        "stats_given_lse": lambda: stats(q, k, lse, topk),
+        "one_pass_no_topk": lambda: stats(q, k, None, 0),
+        "one_pass": lambda: stats(q, k, None, topk),
+    }
+    times: dict = {c: [] for c in fns}
+    for _ in range(rounds):  # interleaved, so drift on a shared machine hits every case
+        for c, fn in fns.items():
+            times[c].append(_timed(fn))
+        print(json.dumps({"n": n, **{c: t[-1] for c, t in times.items()}}), flush=True)
+    return {**{c: min(t) for c, t in times.items()}, "rounds": rounds}
+
+
+def model_case(rounds: int, topk: int) -> dict:
+    """The bundled model on 512 tokens: unrecorded vs recorded with statistics (each layer's own lse)."""
+    from tokenizers import Tokenizer
+
+    model = qkv.models.load().eval()
+    tok = Tokenizer.from_str(model.tokenizer.to_str())
+    tok.no_padding()
+    tok.no_truncation()
+    ids = tok.encode(" ".join(["Alice is an outstanding software engineer; she led the development of the core system."] * 40)).ids
+    ids = torch.tensor([ids[:511] + ids[-1:]])  # (1, 512)
+    mask = torch.ones_like(ids)
+
+    def plain() -> None:
+        with torch.no_grad():
+            model(ids, mask)
+
+    def recorded() -> None:
+        with torch.no_grad(), qkv.inspect.record(model, "*.weights", stats=True, reuse_lse=True, topk=topk):
+            model(ids, mask)
+
+    def recorded_no_topk() -> None:
+        with torch.no_grad(), qkv.inspect.record(model, "*.weights", stats=True, reuse_lse=True, topk=0):
+            model(ids, mask)
+
+    fns = {"model": plain, "model_recorded": recorded, "model_recorded_no_topk": recorded_no_topk}
+    for fn in fns.values():
+        fn()
+    times: dict = {c: [] for c in fns}
+    for _ in range(rounds):
+        for c, fn in fns.items():
+            times[c].append(_timed(fn))
+    out = {c: min(t) for c, t in times.items()}
+    print(json.dumps(out), flush=True)
+    return out
 
 
 # ---- memory -------------------------------------------------------------------------------
@@ -77,19 +126,19 @@ def memory_child(case: str, h: int, n: int, topk: int) -> None:
     q, k, v = inputs(h, n)
     small = inputs(h, 256)
     stats(small[0], small[1], forward(*small)[1], topk)  # warm-up
-    lse = forward(q, k, v)[1] if case == "stats" else None
+    lse = forward(q, k, v)[1] if case == "stats_given_lse" else None
     reset = True
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     except OSError:
         reset = False
     before = proc_status_kib("VmRSS")
-    if case == "stats":
-        st = stats(q, k, lse, topk)
-        check = float(st.entropy.sum())
-    else:
+    if case == "forward":
         out, lse = forward(q, k, v)
         check = float(out.sum())
+    else:
+        st = stats(q, k, lse, topk)
+        check = float(st.entropy.sum())
     peak = proc_status_kib("VmHWM")
     print(json.dumps({"extra_bytes": (peak - before) * 1024, "hwm_reset": reset, "check": check}))
 
@@ -110,50 +159,63 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.1f}"
 
 
-def write_report(meta: dict, t: dict, mem: dict, path: Path) -> None:
-    n, h, k = meta["n"], meta["h"], meta["topk"]
-    scores = h * n * n * 4
-    per_row = (4 * 5 + 8 * k + 4 * k + 4 * 3 + 8) * h * n  # entropy, max, distance, ... + top-k + key/rel weights + n_keys
+def write_report(meta: dict, times: dict, mem: dict, model: dict, path: Path) -> None:
+    h, k = meta["h"], meta["topk"]
+    ns = sorted(times)
+    n_mem = max(mem) if mem else None
     lines = [
         "# qkv.inspect CPU benchmark: streaming statistics",
         "",
         f"{meta['date']} · {meta['cpu']} · {meta['threads']} threads · torch {meta['torch']} · Python {meta['python']}",
         "",
-        f"`attention_stats` (entropy, max weight, top-{k}, mean distance, weight on key 0, on keys i−1 and i) "
-        f"at N = {n}, batch 1 × {h} heads, head dim {D}, float32, causal, given the lse. The peer, measured in "
-        "the same run and interleaved, is the fused forward pass that yields that lse: "
-        '`qkv.attention(..., is_causal=True, backend="chunked", return_lse=True)`. '
-        f"Best of {t['rounds']} rounds.",
+        f"`attention_stats` (entropy, max weight, top-{k}, mean distance, weight on key 0, on keys i−1 and i), "
+        f"batch 1 × {h} heads, head dim {D}, float32, causal. The peer, measured in the same run and interleaved, "
+        'is the fused forward pass `qkv.attention(..., is_causal=True, backend="chunked", return_lse=True)`. '
+        "\"One pass\" gets no lse: it finds it on the way (online rescaling) and returns it. "
+        f"Best of {times[ns[0]]['rounds']} rounds; ratios are × the forward pass.",
         "",
-        "| pass | seconds | × forward |",
-        "|---|---:|---:|",
-        f"| forward + lse (chunked) | {t['forward_s']:.2f} | 1.00 |",
-        f"| statistics, given the lse | {t['stats_s']:.2f} | {t['stats_s'] / t['forward_s']:.2f} |",
-        f"| statistics from scratch (forward + statistics) | {t['forward_s'] + t['stats_s']:.2f} | {1 + t['stats_s'] / t['forward_s']:.2f} |",
-        "",
-        "Peak extra resident memory, MiB above what the process already held (inputs, and for the statistics the "
-        "lse), each case in a fresh process. The full weight matrix would be "
-        f"{_mib(scores)} MiB ({h} × N × N float32); the statistics' own results are about {_mib(per_row)} MiB.",
-        "",
-        "| pass | peak extra MiB | % of N×N weights |",
-        "|---|---:|---:|",
-        f"| forward + lse (chunked) | {_mib(mem['forward']['extra_bytes'])} | {100 * mem['forward']['extra_bytes'] / scores:.3f}% |",
-        f"| statistics, given the lse | {_mib(mem['stats']['extra_bytes'])} | {100 * mem['stats']['extra_bytes'] / scores:.3f}% |",
-        "",
-        "Both passes hold two of their inputs widened by one column (the folded lse or running shift), "
-        f"about {_mib(2 * h * n * (D + 1) * 4)} MiB here, plus a few tiles; neither grows with N².",
-        "",
-        "The statistics cost one score matmul and one `exp2` per tile like the forward pass, plus the "
-        "reductions (entropy, maximum, distance via a 2-column matmul off the diagonal). `torch.topk` "
-        "costs about ten `exp2` passes per element on this CPU, so the running top-k is updated only on "
-        "rows whose tile maximum beats their k-th best, for as many entries as the neediest row takes; "
-        "it is still about half of the statistics' time.",
-        "",
-        f"Machine load while measuring: {meta['load']} (1/5/15-minute load averages on {meta['cores']} cores; "
-        "other jobs shared the CPU, which hits both columns alike since the runs are interleaved).",
+        "| N | forward s | given the lse | one pass, no top-k | one pass, top-" + str(k) + " |",
+        "|---:|---:|---:|---:|---:|",
     ]
-    if not (mem["stats"].get("hwm_reset") and mem["forward"].get("hwm_reset")):
-        lines.append("\nNote: /proc/self/clear_refs was not writable, so the statistics' peak includes the lse pass.")
+    for n in ns:
+        t = times[n]
+        f = t["forward"]
+        lines.append(f"| {n} | {f:.2f} | {t['stats_given_lse'] / f:.2f}× | {t['one_pass_no_topk'] / f:.2f}× | {t['one_pass'] / f:.2f}× |")
+    if model:
+        m = model["model"]
+        lines += [
+            "",
+            "The bundled all-MiniLM-L6-v2 (6 layers × 12 heads, head dim 32) on a 512-token input: "
+            f"unrecorded {1e3 * m:.0f} ms; recorded with statistics of every layer "
+            '(`record(model, "*.weights", stats=True, reuse_lse=True)`, each layer\'s own lse) '
+            f"{1e3 * model['model_recorded']:.0f} ms ({model['model_recorded'] / m:.2f}×), without the top-k "
+            f"{1e3 * model['model_recorded_no_topk']:.0f} ms ({model['model_recorded_no_topk'] / m:.2f}×).",
+        ]
+    if n_mem:
+        scores = h * n_mem * n_mem * 4
+        lines += [
+            "",
+            f"Peak extra resident memory at N = {n_mem}, MiB above what the process already held, each case in a fresh "
+            f"process. The full weight matrix would be {_mib(scores)} MiB ({h} × N × N float32).",
+            "",
+            "| pass | peak extra MiB | % of N×N weights |",
+            "|---|---:|---:|",
+        ]
+        for case, label in (("forward", "forward + lse (chunked)"), ("stats_given_lse", "statistics, given the lse"),
+                            ("one_pass", f"statistics in one pass, top-{k}")):
+            if case in mem[n_mem]:
+                b = mem[n_mem][case]["extra_bytes"]
+                lines.append(f"| {label} | {_mib(b)} | {100 * b / scores:.3f}% |")
+    lines += [
+        "",
+        "Per tile the statistics cost one score matmul and one `exp2` (the forward pass: two matmuls and an `exp` inside "
+        "torch's fused kernel), plus their reductions in separate torch operations: entropy, maximum, the distance via "
+        "a matrix-vector product off the diagonal, and the running top-k (entries above a row's k-th best are picked "
+        "out and merged; a row block's first tile takes a full `topk`). Those extra passes over each tile are what "
+        "the fused kernel does not pay.",
+        "",
+        f"Machine load while measuring: {meta['load']} (1/5/15-minute load averages on {meta['cores']} cores).",
+    ]
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
 
@@ -163,7 +225,8 @@ def main() -> None:
         memory_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=32768)
+    ap.add_argument("--n", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--no-model", action="store_true", help="skip the bundled-model case")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--topk", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
@@ -180,11 +243,13 @@ def main() -> None:
         "topk": args.topk,
         "cores": os.cpu_count(),
     }
-    t = time_case(args.heads, args.n, args.topk, args.rounds)
-    mem = {case: memory_case(case, args.heads, args.n, args.topk) for case in ("forward", "stats")}
+    times = {n: time_case(args.heads, n, args.topk, args.rounds) for n in args.n}
+    model = {} if args.no_model else model_case(max(3, args.rounds), args.topk)
+    top = max(args.n)
+    mem = {top: {case: memory_case(case, args.heads, top, args.topk) for case in ("forward", "stats_given_lse", "one_pass")}}
     meta["load"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())  # sampled at the end: covers the run
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_report(meta, t, mem, args.out)
+    write_report(meta, times, mem, model, args.out)
 
 
 if __name__ == "__main__":
