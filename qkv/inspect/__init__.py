@@ -6,6 +6,8 @@
   every row in one tiled pass, never holding ``Nq × Nk``.
 - :func:`record` — capture ``q``/``k``/``v``/``scores``/``weights``/``lse``/``output`` (or only
   statistics) from every :class:`qkv.nn.MultiHeadAttention` in a model during a forward pass.
+- :func:`trace_model` — one real head of a BERT model (default all-MiniLM-L6-v2) as a float64
+  glass-box :class:`qkv.reference.Trace`, every step kept.
 - :func:`head_summary` — rank and classify heads (previous-token, sink, broad, self).
 - :func:`ablate`, :func:`patch`, :func:`patch_from`, :func:`patching_effects` — change what heads
   compute during a forward pass (qkv.nn models and Hugging Face models on qkv) and measure it.
@@ -22,6 +24,7 @@ from .intervene import (
     patch_from,
     patching_effects,
 )
+from .glass import trace_model
 from .maps import attention_map, attention_scores
 from .stats import AttentionStats, attention_stats
 from .summary import HeadSummary, head_summary
@@ -44,4 +47,5 @@ __all__ = [
     "capture_outputs",
     "patching_effects",
     "PatchingEffects",
+    "trace_model",
 ]
