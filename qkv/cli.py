@@ -459,35 +459,64 @@ def _demo_heads(args: argparse.Namespace) -> str:
     )
 
 
+_MODEL_TEXT = {
+    "en": {
+        "heading": "4. A real model: where does \"she\" look?",
+        "skipped": "(skipped: --no-model)",
+        "missing": "(skipped: the pretrained model is not available here: {e})",
+        "intro": (
+            "all-MiniLM-L6-v2 has {layers} layers of {heads} heads (counted from 0). In each, every token spreads one unit\n"
+            'of attention over the sentence. Here is where "she" puts it; in layer {layer}, head {head} it gives\n'
+            '{w:.0%} to "alice": that head links the pronoun to the person.'
+        ),
+        "files": (
+            "Wrote:\n  {png}   (every head as a heatmap, and L{layer} H{head} in full)\n"
+            "  {page}   (open in a browser: interactive, works offline)"
+        ),
+        "next": 'Every step of that head, with its real numbers: qkv trace --model --token she --layer {layer} --head {head}',
+    },
+    "zh": {
+        "heading": "4. 真实模型：“she”在看哪里？",
+        "skipped": "（已跳过：--no-model）",
+        "missing": "（已跳过：这里没有可用的预训练模型：{e}）",
+        "intro": (
+            "all-MiniLM-L6-v2 有 {layers} 层，每层 {heads} 个注意力头（都从 0 开始编号）。在每个头里，每个词元都把\n"
+            "一份总量为 1 的注意力分配给句子中的词元。下面是“she”的分配方式：在第 {layer} 层的头 {head} 里，\n"
+            "它把 {w:.0%} 的注意力给了“alice”——这个头把代词和它所指的人联系了起来。"
+        ),
+        "files": (
+            "已写入：\n  {png}   （每个头的热力图，以及 L{layer} H{head} 的完整热力图）\n"
+            "  {page}   （用浏览器打开：可交互，离线可用）"
+        ),
+        "next": "用真实数字逐步查看这个头：qkv trace --model --token she --layer {layer} --head {head} --lang zh",
+    },
+}
+
+
 def _demo_model(args: argparse.Namespace) -> str:
     """Part 4: the real all-MiniLM-L6-v2 on a sentence; writes the heatmaps and the HTML report."""
-    heading = _heading("4. A real model: where does \"she\" look?" if args.lang == "en" else "4. 真实模型：“she”在看哪里？")
+    txt = _MODEL_TEXT[args.lang]
+    heading = _heading(txt["heading"])
     if getattr(args, "no_model", False):
-        return heading + "\n\n(skipped: --no-model)"
+        return heading + "\n\n" + txt["skipped"]
     try:
         from .viz import explain, save_html, save_png
 
         ex = explain(MODEL_SENTENCE, focus="she", target="alice")
     except (ImportError, RuntimeError, FileNotFoundError) as e:
-        return f"{heading}\n\n(skipped: the pretrained model is not available here: {e})"
+        return heading + "\n\n" + txt["missing"].format(e=e)
     out = os.path.abspath(args.out)
     try:
         os.makedirs(out, exist_ok=True)
-        png = save_png(ex, os.path.join(out, "heatmap.png"))
-        page = save_html(ex, os.path.join(out, "report.html"))
+        png = save_png(ex, os.path.join(out, "heatmap.png"), lang=args.lang)
+        page = save_html(ex, os.path.join(out, "report.html"), lang=args.lang)
     except OSError as e:  # checked when parsed; this is what only trying finds (/proc, a full disk)
         raise _write_error("--out", args.out, e) from None
     layer, head, w = ex.top_heads(1)[0]
-    intro = (
-        f"all-MiniLM-L6-v2 has {ex.num_layers} layers of {ex.num_heads} heads. In each, every token spreads one unit\n"
-        f'of attention over the sentence. Here is where "she" puts it; in layer {layer}, head {head} it gives\n'
-        f'{w:.0%} to "alice": that head links the pronoun to the person.'
-    )
-    files = (
-        f"Wrote:\n  {png}   (every head as a heatmap, and L{layer} H{head} in full)\n"
-        f"  {page}   (open in a browser: interactive, works offline)"
-    )
-    return "\n\n".join([heading, intro, ex.to_string(), files])
+    intro = txt["intro"].format(layers=ex.num_layers, heads=ex.num_heads, layer=layer, head=head, w=w)
+    files = txt["files"].format(png=png, page=page, layer=layer, head=head)
+    return "\n\n".join([heading, intro, ex.to_string(lang=args.lang), files,
+                         txt["next"].format(layer=layer, head=head)])
 
 
 DEMO_PARTS: list[Callable[[argparse.Namespace], str]] = [_demo_sentence, _demo_worked, _demo_heads, _demo_model]
