@@ -374,3 +374,133 @@ def test_reference_modules_do_not_import_torch():
                 assert not any(a.name.split(".")[0] == "torch" for a in node.names), name
             if isinstance(node, ast.ImportFrom):
                 assert (node.module or "").split(".")[0] != "torch", name
+
+
+# -- biases, meta, schema, wide matrices ----------------------------------------------------------
+
+
+def test_biases_are_added_to_every_row(rng):
+    x, (wq, wk, wv) = _inputs(rng, n=4, width_qk=6, width_v=4)
+    bq, bk, bv = rng.normal(size=6), rng.normal(size=6), rng.normal(size=4)
+    t = trace(x, wq, wk, wv, b_q=bq, b_k=bk, b_v=bv, num_heads=2)
+    q, k, v = x @ wq + bq, x @ wk + bk, x @ wv + bv
+    np.testing.assert_allclose(t.q, q)
+    for h in range(2):
+        s = q[:, 3 * h : 3 * h + 3] @ k[:, 3 * h : 3 * h + 3].T / np.sqrt(3)
+        np.testing.assert_allclose(t.weights[h], _softmax(s))
+        np.testing.assert_allclose(t.output[h], _softmax(s) @ v[:, 2 * h : 2 * h + 2])
+    np.testing.assert_array_equal(t.b_v, bv)
+    single = trace(x, wq[:, :3], wk[:, :3], wv, b_q=bq[:3])
+    text = single.to_string()
+    assert "Q = X·W_Q + b_Q" in text and "b_Q " in text and "K = X·W_K\n" not in text
+    assert "biases b_Q, b_K, b_V are added" in single.explain()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(b_q=np.ones(4)), r"b_q has 4 entries but w_q has 3 columns"),
+        (dict(b_v=np.ones((2, 3))), r"b_v must be a vector \(3,\)"),
+        (dict(b_k=np.array([1.0, np.inf, 0.0])), "b_k contains NaN or infinite"),
+        (dict(meta=["model"]), "meta must be a dict"),
+    ],
+)
+def test_bad_biases_and_meta(change, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        trace(np.ones((2, 4)), np.ones((4, 3)), np.ones((4, 3)), np.ones((4, 3)), **change)
+
+
+def test_to_dict_schema_meta_biases_and_precision(rng):
+    x, (wq, wk, wv) = _inputs(rng, n=3)
+    meta = {"model": "m", "layer": np.int64(1), "head": 2, "source": "model"}
+    t = trace(x, wq, wk, wv, b_q=rng.normal(size=3), meta=meta)
+    d = json.loads(json.dumps(t.to_dict(), allow_nan=False))
+    assert d["schema_version"] == 1 and d["kind"] == "attention"
+    assert d["meta"] == {"model": "m", "layer": 1, "head": 2, "source": "model"}
+    assert len(d["params"]["b_q"]) == 3 and d["params"]["b_k"] is None
+    back = Trace.from_dict(d)
+    np.testing.assert_array_equal(back.b_q, t.b_q)
+    assert back.b_k is None and back.meta == d["meta"]
+    r = t.to_dict(precision=2)
+    assert r["steps"]["weights"][0][0] == round(float(t.weights[0, 0]), 2)
+    assert all(round(v, 2) == v for row in r["steps"]["q"] for v in row)
+    with pytest.raises(ValueError, match="precision"):
+        t.to_dict(precision=16)
+
+
+def test_from_dict_reads_dicts_written_before_the_schema(rng):
+    x, (wq, wk, wv) = _inputs(rng, n=3)
+    t = trace(x, wq, wk, wv)
+    old = t.to_dict()
+    for key in ("schema_version", "kind", "meta"):
+        del old[key]
+    for key in ("b_q", "b_k", "b_v"):
+        del old["params"][key]
+    back = Trace.from_dict(old)
+    np.testing.assert_array_equal(back.weights, t.weights)
+    assert back.meta == {} and back.b_q is None
+    with pytest.raises(ValueError, match="upgrade qkv"):
+        Trace.from_dict({**t.to_dict(), "schema_version": 99})
+    with pytest.raises(ValueError, match="not an attention trace"):
+        Trace.from_dict({**t.to_dict(), "kind": "block"})
+
+
+def test_wide_matrices_are_summarised_not_dumped(rng):
+    n, d_model, d_k = 5, 384, 32
+    x = rng.normal(size=(n, d_model))
+    w = [rng.normal(size=(d_model, d_k)) for _ in range(3)]
+    t = trace(x, *w, tokens=list("abcde"), meta={"model": "toy-model", "layer": 1, "head": 3, "source": "model"})
+    text = t.to_string()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) < 120  # no 384-column dump
+    i = lines.index(next(line for line in lines if line.startswith("X ")))
+    assert lines[i + 1].split() == ["0", "1", "2", "3", "…", "382", "383", "‖row‖"]
+    row = lines[i + 2].split()
+    assert row[0] == "a" and row[5] == "…" and float(row[-1]) == pytest.approx(np.linalg.norm(x[0]), abs=1e-3)
+    assert "(columns 0–3, 382–383 of 384 shown" in text and "(rows 0–5, 382–383 of 384 shown)" in text
+    assert "model: toy-model, layer 1, head 3" in text and "layer 1, head 3: its 32 of the layer's 384 columns" in text
+    # token × token matrices keep every key
+    j = lines.index(next(line for line in lines if line.startswith("weights = softmax")))
+    assert lines[j + 1].split() == list("abcde")
+    zh = t.to_string(lang="zh")
+    assert "显示第 0–3, 382–383 列，共 384 列" in zh and "模型：toy-model" in zh
+    html = t.to_html()
+    assert "<th>‖row‖</th>" in html and "<th>⋮</th>" in html
+    assert "<th>200</th>" not in html and html.count("<th>383</th>") == 4  # X's last column, W_Q/W_K/W_V's last row
+
+
+def test_narrow_traces_look_as_before(rng):
+    x, (wq, wk, wv) = _inputs(rng, n=3, d_model=10, width_qk=10)
+    text = trace(x, wq, wk, wv).to_string()
+    assert "…" not in text and "‖row‖" not in text and "shown" not in text
+
+
+def test_long_dot_products_are_quoted_by_their_largest_terms(rng):
+    q, k = rng.normal(size=(3, 32)), rng.normal(size=(3, 32))
+    t = Trace.from_qkv(q, k, rng.normal(size=(3, 4)), tokens=["a", "b", "c"])
+    j = int(t.top_keys[0])
+    prod = q[0] * k[j]
+    top = np.argsort(-np.abs(prod))[:4]
+    en = t.explain(precision=3)
+    assert f"d_k = 32 products; for \"{t.tokens[j]}\" the largest are q[{top[0]}]·k[{top[0]}]" in en
+    assert f"the other 28 add up to {short(prod.sum() - prod[top].sum())}" in en
+    assert f"the total is {short(prod.sum())}" in en and short(prod.sum()) == short(t.scores[0, j])
+    zh = t.explain("zh")
+    assert "其余 28 项之和为" in zh and f"总和为 {short(prod.sum())}" in zh
+
+
+def test_many_tokens_weighted_sum_quotes_the_heaviest(rng):
+    t = Trace.from_qkv(rng.normal(size=(14, 3)), rng.normal(size=(14, 3)), rng.normal(size=(14, 2)))
+    en = t.explain()
+    assert "the other 9 tokens' weighted values (weight" in en
+    assert "其余 9 个词元的加权值" in t.explain("zh")
+
+
+def test_heads_and_tokens_are_counted_from_0(rng):
+    x, (wq, wk, wv) = _inputs(rng, n=3, width_qk=4, width_v=4)
+    t = trace(x, wq, wk, wv, num_heads=2, tokens=["a", "b", "c"])
+    en = t.explain(token=1)
+    assert '"b" (token 1 of tokens 0–2)' in en and "Here is head 0:" in en and "  head 1: " in en
+    assert "head 2" not in en
+    zh = t.explain("zh", token=1)
+    assert "词元 1，编号 0–2" in zh and "下面以头 0 为例" in zh and "  头 1：" in zh
