@@ -132,3 +132,20 @@ def test_trace_and_glass_box_demo_do_not_import_torch():
     if before == "True":
         pytest.skip("the qkv package itself imports torch")
     assert after == "False"
+
+
+def test_demo_chinese_model_part(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    models = pytest.importorskip("qkv.models")
+    try:
+        models.default_model_dir()
+    except FileNotFoundError as e:  # pragma: no cover - depends on the environment
+        pytest.skip(f"the bundled model is not installed: {e}")
+    assert main(["demo", "--lang", "zh", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    part = out[out.index("4. 真实模型"):]
+    assert "all-MiniLM-L6-v2 有 6 层，每层 12 个注意力头" in part and "已写入：" in part
+    assert "qkv trace --model --token she --layer 1 --head 3 --lang zh" in part
+    for english in ("Wrote", "has 6 layers", "Where ", "Heads that link", "open in a browser"):
+        assert english not in part
+    assert (tmp_path / "heatmap.png").is_file() and "<html" in (tmp_path / "report.html").read_text(encoding="utf-8")

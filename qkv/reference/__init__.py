@@ -6,6 +6,7 @@ intermediate matrix of a self-attention pass so it can be printed, explained and
 
 from .attention import attention_ref, combined_mask, positional_mask, softmax_rows
 from .masks import PositionalMask, parse_causal, parse_window
+from .tokens import split_words
 from .trace import Trace, trace
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "parse_window",
     "Trace",
     "trace",
+    "split_words",
 ]
