@@ -671,7 +671,8 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE", type=_output_file, help="write an interactive page of the trace")
     p.add_argument("--png", metavar="FILE", type=_output_file, help="write a picture of the trace")
     p.add_argument("--model", metavar="DIR", nargs="?", const="", default=None,
-                   help="trace one real head of a BERT model: the bundled all-MiniLM-L6-v2, or DIR")
+                   help="trace one real head of a BERT model: the bundled all-MiniLM-L6-v2, or DIR "
+                   "(write TEXT before --model, which would otherwise take TEXT as DIR)")
     p.add_argument("--layer", type=_int_at_least(0), help="with --model: the layer, from 0 (default: the layer of "
                    "the head qkv explain would show for this text and --token)")
     p.add_argument("--head", type=_int_at_least(0), help="with --model: the head, from 0 (default: the head qkv "
