@@ -147,6 +147,7 @@ def attention_stats(
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
     check_lse: bool = True,
+    backend: str = "auto",
 ) -> AttentionStats:
     """Entropy, top-k, mean distance and chosen-key weights of every query row, in one tiled pass.
 
@@ -162,10 +163,22 @@ def attention_stats(
     ``key_positions`` may be negative (``-1`` = the last key). A given ``lse`` is checked as in
     :func:`~qkv.inspect.attention_map` (dtype, device, shape, NaN/+inf, rows summing to 1;
     ``check_lse=False``: the first four only).
+
+    ``backend``: ``"torch"`` (the tiled pass in torch operations), ``"triton"`` (a fused one-pass
+    kernel, :func:`qkv.backends.triton.kernels._stats_kernel`; CUDA, or Triton's CPU interpreter),
+    or ``"auto"`` (triton on CUDA when it is installed, else torch). The triton kernel always
+    finds the lse itself and keeps its sums in float32.
     """
     if topk < 0:
         raise ValueError(f"topk={topk} must be >= 0")
     call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend={backend!r} is not a statistics backend; use 'auto', 'torch' or 'triton'")
+    if backend == "triton" or (backend == "auto" and call.device.type == "cuda" and _triton_ok(call) is None):
+        why = _triton_ok(call)
+        if why is not None:
+            raise ValueError(f"backend='triton' cannot compute these statistics: {why}; use backend='torch'")
+        return _triton_stats(call, topk, key_positions, relative_positions)
     check = lse is not None and check_lse
     online = lse is None  # one pass: the lse is found on the way, with every sum rescaled as the row maximum grows
     lse_g = None if online else grouped_lse(call, lse, check=check)
@@ -404,3 +417,33 @@ def _merge_topk(flat_v: torch.Tensor, flat_i: torch.Tensor, t: torch.Tensor, row
     best, where = torch.cat([old_v, tv], -1).topk(kk, dim=-1)
     flat_v[rows] = best
     flat_i[rows] = torch.cat([old_i, ti + k0], -1).gather(-1, where)
+
+
+def _triton_ok(call: Any) -> Optional[str]:
+    """Why the triton statistics kernel cannot run this call, or None."""
+    from ..backends import BACKENDS
+
+    tb = BACKENDS["triton"]
+    why = tb.available()
+    if why is not None:
+        return why
+    reasons = [r for r in tb.not_supported_reasons(call) if "dropout" not in r and "value" not in r]
+    return "; ".join(reasons) or None
+
+
+def _triton_stats(call: Any, topk: int, key_positions: Sequence[int], relative_positions: Sequence[int]) -> AttentionStats:
+    from ..backends.triton.backend import triton_stats
+
+    kpos = _positions(key_positions, call.nk, "key_positions") if call.nk else ()
+    rel = tuple(int(r) for r in relative_positions)
+    q, k, _ = call.grouped_qkv()
+    kp = call.grouped_key_padding()
+    lo, hi = call.positional.band()
+    res = triton_stats(q, k, call.grouped_attn_mask(), None if kp is None else kp[:, 0, 0, 0, :], call.scale, lo, hi,
+                       call.positional.offset, min(topk, call.nk), kpos, rel)
+    res = {name: call.ungroup(t) for name, t in res.items()}
+    return AttentionStats(
+        **res, key_positions=kpos, relative_positions=rel, query_offset=call.positional.offset,
+        meta={"nq": call.nq, "nk": call.nk, "hq": call.hq, "hk": call.hk, "causal": call.causal, "window": call.window,
+              "backend": "triton"},
+    )

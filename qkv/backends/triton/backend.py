@@ -127,6 +127,61 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
     return out, lse
 
 
+def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_positions, relative_positions) -> dict:
+    """One-pass statistics (:func:`kernels._stats_kernel`) for q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``;
+    ``lo``/``hi`` the band of ``j - i`` (offsets resolved), ``pos_offset`` the key position of query row 0.
+
+    Returns float32 ``lse``, ``entropy``, ``max_weight``, ``mean_distance`` ``(B, Hk, G, Nq)``,
+    ``n_keys`` (int64), ``topk_weights``/``topk_indices`` ``(…, topk)`` sorted descending (-1 past
+    the allowed keys), ``key_weights`` ``(…, P)`` and ``relative_weights`` ``(…, R)``.
+    """
+    b, hk, g, nq, nk, _, _, m, ms, kpt, kps, _, _, meta = _common(q, k, mask, kp, None, None, None, None, lo, hi, False)
+    meta.pop("VARLEN")
+    d = q.shape[-1]
+    rows = b * hk * g * nq
+    dev = q.device
+    k_top = triton.next_power_of_2(max(1, topk))
+    n_kpos = triton.next_power_of_2(max(1, len(key_positions)))
+    n_rpos = triton.next_power_of_2(max(1, len(relative_positions)))
+    far = 1 << 30  # padding entries: a position no key has
+    kpos = torch.tensor(list(key_positions) + [-far] * (n_kpos - len(key_positions)), dtype=torch.int32, device=dev)
+    rpos = torch.tensor(list(relative_positions) + [far] * (n_rpos - len(relative_positions)), dtype=torch.int32, device=dev)
+    f32 = dict(dtype=torch.float32, device=dev)
+    lse, ent, maxw, dist = (torch.empty(rows, **f32) for _ in range(4))
+    nkeys = torch.empty(rows, dtype=torch.int32, device=dev)
+    top_v = torch.empty(rows, k_top, **f32)
+    top_i = torch.empty(rows, k_top, dtype=torch.int32, device=dev)
+    kw, rw = torch.empty(rows, n_kpos, **f32), torch.empty(rows, n_rpos, **f32)
+    if rows and nk:
+        cfg = launch_config("fwd", d, d, q.element_size())
+        grid = (triton.cdiv(nq, cfg["BLOCK_M"]), b * hk * g)
+        K._stats_kernel[grid](
+            q, k, lse, ent, maxw, dist, nkeys, top_v, top_i, kw, rw, kpos, rpos, m, kpt,
+            q.stride(0), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
+            k.stride(0), k.stride(1), k.stride(3), k.stride(4),
+            *ms, *kps,
+            hk, g, nq, nk, d, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, int(pos_offset),
+            BLOCK_D=_pow2(d), K_TOP=k_top, N_KPOS=n_kpos, N_RPOS=n_rpos, **meta, **cfg,
+        )  # fmt: skip
+    else:  # no key at all: every row is empty
+        for t, v in ((lse, float("-inf")), (ent, 0.0), (maxw, 0.0), (dist, 0.0), (nkeys, 0), (top_v, float("-inf")),
+                     (top_i, -1), (kw, 0.0), (rw, 0.0)):
+            t.fill_(v)
+    shape = (b, hk, g, nq)
+    lse2 = (lse / 0.6931471805599453).unsqueeze(-1)
+    order = torch.argsort(top_v, dim=-1, descending=True, stable=True)[:, :topk]
+    tv, ti = top_v.gather(-1, order), top_i.gather(-1, order).long()
+    gone = torch.isneginf(tv)
+    weights = torch.where(gone, 0.0, torch.exp2(tv - lse2.masked_fill(torch.isneginf(lse2), 0.0)))
+    return {
+        "lse": lse.view(shape), "entropy": ent.view(shape), "max_weight": maxw.view(shape), "mean_distance": dist.view(shape),
+        "n_keys": nkeys.long().view(shape), "topk_weights": weights.view(*shape, topk),
+        "topk_indices": ti.masked_fill(gone, -1).view(*shape, topk),
+        "key_weights": kw[:, : len(key_positions)].reshape(*shape, len(key_positions)),
+        "relative_weights": rw[:, : len(relative_positions)].reshape(*shape, len(relative_positions)),
+    }
+
+
 def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right):
     """Gradients for q, k, v (same shapes); deterministic (no atomics)."""
     b, hk, g, nq, nk, nq_grid, nk_grid, m, ms, kpt, kps, cuq, cuk, meta = _common(

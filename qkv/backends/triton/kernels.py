@@ -380,3 +380,128 @@ def _bwd_dq_kernel(
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + hk * stride_dqh + g * stride_dqg + rows[:, None] * stride_dqn
              + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _stats_kernel(
+    Q, K, Lse, Ent, MaxW, Dist, NKeys, TopV, TopI, KW, RW, KPos, RPos, Mask, KP,
+    stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_mb, stride_mh, stride_mg, stride_mm, stride_mn,
+    stride_kpb, stride_kpn,
+    HK, G, NQ, NK, D, qk_scale, lo, hi, pos_offset,
+    BOTTOM_RIGHT: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+    HAS_KP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    K_TOP: tl.constexpr, N_KPOS: tl.constexpr, N_RPOS: tl.constexpr,
+):
+    """Per-row attention statistics in one pass (the forward kernel's loop without V).
+
+    Kept per row, in base 2, rescaled like the output when the running maximum m grows:
+    l = Σ 2^(s-m), e = Σ 2^(s-m)·(s-m) (entropy), the distance sum Σ 2^(s-m)·|pos-j|, the
+    weights on ``N_KPOS`` chosen keys and ``N_RPOS`` offsets, the count of allowed keys, and the
+    ``K_TOP`` best scores with their keys (each tile offers its ``K_TOP`` best, each replacing the
+    running minimum it beats; the caller sorts). Query row i sits at key position
+    ``i + pos_offset``. Outputs are contiguous ``(rows, ·)`` with row ``(b·HK + hk)·G + g`` times
+    ``NQ`` plus the query index.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # b * HK * G + hk * G + g
+    g = pid_bh % G
+    hk = (pid_bh // G) % HK
+    b = pid_bh // (G * HK)
+    nq = NQ
+    nk = NK
+    q0 = pid_m * BLOCK_M
+    offset = (nk - nq) if BOTTOM_RIGHT else 0
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    cols_top = tl.arange(0, K_TOP)
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + hk * stride_qh + g * stride_qg
+    k_base = K + b64 * stride_kb + hk * stride_kh
+    m_row = Mask + b64 * stride_mb + hk * stride_mh + g * stride_mg
+    kp_row = KP + b64 * stride_kpb
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D), other=0.0)
+    pos = offs_m + pos_offset  # key position of each query row (distance and relative keys)
+
+    q1 = tl.minimum(q0 + BLOCK_M, nq)
+    k_lo = 0
+    k_hi = nk
+    if HAS_LO:
+        k_lo = tl.maximum(0, q0 + offset + lo)
+    if HAS_HI:
+        k_hi = tl.minimum(nk, q1 - 1 + offset + hi + 1)
+    k_lo = (k_lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    e_i = tl.zeros([BLOCK_M], tl.float32)
+    d_i = tl.zeros([BLOCK_M], tl.float32)
+    cnt = tl.zeros([BLOCK_M], tl.int32)
+    kw = tl.zeros([BLOCK_M, N_KPOS], tl.float32)
+    rw = tl.zeros([BLOCK_M, N_RPOS], tl.float32)
+    top_v = tl.full([BLOCK_M, K_TOP], float("-inf"), tl.float32)
+    top_i = tl.full([BLOCK_M, K_TOP], -1, tl.int32)
+    kcols = tl.arange(0, N_KPOS)
+    rcols = tl.arange(0, N_RPOS)
+    for n0 in range(k_lo, k_hi, BLOCK_N):
+        offs_n = n0 + offs_n0
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D), other=0.0)
+        ok = _tile_allowed(offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
+                           HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL)
+        s = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, HAS_MASK, MASK_BOOL, FP32_DOT, UPCAST)
+        live = s != float("-inf")  # a float -inf bias masks like a bool mask
+        cnt += tl.sum(live.to(tl.int32), 1)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        delta = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)  # <= 0: how far the maximum moved
+        alpha = tl.exp2(delta)
+        e_i = alpha * (e_i + delta * l_i)  # Σ p̃ (s - m), re-centred on the new maximum
+        l_i = alpha * l_i
+        d_i = alpha * d_i
+        kw = kw * alpha[:, None]
+        rw = rw * alpha[:, None]
+        ts = tl.where(live, s - m_safe[:, None], 0.0)
+        p = tl.where(live, tl.exp2(ts), 0.0)
+        l_i += tl.sum(p, 1)
+        e_i += tl.sum(p * ts, 1)
+        d_i += tl.sum(p * tl.abs(offs_n[None, :] - pos[:, None]).to(tl.float32), 1)
+        for c in tl.static_range(N_KPOS):
+            j = tl.load(KPos + c)
+            hit = tl.sum(tl.where(offs_n[None, :] == j, p, 0.0), 1)
+            kw = tl.where(kcols[None, :] == c, kw + hit[:, None], kw)
+        for c in tl.static_range(N_RPOS):
+            r = tl.load(RPos + c)
+            hit = tl.sum(tl.where(offs_n[None, :] == (pos + r)[:, None], p, 0.0), 1)
+            rw = tl.where(rcols[None, :] == c, rw + hit[:, None], rw)
+        m_i = m_new
+        ss = s
+        for _ in tl.static_range(K_TOP):
+            x = tl.max(ss, 1)
+            jx = tl.argmax(ss, 1)
+            low = tl.min(top_v, 1)
+            slot = tl.argmin(top_v, 1)
+            take = (x > low)[:, None] & (cols_top[None, :] == slot[:, None])
+            top_v = tl.where(take, x[:, None], top_v)
+            top_i = tl.where(take, (n0 + jx)[:, None], top_i)
+            ss = tl.where(offs_n0[None, :] == jx[:, None], float("-inf"), ss)
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    lse2 = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+    ent = tl.where(has, (tl.log2(l_safe) - e_i / l_safe) * 0.6931471805599453, 0.0)  # ln 2
+    row = pid_bh.to(tl.int64) * nq + offs_m
+    rmask = offs_m < nq
+    tl.store(Lse + row, lse2 * 0.6931471805599453, mask=rmask)
+    tl.store(Ent + row, tl.maximum(ent, 0.0), mask=rmask)
+    tl.store(MaxW + row, tl.where(has, 1.0 / l_safe, 0.0), mask=rmask)
+    tl.store(Dist + row, d_i / l_safe, mask=rmask)
+    tl.store(NKeys + row, cnt, mask=rmask)
+    tl.store(TopV + row[:, None] * K_TOP + cols_top[None, :], top_v, mask=rmask[:, None])  # base-2 scores
+    tl.store(TopI + row[:, None] * K_TOP + cols_top[None, :], top_i, mask=rmask[:, None])
+    tl.store(KW + row[:, None] * N_KPOS + kcols[None, :], kw / l_safe[:, None], mask=rmask[:, None])
+    tl.store(RW + row[:, None] * N_RPOS + rcols[None, :], rw / l_safe[:, None], mask=rmask[:, None])
