@@ -197,6 +197,9 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
         raise UsageError("--d-ff is the width of a block's feed-forward layer; add --block or leave it out")
     if args.steps is not None and args.json:
         raise UsageError("--steps chooses what the terminal view prints; --json always carries every step (drop one of them)")
+    if args.linear is not None and args.block:
+        raise UsageError("--linear puts linear attention beside one head's softmax attention; --block traces a whole "
+                         "block: use one of them")
 
 
 def _parse_steps(spec: Optional[str], valid: Sequence[str]) -> Optional[tuple[str, ...]]:
@@ -321,11 +324,14 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         token = _resolve_token(args.token, t.tokens)
         counting = _COUNTING
     files = _trace_files(args, t, token)
+    linear = None if args.linear is None else _linear_steps(t, args.linear, 0 if args.seed is None else args.seed)
     if args.json:
         if hasattr(t, "num_heads") and hasattr(t, "lse"):  # an attention Trace rounds itself
             d = t.to_dict(precision=args.precision if args.precision_given else None)
         else:
             d = _json_round(t.to_dict(), args.precision if args.precision_given else None)
+        if linear is not None:
+            d["linear"] = _json_round(_linear_dict(linear), args.precision if args.precision_given else None)
         print(json.dumps(d, allow_nan=False, ensure_ascii=False))
         return 0
     print(counting[args.lang])
@@ -333,9 +339,30 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     print(t.to_string(precision=args.precision, steps=steps, lang=args.lang))
     print()
     print(t.explain(args.lang, token=0 if token is None else token, precision=args.precision))
+    if linear is not None:
+        print()
+        print(linear.to_string(precision=args.precision, lang=args.lang, tokens=list(t.tokens)))
     for kind, path in files:
         print(_WROTE[args.lang].format(kind=kind, path=path))
     return 0
+
+
+def _linear_steps(t: Any, feature_map: str, seed: int) -> Any:
+    """Linear attention on the first head's own q, k, v (a model trace's head, or a toy trace's head 0)."""
+    from .reference.linear import favor_projection, linear_steps
+
+    h = t.heads[0] if getattr(t, "heads", None) else t
+    d = h.q.shape[-1]
+    projection = favor_projection(d, 4 * d, seed) if feature_map == "favor" else None
+    return linear_steps(h.q, h.k, h.v, feature_map, is_causal=bool(t.is_causal), projection=projection)
+
+
+def _linear_dict(s: Any) -> dict[str, Any]:
+    return {
+        "feature_map": s.feature_map, "is_causal": s.is_causal, "phi_q": s.phi_q.tolist(), "phi_k": s.phi_k.tolist(),
+        "state": s.state.tolist(), "normaliser": s.normaliser.tolist(), "output": s.output.tolist(),
+        "weights": s.weights.tolist(), "softmax_weights": s.softmax_weights().tolist(),
+    }
 
 
 def _trace_files(args: argparse.Namespace, t: Any, token: Optional[int]) -> list[tuple[str, str]]:
@@ -680,6 +707,8 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_int_at_least(1, 512), default=None,
                    help="with --model: refuse texts longer than this many word pieces (default 64)")
     p.add_argument("--block", action="store_true", help="trace a whole toy encoder block (qkv.reference.block)")
+    p.add_argument("--linear", choices=("elu", "relu", "favor"), default=None,
+                   help="also show linear attention (these feature maps) on the first head's Q, K, V, beside softmax")
     # trace prints every number: wider matrices are unreadable, and --d-model 1000000 would take gigabytes
     big = "; trace prints every number (qkv info sizes real calls)"
     p.add_argument("--d-model", type=_int_at_least(1, 256, big), default=None, help="toy embedding width (default 4)")

@@ -18,7 +18,8 @@ def add_parser(sub: Any) -> None:
         "experiments",
         help="run the experiments that test claims about self-attention",
         description="Each experiment measures one claim (the √d_k scaling, causal masking, cost against "
-        "sequence length, cross-attention, parallelism, path length, head roles, tied query/key projections) and writes PNG figures, a CSV and a report section "
+        "sequence length, cross-attention, parallelism, path length, head roles, tied query/key projections, "
+        "block-sparse and linear attention) and writes PNG figures, a CSV and a report section "
         "whose verdict is computed from the numbers.",
     )
     ex = p.add_subparsers(dest="experiments_command", metavar="{list,run}")

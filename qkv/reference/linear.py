@@ -144,7 +144,7 @@ class LinearSteps:
 
     def to_string(self, precision: int = 3, lang: str = "en", tokens: Optional[list[str]] = None) -> str:
         """Every step as labelled matrices (single head, 2-D inputs), softmax's weights beside."""
-        from .render import format_matrix
+        from .render import format_matrix, summary_note
 
         if lang not in _TEXT:
             raise ValueError(f"lang={lang!r} is not available; use 'en' or 'zh'")
@@ -159,16 +159,18 @@ class LinearSteps:
         fm = self.feature_map if isinstance(self.feature_map, str) else "custom"
         out = [tx["title"].format(fm=fm, n=n, f=f, mask=tx["causal" if self.is_causal else "full"]), ""]
 
-        def block(title: str, a: np.ndarray, r: list[str], c: list[str]) -> None:
-            out.extend([title, *format_matrix(np.atleast_2d(a), r, c, precision), ""])
+        def block(title: str, a: np.ndarray, r: list[str], c: list[str], features: bool = False) -> None:
+            a = np.atleast_2d(a)
+            note = summary_note(a.shape, features, lang)  # wide feature matrices: first/last columns and ‖row‖
+            out.extend([title, *format_matrix(a, r, c, precision, features=features), *([f"  {note}"] if note else []), ""])
 
-        block(tx["phi_q"].format(f=f), self.phi_q, rows, fcols)
-        block(tx["phi_k"].format(f=f), self.phi_k, keys, fcols)
-        block(tx["state"].format(f=f, dv=dv), self.state, fcols, [f"v{i}" for i in range(dv)])
-        block(tx["norm"].format(f=f), self.normaliser[None], ["z"], fcols)
+        block(tx["phi_q"].format(f=f), self.phi_q, rows, fcols, True)
+        block(tx["phi_k"].format(f=f), self.phi_k, keys, fcols, True)
+        block(tx["state"].format(f=f, dv=dv), self.state, fcols, [f"v{i}" for i in range(dv)], True)
+        block(tx["norm"].format(f=f), self.normaliser[None], ["z"], fcols, True)
         if self.is_causal:
             out.extend([tx["causal_state"], ""])
-        block(tx["out"], self.output, rows, [f"o{i}" for i in range(dv)])
+        block(tx["out"], self.output, rows, [f"o{i}" for i in range(dv)], True)
         block(tx["kernel"], self.kernel, rows, keys)
         block(tx["weights"], self.weights, rows, keys)
         soft = self.softmax_weights()
