@@ -41,6 +41,8 @@ _NEG_INF = float("-inf")
 # fewer, wider tiles amortise them (N = 8192, 4 heads, 2 threads: 1.32x the forward with 512,
 # 1.56x with 256, 1.46x with 1024).
 STATS_BLOCK_K = 512
+# Keys per chunk in the running top-k's search (see _merge_tile): 16 float32 = one cache line.
+TOPK_CHUNK = 16
 
 
 @dataclass
@@ -317,18 +319,19 @@ def _stats_heads(
                 cnt += (t != _NEG_INF).sum(-1)  # float -inf biases mask as bool masks do
             else:
                 cnt += w
-            tmax = t.amax(-1)  # (b, h, G, n)
+            c = TOPK_CHUNK if kk and w % TOPK_CHUNK == 0 and w // TOPK_CHUNK >= kk else 1
+            if c > 1:
+                # chunk r holds keys r, r + w/c, r + 2w/c, …: the reduction runs across rows of the
+                # (c, w/c) view, vectorised along its contiguous last dimension
+                cmax = t.view(b, h, g, n, c, w // c).amax(-2)  # (b, h, G, n, w/c): the maxima of key chunks
+                tmax = cmax.amax(-1)  # (b, h, G, n)
+            else:
+                cmax, tmax = t, t.amax(-1)
             if kk:
                 # (Online, the values are s·log2e: shifted to weights at the end.)
                 thr = topv[..., -1].reshape(-1)
-                if k0 == first_k or bool(torch.isneginf(thr).all()):  # a row block's first tile: everything is a candidate
-                    upd = (tmax.reshape(-1) > thr).nonzero().squeeze(1)
-                    if upd.numel():
-                        _merge_topk(flat_v, flat_i, t.view(-1, w), upd, k0)
-                else:
-                    upd = (tmax.reshape(-1) > thr).nonzero().squeeze(1)  # rows with some entry above their k-th best
-                    if upd.numel():
-                        _merge_candidates(flat_v, flat_i, t.view(-1, w), thr, k0, upd)
+                first = k0 == first_k or bool(torch.isneginf(thr).any())
+                _merge_tile(flat_v, flat_i, t.view(-1, w), cmax.reshape(-1, w // c), thr, k0, first)
             if online:
                 new = torch.maximum(mx, tmax)
                 shift = new.masked_fill(torch.isneginf(new), 0.0)  # rows with no key yet: nothing to shift
@@ -372,51 +375,55 @@ def _stats_heads(
         res["topk_indices"][..., q0:q1, :] = topi
 
 
-def _merge_candidates(flat_v: torch.Tensor, flat_i: torch.Tensor, t: torch.Tensor, thr: torch.Tensor, k0: int,
-                      rows_in: torch.Tensor) -> None:
-    """Merge into the running top-k every entry of the tile above its row's k-th best, in place.
+def _merge_tile(flat_v: torch.Tensor, flat_i: torch.Tensor, t: torch.Tensor, cmax: torch.Tensor, thr: torch.Tensor,
+                k0: int, first: bool) -> None:
+    """Merge a tile's entries into the running top-k of every row, in place.
 
-    flat_v/flat_i ``(rows, k)`` descending; t ``(rows, w)``; thr ``(rows,)`` the k-th best;
-    ``rows_in`` the rows whose tile maximum beats it (the only ones that can change). Past a
-    row's first tiles only a few entries per tile beat it (about ``k · w / keys seen``), so they are
-    picked out with one comparison and ``nonzero`` and merged per row through a small padded
-    ``topk`` — no ``topk`` over whole tile rows, which costs about ten ``exp2`` passes on a CPU.
+    flat_v/flat_i ``(rows, k)`` descending; t ``(rows, w)`` the tile (keys ``k0…``); cmax
+    ``(rows, w/c)`` the maxima of its chunks of ``c`` keys, chunk r holding keys ``r + i·w/c``
+    (``cmax is t`` when ``c = 1``); thr
+    ``(rows,)`` each row's k-th best so far. Only entries above ``thr`` can enter, and only chunks
+    whose maximum beats ``thr`` can hold one, so the search narrows to those chunks before looking
+    at single entries: ``torch.topk`` over whole tile rows costs about ten ``exp2`` passes on a
+    CPU, a comparison over the chunk maxima a sixteenth of one. On a row block's first tiles ``thr``
+    is ``-inf``; there the k-th largest chunk maximum bounds the row's k-th best from below (the k
+    largest chunk maxima are k of the tile's entries), and entries under it cannot enter.
     """
-    sub = t.index_select(0, rows_in)  # (r, w)
-    local, cols = (sub > thr.index_select(0, rows_in).unsqueeze(1)).nonzero(as_tuple=True)  # sorted by row
-    if not local.numel():
+    kk = flat_v.shape[1]
+    c = t.shape[1] // cmax.shape[1]
+    if first and cmax.shape[1] >= kk:  # (a tile narrower than k bounds nothing)
+        bound = cmax.topk(kk, dim=-1).values[:, -1]  # (rows,)
+        # entries ≥ bound may enter: compare with the float just below it
+        thr = torch.maximum(thr, torch.nextafter(bound, torch.full_like(bound, _NEG_INF)))
+    rows, chunks = (cmax > thr.unsqueeze(1)).nonzero(as_tuple=True)  # row-major: rows ascending
+    if not rows.numel():
         return
-    rows = rows_in.index_select(0, local)
+    if c > 1:
+        stride = cmax.shape[1]
+        vals = t.view(t.shape[0], c, stride)[rows, :, chunks]  # (hits, c): keys chunk + stride·i
+        hit, within = (vals > thr.index_select(0, rows).unsqueeze(1)).nonzero(as_tuple=True)
+        rows, cols, vals = rows.index_select(0, hit), chunks.index_select(0, hit) + within * stride, vals[hit, within]
+    else:
+        cols, vals = chunks, t[rows, chunks]
+    _merge_entries(flat_v, flat_i, rows, cols + k0, vals)
+
+
+def _merge_entries(flat_v: torch.Tensor, flat_i: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                   vals: torch.Tensor) -> None:
+    """Merge entries ``(rows, cols, vals)`` (rows ascending) into the running top-k, in place,
+    through one padded ``topk`` over each touched row's old best and its new entries."""
     kk = flat_v.shape[1]
     urows, counts = torch.unique_consecutive(rows, return_counts=True)
-    slot = torch.arange(rows.numel(), device=t.device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    which = torch.repeat_interleave(torch.arange(urows.numel(), device=t.device), counts)
+    slot = torch.arange(rows.numel(), device=rows.device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    which = torch.repeat_interleave(torch.arange(urows.numel(), device=rows.device), counts)
     width = int(counts.max())
-    pad_v = torch.full((urows.numel(), width), _NEG_INF, dtype=t.dtype, device=t.device)
-    pad_i = torch.full((urows.numel(), width), -1, dtype=flat_i.dtype, device=t.device)
-    pad_v[which, slot] = sub[local, cols]
-    pad_i[which, slot] = cols + k0
+    pad_v = torch.full((urows.numel(), width), _NEG_INF, dtype=vals.dtype, device=vals.device)
+    pad_i = torch.full((urows.numel(), width), -1, dtype=flat_i.dtype, device=vals.device)
+    pad_v[which, slot] = vals
+    pad_i[which, slot] = cols
     best, where = torch.cat([flat_v[urows], pad_v], -1).topk(kk, dim=-1)
     flat_v[urows] = best
     flat_i[urows] = torch.cat([flat_i[urows], pad_i], -1).gather(-1, where)
-
-
-def _merge_topk(flat_v: torch.Tensor, flat_i: torch.Tensor, t: torch.Tensor, rows: torch.Tensor, k0: int) -> None:
-    """Merge a tile's best entries into the running top-k of ``rows``, in place.
-
-    flat_v/flat_i ``(rows total, k)`` descending; t ``(rows total, w)`` log2 weights of keys ``k0…``.
-    A row rarely takes more than one or two new entries from a tile, and ``torch.topk`` costs
-    about ten ``exp2`` passes per element on a CPU, so it runs on the rows that change only and
-    for as many entries as the neediest of them takes.
-    """
-    kk = flat_v.shape[1]
-    sub = t.index_select(0, rows)  # (r, w)
-    old_v, old_i = flat_v.index_select(0, rows), flat_i.index_select(0, rows)  # (r, k)
-    take = int((sub > old_v[:, -1:]).sum(-1).max())  # entries the neediest row takes from this tile
-    tv, ti = sub.topk(min(take, kk, sub.shape[1]), dim=-1, sorted=False)  # (r, ≤k); the merge sorts
-    best, where = torch.cat([old_v, tv], -1).topk(kk, dim=-1)
-    flat_v[rows] = best
-    flat_i[rows] = torch.cat([old_i, ti + k0], -1).gather(-1, where)
 
 
 def _triton_ok(call: Any) -> Optional[str]:

@@ -70,6 +70,30 @@ def test_stats_match_reference_every_mask(shape):
         assert (st.entropy.numpy()[empty] == 0).all() and (st.topk_indices.numpy()[empty] == -1).all()
 
 
+@pytest.mark.parametrize("topk,block_k", [(3, 64), (4, 64), (5, 64), (4, 160), (7, 128)])
+def test_topk_through_the_chunk_search_on_wide_tiles(topk, block_k):
+    # tiles of 64+ keys search chunk maxima first (TOPK_CHUNK keys per chunk, strided); narrow
+    # tiles, and chunks fewer than k, fall back to every entry: both must give the exact top-k
+    b, hq, hk, nq, nk = 1, 4, 2, 150, 333
+    q, k, _ = make_qkv(b, hq, hk, nq, nk, 8, dtype=f64)
+    q = q * 2.0
+    for name, kw in mask_cases(b, hq, nq, nk):
+        s, w, _ = ref_scores_weights(q, k, **kw)
+        for lse in (None, qkv.attention(q, k, k, enable_gqa=True, return_lse=True, **kw)[1]):
+            st = attention_stats(q, k, lse=lse, enable_gqa=True, topk=topk, block_q=32, block_k=block_k, **kw)
+            want = ref_stats(w, s, nq, nk, offset_of(kw, nq, nk), topk, (0,), (-1,))
+            check(st, {f: want[f] for f in ("topk_weights", "topk_indices", "max_weight", "n_keys")}, name)
+
+
+def test_topk_with_tied_scores_takes_k_distinct_keys():
+    q = torch.zeros(1, 2, 40, 8, dtype=f64)  # every score 0: all keys tie
+    k = torch.randn(1, 2, 300, 8, dtype=f64)
+    st = attention_stats(q, k, topk=6, block_k=128)
+    assert torch.allclose(st.topk_weights, torch.full_like(st.topk_weights, 1 / 300), atol=1e-15)
+    idx = st.topk_indices.sort(-1).values
+    assert (idx >= 0).all() and (idx[..., 1:] > idx[..., :-1]).all()  # distinct keys
+
+
 def test_stats_with_given_lse_and_single_tile():
     q, k, v = make_qkv(2, 3, 3, 50, 70, 16, dtype=f64)
     _, lse = qkv.attention(q, k, v, window=(5, 5), return_lse=True)
