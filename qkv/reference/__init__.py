@@ -4,6 +4,7 @@
 intermediate matrix of a self-attention pass so it can be printed, explained and exported.
 """
 
+from .block import BlockTrace, toy_block_trace, trace_block
 from .attention import attention_ref, combined_mask, positional_mask, softmax_rows
 from .masks import PositionalMask, parse_causal, parse_window
 from .tokens import split_words
@@ -19,5 +20,8 @@ __all__ = [
     "parse_window",
     "Trace",
     "trace",
+    "BlockTrace",
+    "trace_block",
+    "toy_block_trace",
     "split_words",
 ]

@@ -1,7 +1,9 @@
 """Pictures of attention: heatmaps (PNG), an interactive offline page (HTML), and ``qkv explain``.
 
-Every report speaks English or Chinese (``lang="en"`` / ``"zh"``); :func:`save_trace_png` draws
-a glass-box trace or a whole encoder block as one static figure for slides.
+:func:`save_trace_page` writes a glass-box trace (or a whole encoder block) as one interactive
+offline page: step through the computation, hover a cell to see where its number comes from.
+:func:`save_trace_png` draws the same as one static figure for slides. Every report speaks
+English or Chinese (``lang="en"`` / ``"zh"``).
 
 Importing this package needs neither torch nor matplotlib (each is imported when first used)::
 
@@ -15,9 +17,10 @@ from __future__ import annotations
 from .explain import Explanation, explain, explain_attentions, match_word
 from .html import render_html, save_html
 from .png import save_png
+from .trace_page import render_trace_page, save_trace_page
 from .trace_png import save_trace_png, trace_figure
 
 __all__ = [
     "Explanation", "explain", "explain_attentions", "match_word", "save_png", "save_html", "render_html",
-    "save_trace_png", "trace_figure",
+    "save_trace_png", "trace_figure", "render_trace_page", "save_trace_page",
 ]
