@@ -37,12 +37,9 @@ _MAX_LABELS = 80  # more token labels than this are unreadable: show every k-th
 
 
 def _plt() -> Any:
-    import matplotlib
+    from .trace_png import _plt as pyplot  # Agg, and quiet about CJK fonts without a bold face
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def _tick_labels(ax: Any, tokens: list[str], axis: str, highlight: tuple[int, ...] = ()) -> None:

@@ -39,8 +39,13 @@ _PROBE = "注意力词元输出"  # characters a Chinese figure certainly uses
 
 
 def _plt() -> Any:
+    import logging
+
     import matplotlib
 
+    fonts_log = logging.getLogger("matplotlib.font_manager")
+    if fonts_log.level == logging.NOTSET:  # CJK fonts rarely ship a bold face; the regular one is fine
+        fonts_log.setLevel(logging.ERROR)
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
