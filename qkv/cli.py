@@ -569,6 +569,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
         ex = explain(
             args.text, focus=args.focus, target=args.target, model_path=args.model,
+            pair=args.pair, ablate=args.ablate, ablate_mode=args.ablate_mode,
             max_map_tokens=args.max_map_tokens,
             max_map_bytes=MAX_MAP_BYTES if args.max_map_mb is None else int(args.max_map_mb * 1e6),
         )
@@ -609,6 +610,15 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _head_spec(spec: str) -> tuple[int, int]:
+    from .viz.ablation import parse_head
+
+    try:
+        return parse_head(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_explain(sub: Any) -> None:
     p = sub.add_parser(
         "explain",
@@ -616,7 +626,10 @@ def _add_explain(sub: Any) -> None:
         description="Run the bundled all-MiniLM-L6-v2 (6 layers x 12 heads) on a text and show, for every "
         "layer and head, which tokens the focus word attends to, the heads that link it most strongly to a "
         "target word, and per-head statistics. Optionally write heatmaps (--png), an interactive offline "
-        "page (--html) or JSON (--json). Very long texts switch to statistics instead of full maps.",
+        "page (--html) or JSON (--json). Very long texts switch to statistics instead of full maps. "
+        "--model runs a checkpoint of your own, --pair reads two sentences as a pair, --compare puts two "
+        "sentences side by side, --ablate knocks heads out and measures what changes. Layers, heads and "
+        "tokens are counted from 0.",
     )
     p.add_argument("text", nargs="?", default=MODEL_SENTENCE, help="the text (default: a sentence about Alice)")
     p.add_argument("--focus", help="the word to follow (default: the first content token); if it is split into "
@@ -628,7 +641,17 @@ def _add_explain(sub: Any) -> None:
     p.add_argument("--png", metavar="FILE", type=_output_file, help="write heatmaps: every head, and the focused head in full")
     p.add_argument("--html", metavar="FILE", type=_output_file, help="write a self-contained interactive page (works offline)")
     p.add_argument("--json", action="store_true", help="print the results as JSON only")
-    p.add_argument("--model", metavar="DIR", type=_existing_dir, help="a BERT-style model directory (default: the bundled model)")
+    p.add_argument("--model", metavar="DIR", type=_existing_dir,
+                   help="a local Hugging Face checkpoint directory: BERT-style encoders, or GPT-2, LLaMA, Mistral, "
+                   "Qwen2 decoders (causal maps), with its own tokenizer, read offline (default: the bundled model)")
+    p.add_argument("--pair", metavar="TEXT2", help="a second sentence: the model reads TEXT and TEXT2 as a pair "
+                   "(e.g. [CLS] TEXT [SEP] TEXT2 [SEP], with segment ids); the report marks the boundary and names "
+                   "the heads that look across it; the default target comes from the other sentence")
+    p.add_argument("--ablate", metavar="L.H", action="append", type=_head_spec,
+                   help="knock out head H of layer L (from 0) and report how the focus token's final state, the "
+                   "sentence embedding and, for language models, the next-token prediction change; repeat for several heads")
+    p.add_argument("--ablate-mode", choices=("zero", "mean"), default="zero",
+                   help="zero: the head outputs 0; mean: its mean output over the positions (default zero)")
     p.add_argument("--max-map-tokens", type=_int_at_least(1), default=512,
                    help="beyond this many tokens keep statistics, not full maps (default 512)")
     p.add_argument("--max-map-mb", type=_megabytes, default=None,

@@ -128,6 +128,23 @@ class Explanation:
     target_word: str = ""
     vectors: Optional[np.ndarray] = None  # (L, 2, H, N, Dh): each head's query and key vectors (neuron view)
     scale: Optional[float] = None  # the factor q·k is multiplied by (1/√Dh)
+    pair: str = ""  # the second text of a sentence pair ("" for one text)
+    segments: Optional[list[Optional[int]]] = None  # per token: 0 first text, 1 second, None special
+    ablation: Optional[Any] = None  # qkv.viz.ablation.Ablation, when heads were ablated
+
+    @property
+    def pair_start(self) -> Optional[int]:
+        """Index of the first token of the second text, or None for a single text."""
+        if self.segments is None:
+            return None
+        return next((i for i, s in enumerate(self.segments) if s == 1), None)
+
+    def other_segment(self) -> list[int]:
+        """Tokens of the text the focus token is not in (empty for a single text)."""
+        if self.segments is None:
+            return []
+        mine = self.segments[self.focus_index]
+        return [i for i, s in enumerate(self.segments) if s is not None and s != mine]
 
     def score_terms(self, layer: int, head: int, query: int, key: int) -> np.ndarray:
         """q_d · k_d for every dimension d of one head (Dh,): their sum times ``scale`` is the
@@ -211,6 +228,8 @@ class Explanation:
             "num_heads": self.num_heads,
             "mode": self.mode,
             "notes": list(self.notes),
+            **({"pair": self.pair, "segments": list(self.segments)} if self.segments is not None else {}),
+            **({"ablation": self.ablation.to_dict()} if self.ablation is not None else {}),
             "focus": {"word": self.focus_word, "index": self.focus_index, "token": self.tokens[self.focus_index],
                       "matches": list(self.focus_matches)},
             "target": {"word": self.target_word, "index": self.target_index, "token": self.tokens[self.target_index],
@@ -244,7 +263,7 @@ class Explanation:
             return self._to_string_zh(top)
         toks, f, t = self.tokens, self.focus_index, self.target_index
         out = [f"Model: {self.model_name} ({self.num_layers} layers × {self.num_heads} heads), {len(toks)} tokens"]
-        out.append("Tokens: " + " ".join(f"{i}:{tok}" for i, tok in enumerate(toks)))
+        out.append("Tokens: " + self._token_line())
         out.append(f'Focus: "{toks[f]}" (token {f})' + (f' for "{self.focus_word}"' if self.focus_word else ""))
         for n in self.notes:
             out.append(f"Note: {n}")
@@ -261,7 +280,9 @@ class Explanation:
             for h in range(self.num_heads):
                 out.append(f"  H{h:<3} " + "  ".join(cell[h][l].ljust(width) for l in ls).rstrip())
         out.append("")
-        how = "" if self.target_given else " (the most-attended other content token; choose with --target)"
+        how = "" if self.target_given else (
+            " (the most-attended content token of the other sentence; choose with --target)" if self.other_segment()
+            else " (the most-attended other content token; choose with --target)")
         out.append(f'Heads that link "{toks[f]}" most strongly to "{toks[t]}"{how}:')
         for l, h, w in self.top_heads(5):
             tops = self.top_tokens(l, h, 1)[0]
@@ -283,13 +304,36 @@ class Explanation:
         mean_last = float(np.mean(st["last_weight"]))
         out.append(f"  on average {mean_first:.0%} of the focus token's attention goes to {toks[0]} and "
                    f"{mean_last:.0%} to {toks[-1]}: heads with nothing to do often park their weight there.")
+        if "pair_weight" in st:
+            out.append("")
+            out.append(f'Heads that send most of "{toks[f]}"\'s attention to the other text of the pair '
+                       f"(its tokens {self._other_span()}):")
+            out += [f"  L{l} H{h}  {w:.3f}" for l, h, w in self.top_pair_heads(5)]
+        if self.ablation is not None:
+            out += [""] + self.ablation.to_lines("en")
         return "\n".join(out)
+
+    def top_pair_heads(self, k: int = 5) -> list[tuple[int, int, float]]:
+        """``(layer, head, weight)`` of the heads that send the focus token's attention across the pair most."""
+        w = self.stats.get("pair_weight")
+        if w is None:
+            return []
+        order = np.argsort(-w, axis=None, kind="stable")[:k]
+        return [(int(i // self.num_heads), int(i % self.num_heads), float(w.flat[i])) for i in order]
+
+    def _other_span(self) -> str:
+        other = self.other_segment()
+        return f"{other[0]} to {other[-1]}" if other else "none"
+
+    def _token_line(self) -> str:
+        start = self.pair_start
+        return " ".join(("‖ " if i == start else "") + f"{i}:{tok}" for i, tok in enumerate(self.tokens))
 
 
     def _to_string_zh(self, top: int) -> str:
         toks, f, t = self.tokens, self.focus_index, self.target_index
         out = [f"模型：{self.model_name}（{self.num_layers} 层 × {self.num_heads} 个头），{len(toks)} 个词元"]
-        out.append("词元：" + " ".join(f"{i}:{tok}" for i, tok in enumerate(toks)))
+        out.append("词元：" + self._token_line())
         out.append(f"关注词元：“{toks[f]}”（第 {f} 个词元）" + (f"，对应“{self.focus_word}”" if self.focus_word else ""))
         for n in self.notes:
             out.append(f"说明：{zh_note(n)}")
@@ -305,7 +349,9 @@ class Explanation:
             for h in range(self.num_heads):
                 out.append(f"  H{h:<3} " + "  ".join(cell[h][l].ljust(width) for l in ls).rstrip())
         out.append("")
-        how = "" if self.target_given else "（自动选出的、它最关注的另一个实词；可用 --target 指定）"
+        how = "" if self.target_given else (
+            "（自动选出的、它在另一句中最关注的实词；可用 --target 指定）" if self.other_segment()
+            else "（自动选出的、它最关注的另一个实词；可用 --target 指定）")
         out.append(f"把“{toks[f]}”和“{toks[t]}”联系得最紧的头{how}：")
         for l, h, w in self.top_heads(5):
             tops = self.top_tokens(l, h, 1)[0]
@@ -327,10 +373,22 @@ class Explanation:
         mean_last = float(np.mean(st["last_weight"]))
         out.append(f"  平均而言，关注词元的注意力有 {mean_first:.0%} 落在 {toks[0]} 上，{mean_last:.0%} 落在 {toks[-1]} 上："
                    "没有事可做的头常常把权重“停放”在这里。")
+        if "pair_weight" in st:
+            out.append("")
+            out.append(f"把“{toks[f]}”的注意力最多地送到句对中另一句（{self._other_span().replace(' to ', ' 到 ')} 号词元）的头：")
+            out += [f"  L{l} H{h}  {w:.3f}" for l, h, w in self.top_pair_heads(5)]
+        if self.ablation is not None:
+            out += [""] + self.ablation.to_lines("zh")
         return "\n".join(out)
 
 
 _ZH_NOTES: list[tuple[str, str]] = [
+    (r'target: "(?P<t>.*)", the content token of the other text that "(?P<f>.*)" gives most attention to in any head '
+     r"\(name one with --target\)", "目标：“{t}”，即“{f}”在所有头中最关注的、句对另一句中的实词（可用 --target 指定）"),
+    (r'target: "(?P<t>.*)", the content token "(?P<f>.*)" gives most attention to in any head, leaving out (?P<rest>.*) '
+     r"\(name one with --target\)", "目标：“{t}”，即“{f}”在所有头中最关注的实词，不计 {rest}（可用 --target 指定）"),
+    (r'no focus word given; using the first content token "(?P<t>.*)" \(choose with --focus\)',
+     "没有给出关注词；使用第一个实词“{t}”（可用 --focus 指定）"),
     (r'"(?P<w>.*)" is not a whole word of the text; using the first place it occurs inside one',
      "“{w}”不是文本中的一个完整单词；使用它在某个词内部第一次出现的位置"),
     (r'"(?P<w>.*)" occurs (?P<n>\d+) times; using the first as target', "“{w}”出现了 {n} 次；取第一次作为目标"),
@@ -358,8 +416,14 @@ def zh_note(note: str) -> str:
     for pattern, template in _ZH_NOTES:
         m = re.fullmatch(pattern, note)
         if m:
-            return template.format(**m.groupdict())
+            groups = m.groupdict()
+            for en, zh in _ZH_WORDS if "rest" in groups else ():  # the list of what a default target left out
+                groups["rest"] = groups["rest"].replace(en, zh)
+            return template.format(**groups)
     return note
+
+
+_ZH_WORDS = ((" itself", "本身"), ("special tokens", "特殊词元"), ("the previous token ", "前一个词元"), (", ", "、"))
 
 
 def _short(s: str, n: int = 10) -> str:
@@ -408,13 +472,26 @@ def _build(
     text: str, tokens: list[str], f_idx: list[int], fw: np.ndarray, mean_entropy: Optional[np.ndarray],
     maps: Optional[np.ndarray],
     *, focus: Optional[str], target: Optional[str], offsets: Optional[Sequence[tuple[int, int]]], model_name: str,
-    notes: list[str],
+    notes: list[str], segments: Optional[list[Optional[int]]] = None,
 ) -> Explanation:
-    """The explanation from the focus rows ``fw (L, H, N)`` and each head's mean row entropy ``(L, H)``."""
+    """The explanation from the focus rows ``fw (L, H, N)`` and each head's mean row entropy ``(L, H)``.
+
+    With ``segments`` (a sentence pair), the statistics gain ``pair_weight``, the focus row's
+    weight on the other text, and the default target comes from the other text.
+    """
     stats = {k: np.asarray(v) for k, v in _row_stats(fw).items()}
     if mean_entropy is not None:
         stats["mean_entropy"] = np.asarray(mean_entropy, dtype=np.float64)
-    if target is None:
+    other: list[int] = []
+    if segments is not None:
+        mine = segments[f_idx[0]]
+        other = [i for i, sg in enumerate(segments) if sg is not None and sg != mine]
+        stats["pair_weight"] = fw[:, :, other].astype(np.float64).sum(-1) if other else np.zeros(fw.shape[:2])
+    if target is None and other:
+        t_idx = _pick_target(tokens, fw, [j for j in range(len(tokens)) if j not in other])
+        notes.append(f'target: "{tokens[t_idx]}", the content token of the other text that "{tokens[f_idx[0]]}" gives '
+                     "most attention to in any head (name one with --target)")
+    elif target is None:
         prev = f_idx[0] - 1
         skip = list(f_idx) + ([prev] if prev >= 0 and _is_content(tokens[prev]) else [])
         t_idx = _pick_target(tokens, fw, skip)
@@ -430,7 +507,7 @@ def _build(
     return Explanation(
         text=text, tokens=tokens, focus_index=f_idx[0], focus_matches=list(f_idx), target_index=t_idx,
         target_given=target is not None, focus_weights=fw, stats=stats, maps=maps, model_name=model_name,
-        notes=notes, focus_word=focus or "", target_word=target or "",
+        notes=notes, focus_word=focus or "", target_word=target or "", segments=segments,
     )
 
 
@@ -489,7 +566,7 @@ def _vectors(pairs: Sequence[tuple[Any, Any]], heads: int) -> np.ndarray:
     return np.stack(out).astype(np.float32)
 
 
-def _stats_run(model: Any, input_ids: Any, mask: Any, f: int) -> Optional[np.ndarray]:
+def _stats_run(model: Any, run: tuple[Any, ...], f: int) -> Optional[np.ndarray]:
     """The focus token's rows ``(L, H, N)`` without any ``N × N`` map, or None if it cannot record.
 
     :func:`qkv.inspect.record` rebuilds just that row of every head tile by tile from the fused
@@ -506,7 +583,7 @@ def _stats_run(model: Any, input_ids: Any, mask: Any, f: int) -> Optional[np.nda
         return None
     try:
         with record(model, "*.weights", rows=[f], reuse_lse=True) as rows:
-            model(input_ids, mask)
+            model(*run)  # (input_ids, mask[, token_type_ids])
     except (ValueError, TypeError):  # not a qkv.nn model
         return None
     if not rows.modules:
@@ -515,10 +592,33 @@ def _stats_run(model: Any, input_ids: Any, mask: Any, f: int) -> Optional[np.nda
     return fw.astype(np.float32)  # (L, H, N)
 
 
-def _encode(model: Any, text: str) -> tuple[list[int], list[str], Optional[list[tuple[int, int]]]]:
-    """Token ids, strings and character offsets (None when unknown), with no padding or truncation."""
+@dataclass
+class _Encoded:
+    ids: list[int]
+    tokens: list[str]
+    offsets: Optional[list[tuple[int, int]]]  # into the text, or for a pair into text + "\n" + pair
+    type_ids: Optional[list[int]] = None  # segment ids the model is given (pairs only)
+    segments: Optional[list[Optional[int]]] = None  # 0 / 1 per token, None for special tokens (pairs only)
+
+    def cut(self, keep: list[int]) -> "_Encoded":
+        pick = lambda xs: None if xs is None else [xs[i] for i in keep]  # noqa: E731
+        return _Encoded(pick(self.ids), pick(self.tokens), pick(self.offsets), pick(self.type_ids), pick(self.segments))
+
+
+def _pair_offsets(offsets: Sequence[Any], sequence_ids: Sequence[Optional[int]], shift: int) -> list[tuple[int, int]]:
+    """Offsets of a pair's tokens in ``text + "\n" + pair``: the second text's move by ``shift``."""
+    return [(a + shift, b + shift) if sid == 1 and b > a else (int(a), int(b))
+            for (a, b), sid in zip(offsets, sequence_ids, strict=True)]
+
+
+def _encode(model: Any, text: str, pair: Optional[str] = None) -> _Encoded:
+    """Token ids, strings and character offsets (None when unknown), with no padding or truncation;
+    for a sentence pair also the segment ids (the tokenizer's own pair template, e.g. [CLS] A [SEP] B [SEP])."""
     if hasattr(model, "hf_tokenizer"):  # a Hugging Face checkpoint (qkv.viz.hf_model)
-        return model.encode(text)
+        if pair is None:
+            return _Encoded(*model.encode(text))
+        ids, tokens, offsets, type_ids, seq = model.encode_pair(text, pair)
+        return _Encoded(ids, tokens, None if offsets is None else _pair_offsets(offsets, seq, len(text) + 1), type_ids, seq)
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "to_str"):  # a Hugging Face `tokenizers.Tokenizer`
         from tokenizers import Tokenizer
@@ -526,12 +626,18 @@ def _encode(model: Any, text: str) -> tuple[list[int], list[str], Optional[list[
         tok = Tokenizer.from_str(tok.to_str())  # a copy: the model's own keeps its padding and truncation
         tok.no_padding()
         tok.no_truncation()
-        enc = tok.encode(text)
-        return list(enc.ids), list(enc.tokens), [tuple(o) for o in enc.offsets]
+        enc = tok.encode(text) if pair is None else tok.encode(text, pair)
+        offsets = [tuple(o) for o in enc.offsets]
+        if pair is None:
+            return _Encoded(list(enc.ids), list(enc.tokens), offsets)
+        seq = list(enc.sequence_ids)
+        return _Encoded(list(enc.ids), list(enc.tokens), _pair_offsets(offsets, seq, len(text) + 1), list(enc.type_ids), seq)
+    if pair is not None:
+        raise ValueError("this model's tokenizer cannot encode a sentence pair; use a tokenizers.Tokenizer (--pair)")
     ids_t, mask_t = model.tokenize([text])  # (1, N) each
     ids = [int(i) for i, m in zip(ids_t[0].tolist(), mask_t[0].tolist(), strict=True) if m]
     name = getattr(tok, "id_to_token", None)
-    return ids, [str(name(i)) if name else str(i) for i in ids], None
+    return _Encoded(ids, [str(name(i)) if name else str(i) for i in ids], None)
 
 
 def _max_positions(model: Any) -> int:
@@ -550,10 +656,20 @@ def explain(
     *,
     model: Any = None,
     model_path: Optional[str] = None,
+    pair: Optional[str] = None,
+    ablate: Optional[Sequence[tuple[int, int]]] = None,
+    ablate_mode: str = "zero",
     max_map_tokens: int = MAX_MAP_TOKENS,
     max_map_bytes: int = MAX_MAP_BYTES,
 ) -> Explanation:
     """Run ``model`` (default: :func:`qkv.models.load`) on ``text`` and explain the focus token.
+
+    ``pair``: a second text, encoded with ``text`` as a sentence pair (the tokenizer's template,
+    e.g. ``[CLS] text [SEP] pair [SEP]``, with segment ids); the focus word is looked for in
+    ``text`` first, then in ``pair``, and the default target comes from the other text.
+    ``ablate``: ``[(layer, head), ...]`` (0-based) to knock out with :func:`qkv.inspect.ablate`
+    (``ablate_mode`` "zero" or "mean"); the result's ``ablation`` says how the final states and,
+    for language models, the next-token prediction change.
 
     Beyond ``max_map_tokens`` tokens or ``max_map_bytes`` of float32 maps (``L·H·N²·4``) the maps
     are dropped and only statistics kept; text longer than the model's positions is truncated.
@@ -562,6 +678,10 @@ def explain(
 
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
+    if pair is not None and (not isinstance(pair, str) or not pair.strip()):
+        raise ValueError("pair is empty; pass the second sentence of the pair, e.g. --pair 'It was too big.'")
+    if ablate_mode not in ("zero", "mean"):
+        raise ValueError(f"ablate_mode={ablate_mode!r} is not available; use 'zero' or 'mean' (--ablate-mode)")
     for name, limit in (("max_map_tokens", max_map_tokens), ("max_map_bytes", max_map_bytes)):
         if not limit >= 0:  # also NaN, which every comparison would quietly treat as "too big"
             raise ValueError(f"{name}={limit!r} must be >= 0 (math.inf: no limit)")
@@ -569,32 +689,37 @@ def explain(
         raise ValueError('the text is empty; pass a sentence, e.g. qkv explain "Alice said she ..." --focus she')
     if model is None:
         model = _load(model_path)
-    ids, tokens, offsets = _encode(model, text)
+    enc = _encode(model, text, pair)
     notes: list[str] = []
     limit = _max_positions(model)
-    if len(ids) > limit:
-        notes.append(f"the text has {len(ids)} tokens but the model reads at most {limit}; "
-                     f"using the first {limit - 1} and the closing {tokens[-1]}")
-        ids = ids[: limit - 1] + ids[-1:]
-        tokens = tokens[: limit - 1] + tokens[-1:]
-        if offsets is not None:
-            offsets = offsets[: limit - 1] + offsets[-1:]
+    if len(enc.ids) > limit:
+        notes.append(f"the text has {len(enc.ids)} tokens but the model reads at most {limit}; "
+                     f"using the first {limit - 1} and the closing {enc.tokens[-1]}")
+        enc = enc.cut(list(range(limit - 1)) + [len(enc.ids) - 1])
+    ids, tokens, offsets = enc.ids, enc.tokens, enc.offsets
     n = len(ids)
     layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or getattr(model, "num_layers", 0) or 6)
     heads = int(getattr(getattr(model, "config", None), "num_attention_heads", 0) or getattr(model, "num_heads", 0) or 12)
+    if ablate is not None:
+        from .ablation import check_heads
+
+        ablate = check_heads(ablate, layers, heads)  # before the run: a wrong head costs no forward pass
     size = layers * heads * n * n * 4
     keep = n <= max_map_tokens and size <= max_map_bytes
     if not keep:
         notes.append(f"{n} tokens: the attention maps would take {size / 1e6:.0f} MB "
                      f"(limits: {max_map_tokens} tokens, {max_map_bytes / 1e6:.0f} MB); "
                      "showing statistics of the focus token's attention instead of full maps")
-    f_idx, more = _resolve_focus(focus, text, tokens, offsets)  # before the run: a typo costs no forward pass
+    both = text if pair is None else text + "\n" + pair  # the offsets of a pair point into this
+    f_idx, more = _resolve_focus(focus, both, tokens, offsets)  # before the run: a typo costs no forward pass
     notes += more
     name = os.path.basename(os.path.normpath(model_path)) if model_path else "all-MiniLM-L6-v2"
     input_ids = torch.tensor([ids], dtype=torch.long)  # (1, N)
     mask = torch.ones_like(input_ids)  # (1, N)
+    types = None if enc.type_ids is None else torch.tensor([enc.type_ids], dtype=torch.long)  # (1, N)
+    run = (input_ids, mask) if types is None else (input_ids, mask, types)
     with torch.inference_mode():
-        streamed = None if keep else _stats_run(model, input_ids, mask, f_idx[0])
+        streamed = None if keep else _stats_run(model, run, f_idx[0])
         if streamed is not None:
             fw, mean_ent, maps = streamed, None, None
             notes.append("the focus token's rows were recorded by qkv.inspect.record: no N×N map was built")
@@ -605,23 +730,29 @@ def explain(
                     from qkv.inspect import record
 
                     with record(model, ["*.q", "*.k"]) as rec:
-                        result = model(input_ids, mask, output_attentions=True)
+                        result = model(*run, output_attentions=True)
                     pairs = [(rec[f"{m}.q" if m else "q"], rec[f"{m}.k" if m else "k"]) for m in rec.modules]
                 except (ImportError, ValueError, TypeError, AttributeError):  # not a qkv.nn model
-                    result = model(input_ids, mask, output_attentions=True)
+                    result = model(*run, output_attentions=True)
             else:
-                result = model(input_ids, mask, output_attentions=True)
+                result = model(*run, output_attentions=True)
                 if n <= MAX_VECTOR_TOKENS:
                     pairs = getattr(result, "vectors", None)
             attentions = getattr(result, "attentions", None)
             if attentions is None and isinstance(result, (tuple, list)):
                 attentions = result[-1]
             fw, mean_ent, maps = _reduce(attentions, f_idx[0], n, keep)
-    ex = _build(text, tokens, f_idx, fw, mean_ent, maps, focus=focus, target=target, offsets=offsets,
-                model_name=name, notes=notes)
+    ex = _build(both, tokens, f_idx, fw, mean_ent, maps, focus=focus, target=target, offsets=offsets,
+                model_name=name, notes=notes, segments=enc.segments)
+    ex.text, ex.pair = text, pair or ""
     if streamed is None and pairs and len(pairs) == ex.num_layers:
         ex.vectors = _vectors(pairs, ex.num_heads)
         ex.scale = float(ex.vectors.shape[-1]) ** -0.5
+    if ablate is not None:
+        from .ablation import ablation_effect
+
+        ex.ablation = ablation_effect(model, input_ids, mask, ablate, focus_index=ex.focus_index, tokens=tokens,
+                                      mode=ablate_mode, token_type_ids=types)
     return ex
 
 

@@ -26,12 +26,18 @@ _MARKERS = ("Ġ", "▁", "Ċ")  # byte-level BPE / sentencepiece word-start and 
 def is_bert_directory(path: str) -> bool:
     """Whether ``path`` holds a BERT checkpoint, which :func:`qkv.models.load` rebuilds natively
     (``model_type`` "bert", or no readable config: qkv.models then says what is missing)."""
+    cfg = _config(path)
+    return cfg is None or cfg.get("model_type", "bert") in _BERT_TYPES
+
+
+def _config(path: str) -> Optional[dict[str, Any]]:
+    """The directory's config.json, or None when it cannot be read."""
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, ValueError):
-        return True
-    return cfg.get("model_type", "bert") in _BERT_TYPES
+        return None
+    return cfg if isinstance(cfg, dict) else None
 
 
 @dataclass
@@ -70,13 +76,48 @@ class HFExplainModel:
         tokens = [self.readable(t) for t in tok.convert_ids_to_tokens(ids)]
         return ids, tokens, offsets
 
+    def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[str], Optional[list[tuple[int, int]]],
+                                                       Optional[list[int]], list[Optional[int]]]:
+        """A sentence pair with the tokenizer's own template: ids, tokens, offsets (each into its
+        own text), token type ids (when the model takes them) and which text each token is from."""
+        tok = self.hf_tokenizer
+        enc = tok(text, pair, return_offsets_mapping=True, add_special_tokens=True, return_token_type_ids=True)
+        ids = list(enc["input_ids"])
+        try:
+            seq = list(enc.sequence_ids())
+        except (ValueError, AttributeError) as e:  # a slow (Python) tokenizer
+            raise ValueError(f"--pair needs a fast tokenizer (tokenizer.json) in the model directory ({e})") from None
+        type_ids = list(enc["token_type_ids"]) if "token_type_ids" in enc else None
+        offsets = [tuple(o) for o in enc["offset_mapping"]]
+        return ids, [self.readable(t) for t in tok.convert_ids_to_tokens(ids)], offsets, type_ids, seq
+
     @staticmethod
     def readable(token: str) -> str:
         for m in _MARKERS:
             token = token.replace(m, "" if m != "Ċ" else "\\n")
         return token or "␣"
 
-    def __call__(self, input_ids: Any, attention_mask: Any = None, **_: Any) -> _Output:
+    def token_name(self, i: int) -> str:
+        """The readable string of vocabulary entry ``i``."""
+        return self.readable(str(self.hf_tokenizer.convert_ids_to_tokens(int(i))))
+
+    def _inputs(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> dict[str, Any]:
+        kw = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None and "token_type_ids" in getattr(self.hf_tokenizer, "model_input_names", ()):
+            kw["token_type_ids"] = token_type_ids
+        return kw
+
+    def final(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> tuple[Any, Any]:
+        """Final hidden states ``(N, E)`` and, with a language-model head, logits ``(N, V)`` (float64 numpy)."""
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(**self._inputs(input_ids, attention_mask, token_type_ids), output_hidden_states=True)
+        hidden = out.hidden_states[-1] if getattr(out, "hidden_states", None) is not None else out.last_hidden_state
+        logits = getattr(out, "logits", None)
+        return hidden[0].double().cpu().numpy(), None if logits is None else logits[0].double().cpu().numpy()
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None, **_: Any) -> _Output:
         import torch
 
         from ..hf import observe
@@ -93,7 +134,7 @@ class HFExplainModel:
             ).float())  # fmt: skip  (1, H, N, N)
 
         with torch.inference_mode(), observe(on_call):
-            self.model(input_ids=input_ids, attention_mask=attention_mask)
+            self.model(**self._inputs(input_ids, attention_mask, token_type_ids))
         return _Output(maps, vectors)
 
 
@@ -124,8 +165,12 @@ def load_hf(path: str) -> HFExplainModel:
         tokenizer = _tokenizer(transformers, path)
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {path}: no tokenizer could be loaded from the directory ({e})") from e
+    archs = (_config(path) or {}).get("architectures") or []
+    # with its language-model head when it has one: --ablate then reports next-token changes
+    lm = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    auto = transformers.AutoModelForCausalLM if lm else transformers.AutoModel
     try:
-        model = transformers.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation=NAME)
+        model = auto.from_pretrained(path, local_files_only=True, attn_implementation=NAME)
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {path}: the model could not be loaded with qkv's attention ({e})") from e
     model.eval()

@@ -66,6 +66,8 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "model": ex.model_name,
         "text": ex.text,
         "tokens": list(ex.tokens),
+        "pair": getattr(ex, "pair", ""),
+        "segments": getattr(ex, "segments", None),  # per token 0 / 1 / null for a sentence pair, else null
         "num_layers": L,
         "num_heads": H,
         "mode": "maps" if maps is not None else "stats",
@@ -102,7 +104,8 @@ def render_html(ex: Any, layer: Optional[int] = None, head: Optional[int] = None
     blob = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     blob = blob.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")  # inert inside <script>
     title = labels["title"].format(model=ex.model_name)
-    body = _BODY.replace("%TEXT%", _html.escape(ex.text)).replace("%MODEL%", _html.escape(ex.model_name))
+    shown = ex.text + (f" ‖ {ex.pair}" if getattr(ex, "pair", "") else "")
+    body = _BODY.replace("%TEXT%", _html.escape(shown)).replace("%MODEL%", _html.escape(ex.model_name))
     for key, value in labels.items():
         if isinstance(value, str):
             # attends_most carries the page's own markup; every other label is plain text
@@ -188,6 +191,7 @@ _LABELS: dict[str, dict[str, Any]] = {
         "neuron_caption": "Neuron view: the query and key vectors behind one weight. Click a key on the right.",
         "js": {
             "neuron_title": 'Layer {l} · Head {h}: "{q}" → "{k}"',
+            "second_text": "second sentence of the pair",
             "neuron_sum": "score q·k = {s}; × {scale} = {scaled}; softmax over the {n} keys = {w} (the map: {m})",
             "summary": '{n} tokens, {L} layers \u00d7 {H} heads. Focus "{focus}" (token {fi}), target "{target}": '
                        "strongest in {top}.",
@@ -211,6 +215,7 @@ _LABELS: dict[str, dict[str, Any]] = {
         "neuron_caption": "神经元视图：一个权重背后的查询向量与键向量。点击右侧的键。",
         "js": {
             "neuron_title": "第 {l} 层 · 第 {h} 个头：“{q}” → “{k}”",
+            "second_text": "句对中的第二句",
             "neuron_sum": "分数 q·k = {s}；× {scale} = {scaled}；对 {n} 个键做 softmax = {w}（注意力矩阵中：{m}）",
             "summary": "{n} 个词元，{L} 层 \u00d7 {H} 个头。关注词元“{focus}”（第 {fi} 个词元），目标“{target}”："
                        "联系最强的是 {top}。",
@@ -254,6 +259,8 @@ main { min-height: 200px; }
   border: 1px solid transparent; }
 #left .tok { text-align: right; }
 #left .tok.disabled { color: #bbb; cursor: default; }
+.tok.seg-b { box-shadow: inset 3px 0 0 #7aa7d8; }
+.tok.seg-start { border-top: 1px dashed #2a6cb0; }
 .tok.active { background: #222; color: #fff; }
 .tok.pinned { border-color: var(--accent); }
 .tok.top { outline: 2px solid var(--accent); font-weight: 600; }
@@ -360,6 +367,7 @@ _JS = r"""
   var left = [], right = [];
   D.tokens.forEach(function (t, i) {
     var a = el('div', 'tok', t); a.id = 'q-' + i; a.dataset.index = String(i);
+    var seg = D.segments ? D.segments[i] : null;       // a sentence pair: mark the second text and where it starts
     if (!selectable(i)) a.classList.add('disabled');
     a.addEventListener('mouseenter', function () { if (selectable(i)) { state.hover = i; render(); } });
     a.addEventListener('mouseleave', function () { state.hover = null; render(); });
@@ -370,6 +378,12 @@ _JS = r"""
     k.addEventListener('mouseenter', function () { k.classList.add('hovered'); });
     k.addEventListener('mouseleave', function () { k.classList.remove('hovered'); });
     $('right').appendChild(k); right.push(k);
+    if (seg === 1) {
+      [a, k].forEach(function (x) {
+        x.classList.add('seg-b'); x.title = say('second_text');
+        if (i > 0 && D.segments[i - 1] !== 1) x.classList.add('seg-start');
+      });
+    }
   });
   var svg = $('lines'), SVGNS = 'http:' + '//www.w3.org/2000/svg';  // a namespace name, not an address: split so scans for links stay clean
   svg.setAttribute('height', String(N * ROW)); svg.style.height = (N * ROW) + 'px';

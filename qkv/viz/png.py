@@ -117,6 +117,10 @@ def _figure(ex: Any, layer: int, head: int, tx: dict[str, str], toks: list[str])
     w = float(ex.focus_weights[layer, head, t])
     ax.set_title(tx["head"].format(layer=layer, head=head, a=toks[f], b=toks[t], w=w), fontsize=11)
     ax.add_patch(_rect(plt, (t - 0.5, f - 0.5)))
+    start = getattr(ex, "pair_start", None)
+    if start:  # a sentence pair: where the second text begins, on both axes
+        ax.axvline(start - 0.5, color="#2a6cb0", linestyle="--", linewidth=1.2)
+        ax.axhline(start - 0.5, color="#2a6cb0", linestyle="--", linewidth=1.2)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=tx["weight"])
     fig.suptitle(tx["suptitle"].format(model=ex.model_name, n=n), fontsize=13)
     return fig

@@ -79,3 +79,55 @@ def test_cli_json_png_html(checkpoint, tmp_path, capsys):
     assert d["target"]["index"] < d["focus"]["index"]  # causal: the focus only reaches earlier tokens
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "http://" not in page.read_text() and "https://" not in page.read_text()
+
+
+def _out_proj(model, kind: str, layer: int):
+    """The projection that merges the heads (its input is the concatenated head outputs)."""
+    if kind == "gpt2":
+        return model.transformer.h[layer].attn.c_proj
+    return model.model.layers[layer].self_attn.o_proj
+
+
+def test_ablate_next_token_matches_eager_with_zeroed_columns(checkpoint):
+    """--ablate on a decoder LM: the next-token change equals an eager model whose head's slice of
+    the output projection's input is zeroed by hand."""
+    kind, path = checkpoint
+    ex = explain(TEXT, focus="it", model_path=str(path), ablate=[(1, 2)])
+    eager = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    ids = torch.tensor([[WORDS.index(w) for w in TEXT.split()]])
+    dh = eager.config.hidden_size // eager.config.num_attention_heads
+
+    def run():
+        with torch.no_grad():
+            out = eager(ids, output_hidden_states=True)
+        return out.hidden_states[-1][0].double().numpy(), torch.log_softmax(out.logits[0].double(), -1).numpy()
+
+    clean_h, clean_lp = run()
+    hook = _out_proj(eager, kind, 1).register_forward_pre_hook(
+        lambda m, args: (torch.cat([args[0][..., :2 * dh], torch.zeros_like(args[0][..., 2 * dh:3 * dh]),
+                                    args[0][..., 3 * dh:]], -1),))
+    try:
+        hit_h, hit_lp = run()
+    finally:
+        hook.remove()
+    f = ex.focus_index
+    cos = (clean_h * hit_h).sum(-1) / (np.linalg.norm(clean_h, axis=-1) * np.linalg.norm(hit_h, axis=-1))
+    ab = ex.ablation
+    assert np.abs(ab.token_distance - (1 - cos)).max() < 1e-5
+    nt = ab.next_token
+    p, q = clean_lp[f], hit_lp[f]
+    assert nt["position"] == f
+    assert abs(nt["kl"] - float((np.exp(p) * (p - q)).sum())) < 1e-5
+    best = int(np.argmax(p))
+    assert nt["clean_top"][0][0] == WORDS[best]
+    assert abs(nt["delta_logprob"] - (q[best] - p[best])) < 1e-5
+    assert "next-token prediction" in "\n".join(ab.to_lines())
+
+
+def test_pair_with_a_decoder_tokenizer(checkpoint):
+    kind, path = checkpoint
+    ex = explain("the trophy did not fit", focus="it", model_path=str(path), pair="it was too big")
+    assert ex.tokens == "the trophy did not fit it was too big".split()
+    assert ex.segments == [0] * 5 + [1] * 4 and ex.pair_start == 5
+    assert ex.tokens[ex.target_index] in "the trophy did not fit".split()
+    assert ex.focus_index == 5
