@@ -563,6 +563,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
+    if args.compare is not None:
+        return _cmd_compare(args)
     try:
         from .viz import explain, save_html, save_png
         from .viz.explain import MAX_MAP_BYTES
@@ -610,6 +612,45 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    """qkv explain TEXT --compare TEXT2: the same focus word in two texts, head by head."""
+    for flag, given in (("--pair", args.pair is not None), ("--ablate", bool(args.ablate))):
+        if given:
+            raise UsageError(f"--compare and {flag} cannot be combined; run them one at a time")
+    try:
+        from .viz.compare import compare, save_compare_html, save_compare_png
+        from .viz.explain import MAX_MAP_BYTES
+
+        cmp = compare(
+            args.text, args.compare, focus=args.focus, target=args.target, model_path=args.model,
+            max_map_tokens=args.max_map_tokens,
+            max_map_bytes=MAX_MAP_BYTES if args.max_map_mb is None else int(args.max_map_mb * 1e6),
+        )
+        layer, head = cmp.select(args.layer, args.head)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except (ImportError, RuntimeError, FileNotFoundError) as e:
+        print(f"qkv explain: cannot run the model: {e}", file=sys.stderr)
+        return 1
+    files: dict[str, str] = {}
+    for flag, path, save in (("--png", args.png, save_compare_png), ("--html", args.html, save_compare_html)):
+        if path:
+            try:
+                files[flag[2:]] = save(cmp, path, layer, head)
+            except OSError as e:
+                raise _write_error(flag, path, e) from None
+    if args.json:
+        d = cmp.to_dict()
+        d["selected"] = {"layer": layer, "head": head}
+        d["files"] = files
+        print(json.dumps(d, allow_nan=False, ensure_ascii=False))
+        return 0
+    print(cmp.to_string())
+    for kind, path in files.items():
+        print(f"Wrote {kind.upper()}: {path}  (head L{layer} H{head})")
+    return 0
+
+
 def _head_spec(spec: str) -> tuple[int, int]:
     from .viz.ablation import parse_head
 
@@ -647,6 +688,9 @@ def _add_explain(sub: Any) -> None:
     p.add_argument("--pair", metavar="TEXT2", help="a second sentence: the model reads TEXT and TEXT2 as a pair "
                    "(e.g. [CLS] TEXT [SEP] TEXT2 [SEP], with segment ids); the report marks the boundary and names "
                    "the heads that look across it; the default target comes from the other sentence")
+    p.add_argument("--compare", metavar="TEXT2", help="a second text to set beside TEXT: the same focus word in "
+                   "both, the heads whose attention moved most (total variation distance), and with --png/--html "
+                   "both maps of a head and their difference")
     p.add_argument("--ablate", metavar="L.H", action="append", type=_head_spec,
                    help="knock out head H of layer L (from 0) and report how the focus token's final state, the "
                    "sentence embedding and, for language models, the next-token prediction change; repeat for several heads")

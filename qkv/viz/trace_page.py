@@ -62,14 +62,10 @@ def render_trace_page(
     data = page_data(trace, lang=lang, precision=precision, token=token)
     from markupsafe import Markup
 
-    payload = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    # Inside <script> only "</" can end the element; escaping <, > and & covers it and "<!--".
-    payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    payload = payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
     env = _environment()
     template = env.get_template("trace_page.html.j2")
     return template.render(
-        data_json=Markup(payload),
+        data_json=script_json(data),
         script=Markup(_asset("trace_page.js")),
         style=Markup(_asset("trace_page.css")),
         lang=data["lang"],
@@ -395,6 +391,17 @@ def _static_title(data: dict[str, Any]) -> str:
     if data["kind"] == "block":
         return "编码器块逐步演示" if zh else "An encoder block, step by step"
     return "自注意力逐步演示" if zh else "Self-attention, step by step"
+
+
+def script_json(data: Any) -> Any:
+    """``data`` as JSON that is safe inside an inline ``<script>`` element (a jinja2 Markup)."""
+    from markupsafe import Markup
+
+    payload = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    # Inside <script> only "</" can end the element; escaping <, > and & covers it and "<!--".
+    payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    payload = payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return Markup(payload)
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,143 @@
+"""qkv explain --compare: two texts through the bundled model, checked against maps computed
+independently (the model run with output_attentions) and against the distance written out."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from qkv.cli import main
+from qkv.viz.compare import align_tokens, compare, render_compare_html, save_compare_html, save_compare_png
+
+from .test_trace_page import browser  # noqa: F401  (the headless Chromium driver, module scope)
+
+models = pytest.importorskip("qkv.models")
+
+BIG = "The trophy didn't fit in the suitcase because it was too big."
+SMALL = "The trophy didn't fit in the suitcase because it was too small."
+
+
+@pytest.fixture(scope="module")
+def model():
+    try:
+        return models.load()
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(f"bundled model unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def cmp(model):
+    return compare(BIG, SMALL, focus="it", model=model)
+
+
+def _maps(model, text):
+    ids, mask = model.tokenize([text])
+    with torch.inference_mode():
+        att = model(ids, mask, output_attentions=True).attentions
+    toks = [model.tokenizer.id_to_token(int(i)) for i in ids[0]]
+    return torch.stack([a[0] for a in att]).double().numpy(), toks  # (L, H, N, N)
+
+
+def test_distance_is_total_variation_written_out(model, cmp):
+    ma, ta = _maps(model, BIG)
+    mb, tb = _maps(model, SMALL)
+    assert cmp.a.tokens == ta and cmp.b.tokens == tb
+    i_big, i_small = ta.index("big"), tb.index("small")
+    assert cmp.pairs == [(i, i) for i in range(len(ta)) if i != i_big]  # one word differs, same length
+    f = ta.index("it")
+    assert cmp.a.focus_index == cmp.b.focus_index == f
+    ra, rb = ma[:, :, f], mb[:, :, f]  # (L, H, N)
+    keep = [i for i in range(len(ta)) if i != i_big]
+    want = 0.5 * (np.abs(ra[..., keep] - rb[..., keep]).sum(-1) + ra[..., i_big] + rb[..., i_small])
+    assert np.abs(cmp.distance - want).max() < 1e-5
+    sa = ra[..., keep] / ra[..., keep].sum(-1, keepdims=True)
+    sb = rb[..., keep] / rb[..., keep].sum(-1, keepdims=True)
+    assert np.abs(cmp.shared - 0.5 * np.abs(sa - sb).sum(-1)).max() < 1e-5
+    l, h, d = cmp.top_changes(1)[0]
+    assert d == pytest.approx(want.max(), abs=1e-5) and want[l, h] == pytest.approx(want.max(), abs=1e-5)
+    (i, lost), (j, won) = cmp.moved(l, h)
+    assert ta[i] == "big" and tb[j] == "small"  # the changed word carries the change in the top head
+    assert lost == pytest.approx(ra[l, h, i_big], abs=1e-5) and won == pytest.approx(rb[l, h, i_small], abs=1e-5)
+    diff, ia, ib = cmp.difference(l, h)
+    assert np.abs(diff - (mb[l, h][np.ix_(ib, ib)] - ma[l, h][np.ix_(ia, ia)])).max() < 1e-5
+
+
+def test_same_text_has_zero_distance(model):
+    c = compare(BIG, BIG, focus="it", model=model)
+    assert np.abs(c.distance).max() < 1e-6 and np.abs(c.shared).max() < 1e-6
+    assert c.notes == []
+
+
+def test_alignment_of_different_lengths():
+    a = ["[CLS]", "the", "cat", "sat", "[SEP]"]
+    b = ["[CLS]", "the", "black", "cat", "sat", "down", "[SEP]"]
+    assert align_tokens(a, b) == [(0, 0), (1, 1), (2, 3), (3, 4), (4, 6)]
+
+
+def test_focus_follows_the_alignment_when_lengths_differ(model):
+    c = compare("She read the book.", "Yesterday she quietly read the long book.", focus="book", model=model)
+    assert c.a.tokens[c.a.focus_index] == c.b.tokens[c.b.focus_index] == "book"
+    assert 0 <= c.distance.min() and c.distance.max() <= 1 + 1e-9
+    assert "only in B: yesterday quietly long" in c.to_string()
+
+
+def test_report_text_json_and_files(cmp, tmp_path, capsys):
+    text = cmp.to_string()
+    assert "only in A: big, only in B: small" in text and "total variation" in text
+    assert "全变差" in cmp.to_string(lang="zh")
+    png, page = tmp_path / "c.png", tmp_path / "c.html"
+    assert main(["explain", BIG, "--compare", SMALL, "--focus", "it", "--json", "--png", str(png), "--html", str(page)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["a"]["tokens"] == cmp.a.tokens and d["b"]["tokens"] == cmp.b.tokens
+    assert np.abs(np.array(d["distance"]) - cmp.distance).max() < 1e-4
+    assert d["top_changes"][0]["lost"]["token"] == "big" and d["selected"] == {
+        "layer": d["top_changes"][0]["layer"], "head": d["top_changes"][0]["head"]}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    html = page.read_text()
+    assert "https://" not in html and "http://" not in html and "</script" not in html.split("qkv-data")[1].split("</script>")[0]
+
+
+def test_cli_errors(capsys):
+    assert main(["explain", BIG, "--compare", SMALL, "--pair", "x"]) == 2
+    assert "--compare and --pair" in capsys.readouterr().err
+    assert main(["explain", BIG, "--compare", "   "]) == 2
+    assert "second text" in capsys.readouterr().err
+    assert main(["explain", BIG, "--compare", "Nothing alike here.", "--focus", "trophy"]) == 2
+    assert "--compare" in capsys.readouterr().err
+
+
+def test_tokens_cannot_break_out_of_the_page(model):
+    c = compare("a </script><b>x</b> & y", "a </script> & z", model=model)
+    html = render_compare_html(c)
+    data = html.split('id="qkv-data">')[1].split("</script>")[0]
+    assert "<" not in data and json.loads(data)["a"]["text"].startswith("a </script>")
+
+
+def test_page_in_chromium(browser, cmp, tmp_path):  # noqa: F811
+    from selenium.webdriver.common.by import By
+
+    path = tmp_path / "cmp.html"
+    save_compare_html(cmp, path)
+    browser.get(path.as_uri())
+    assert browser.execute_script("return document.body.dataset.ready") == "1"
+    l, h, d = cmp.top_changes(1)[0]
+    assert f"Layer {l}, head {h}" in browser.find_element(By.ID, "head-title").text
+    n = len(cmp.a.tokens)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#map-a tbody td")) == n * n
+    cells = browser.find_elements(By.CSS_SELECTOR, "#grid td")
+    assert len(cells) == cmp.num_layers * cmp.num_heads
+    cells[0].click()  # layer 0, head 0
+    assert "Layer 0, head 0" in browser.find_element(By.ID, "head-title").text
+    rows = browser.find_elements(By.CSS_SELECTOR, "#rows tr")[1:]
+    f = cmp.a.focus_index
+    shown = {r.find_elements(By.TAG_NAME, "td")[0].text: float(r.find_elements(By.TAG_NAME, "td")[1].text)
+             for r in rows if r.find_elements(By.TAG_NAME, "td")[1].text}
+    assert shown["trophy"] == pytest.approx(cmp.a.focus_weights[0, 0, cmp.a.tokens.index("trophy")], abs=6e-4)
+    assert len(rows) == len(cmp.pairs) + (n - len(cmp.pairs)) + (len(cmp.b.tokens) - len(cmp.pairs))
+    assert f == cmp.a.tokens.index("it")
+    browser.find_element(By.TAG_NAME, "body").send_keys("\ue014")  # arrow right
+    assert "Layer 0, head 1" in browser.find_element(By.ID, "head-title").text
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
