@@ -14,13 +14,13 @@ Importing this package needs neither torch nor matplotlib (each is imported when
 
 from __future__ import annotations
 
-from .explain import Explanation, explain, explain_attentions, match_word
+from .explain import Explanation, explain, explain_attentions, explain_cross_attention, match_word
 from .html import render_html, save_html
 from .png import save_png
 from .trace_page import render_trace_page, save_trace_page
 from .trace_png import save_trace_png, trace_figure
 
 __all__ = [
-    "Explanation", "explain", "explain_attentions", "match_word", "save_png", "save_html", "render_html",
+    "Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word", "save_png", "save_html", "render_html",
     "save_trace_png", "trace_figure", "render_trace_page", "save_trace_page",
 ]

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Explanation", "explain", "explain_attentions", "match_word", "zh_note", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
+__all__ = ["Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word", "zh_note", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
 
 SENTENCE = (
     "Alice is an outstanding software engineer; she led the development of the company's core "
@@ -111,6 +111,11 @@ class Explanation:
     first token, [CLS]), ``last_weight`` (on the last, [SEP]), and ``mean_entropy`` over all
     query rows (only when the maps were seen). ``top_heads``: heads sorted by the weight from the
     focus token to the target.
+
+    Cross-attention (``key_tokens`` set, :func:`explain_cross_attention`): ``tokens`` are the
+    queries (decoder side), ``key_tokens`` the ``Nk`` tokens attended to (encoder side); rows
+    run over keys, so ``focus_weights (L, H, Nk)``, ``maps (L, H, N, Nk)``, and the target and
+    top tokens index ``key_tokens``.
     """
 
     text: str
@@ -131,6 +136,12 @@ class Explanation:
     pair: str = ""  # the second text of a sentence pair ("" for one text)
     segments: Optional[list[Optional[int]]] = None  # per token: 0 first text, 1 second, None special
     ablation: Optional[Any] = None  # qkv.viz.ablation.Ablation, when heads were ablated
+    key_tokens: Optional[list[str]] = None  # cross-attention: the tokens attended to (maps (L, H, N, Nk))
+
+    @property
+    def keys(self) -> list[str]:
+        """The tokens attended to: ``key_tokens`` for cross-attention, else ``tokens``."""
+        return self.tokens if self.key_tokens is None else self.key_tokens
 
     @property
     def pair_start(self) -> Optional[int]:
@@ -177,7 +188,8 @@ class Explanation:
         row = self.focus_weights[layer, head]
         order = np.argsort(-row, kind="stable")
         if content_only:
-            order = [i for i in order if _is_content(self.tokens[i]) and i not in self.focus_matches]
+            mine = self.focus_matches if self.key_tokens is None else []
+            order = [i for i in order if _is_content(self.keys[i]) and i not in mine]
         return [(int(i), float(row[i])) for i in order[:k]]
 
     @property
@@ -202,7 +214,7 @@ class Explanation:
         return (
             f"Explanation(model={self.model_name!r}, tokens={len(self.tokens)}, layers={self.num_layers}, "
             f"heads={self.num_heads}, focus={self.tokens[self.focus_index]!r}@{self.focus_index}, "
-            f"target={self.tokens[self.target_index]!r}@{self.target_index}, mode={self.mode!r})"
+            f"target={self.keys[self.target_index]!r}@{self.target_index}, mode={self.mode!r})"
         )
 
     def _repr_html_(self) -> str:
@@ -232,7 +244,8 @@ class Explanation:
             **({"ablation": self.ablation.to_dict()} if self.ablation is not None else {}),
             "focus": {"word": self.focus_word, "index": self.focus_index, "token": self.tokens[self.focus_index],
                       "matches": list(self.focus_matches)},
-            "target": {"word": self.target_word, "index": self.target_index, "token": self.tokens[self.target_index],
+            **({"key_tokens": list(self.key_tokens)} if self.key_tokens is not None else {}),
+            "target": {"word": self.target_word, "index": self.target_index, "token": self.keys[self.target_index],
                        "given": self.target_given},
             "top_heads": [{"layer": l, "head": h, "weight": round(w, decimals)} for l, h, w in self.top_heads(10)],
             "heads": [
@@ -241,7 +254,7 @@ class Explanation:
                         "layer": l,
                         "head": h,
                         "focus_weights": r(self.focus_weights[l, h]),
-                        "top_tokens": [{"index": i, "token": self.tokens[i], "weight": round(w, decimals)}
+                        "top_tokens": [{"index": i, "token": self.keys[i], "weight": round(w, decimals)}
                                        for i, w in self.top_tokens(l, h, 3)],
                         "target_weight": round(float(self.focus_weights[l, h, self.target_index]), decimals),
                         **{name: round(float(v[l, h]), decimals) for name, v in self.stats.items()},
@@ -261,7 +274,7 @@ class Explanation:
             raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
         if lang == "zh":
             return self._to_string_zh(top)
-        toks, f, t = self.tokens, self.focus_index, self.target_index
+        toks, f, t, keys = self.tokens, self.focus_index, self.target_index, self.keys
         out = [f"Model: {self.model_name} ({self.num_layers} layers × {self.num_heads} heads), {len(toks)} tokens"]
         out.append("Tokens: " + self._token_line())
         out.append(f'Focus: "{toks[f]}" (token {f})' + (f' for "{self.focus_word}"' if self.focus_word else ""))
@@ -270,7 +283,7 @@ class Explanation:
         out.append("")
         out.append(f'Where "{toks[f]}" looks most: its top {top} token(s) and weight, '
                    "in every head (rows) of every layer (columns):")
-        cell = [[", ".join(f"{_short(toks[i])} {w:.2f}" for i, w in self.top_tokens(l, h, top))
+        cell = [[", ".join(f"{_short(keys[i])} {w:.2f}" for i, w in self.top_tokens(l, h, top))
                  for l in range(self.num_layers)] for h in range(self.num_heads)]
         width = max(len(c) for row in cell for c in row)
         per_line = max(1, 112 // (width + 2))
@@ -283,15 +296,15 @@ class Explanation:
         how = "" if self.target_given else (
             " (the most-attended content token of the other sentence; choose with --target)" if self.other_segment()
             else " (the most-attended other content token; choose with --target)")
-        out.append(f'Heads that link "{toks[f]}" most strongly to "{toks[t]}"{how}:')
+        out.append(f'Heads that link "{toks[f]}" most strongly to "{keys[t]}"{how}:')
         for l, h, w in self.top_heads(5):
             tops = self.top_tokens(l, h, 1)[0]
-            out.append(f"  L{l} H{h}  weight {w:.3f}   (its top token: {toks[tops[0]]} {tops[1]:.3f})")
+            out.append(f"  L{l} H{h}  weight {w:.3f}   (its top token: {keys[tops[0]]} {tops[1]:.3f})")
         out.append("")
         st = self.stats
-        first = _short(toks[0], 5)
-        out.append(f'Per-head statistics of "{toks[f]}"\'s attention: entropy in nats (uniform over {len(toks)} tokens '
-                   f"= {math.log(len(toks)):.2f}), max weight, weight on {toks[0]}:")
+        first = _short(keys[0], 5)
+        out.append(f'Per-head statistics of "{toks[f]}"\'s attention: entropy in nats (uniform over {len(keys)} tokens '
+                   f"= {math.log(len(keys)):.2f}), max weight, weight on {keys[0]}:")
         head_cell = f"{'ent':>4} {'max':>4} {first:>5}"
         for start in range(0, self.num_layers, 6):
             ls = range(start, min(self.num_layers, start + 6))
@@ -302,8 +315,8 @@ class Explanation:
                     f"{st['entropy'][l, h]:4.2f} {st['max_weight'][l, h]:4.2f} {st['first_weight'][l, h]:5.2f}" for l in ls))
         mean_first = float(np.mean(st["first_weight"]))
         mean_last = float(np.mean(st["last_weight"]))
-        out.append(f"  on average {mean_first:.0%} of the focus token's attention goes to {toks[0]} and "
-                   f"{mean_last:.0%} to {toks[-1]}: heads with nothing to do often park their weight there.")
+        out.append(f"  on average {mean_first:.0%} of the focus token's attention goes to {keys[0]} and "
+                   f"{mean_last:.0%} to {keys[-1]}: heads with nothing to do often park their weight there.")
         if "pair_weight" in st:
             out.append("")
             out.append(f'Heads that send most of "{toks[f]}"\'s attention to the other text of the pair '
@@ -331,7 +344,7 @@ class Explanation:
 
 
     def _to_string_zh(self, top: int) -> str:
-        toks, f, t = self.tokens, self.focus_index, self.target_index
+        toks, f, t, keys = self.tokens, self.focus_index, self.target_index, self.keys
         out = [f"模型：{self.model_name}（{self.num_layers} 层 × {self.num_heads} 个头），{len(toks)} 个词元"]
         out.append("词元：" + self._token_line())
         out.append(f"关注词元：“{toks[f]}”（第 {f} 个词元）" + (f"，对应“{self.focus_word}”" if self.focus_word else ""))
@@ -339,7 +352,7 @@ class Explanation:
             out.append(f"说明：{zh_note(n)}")
         out.append("")
         out.append(f"“{toks[f]}”最关注哪里：每一层（列）每个头（行）中权重最大的 {top} 个词元及其权重：")
-        cell = [[", ".join(f"{_short(toks[i])} {w:.2f}" for i, w in self.top_tokens(l, h, top))
+        cell = [[", ".join(f"{_short(keys[i])} {w:.2f}" for i, w in self.top_tokens(l, h, top))
                  for l in range(self.num_layers)] for h in range(self.num_heads)]
         width = max(len(c) for row in cell for c in row)
         per_line = max(1, 112 // (width + 2))
@@ -352,15 +365,15 @@ class Explanation:
         how = "" if self.target_given else (
             "（自动选出的、它在另一句中最关注的实词；可用 --target 指定）" if self.other_segment()
             else "（自动选出的、它最关注的另一个实词；可用 --target 指定）")
-        out.append(f"把“{toks[f]}”和“{toks[t]}”联系得最紧的头{how}：")
+        out.append(f"把“{toks[f]}”和“{keys[t]}”联系得最紧的头{how}：")
         for l, h, w in self.top_heads(5):
             tops = self.top_tokens(l, h, 1)[0]
-            out.append(f"  L{l} H{h}  权重 {w:.3f}   （它最关注的词元：{toks[tops[0]]} {tops[1]:.3f}）")
+            out.append(f"  L{l} H{h}  权重 {w:.3f}   （它最关注的词元：{keys[tops[0]]} {tops[1]:.3f}）")
         out.append("")
         st = self.stats
-        first = _short(toks[0], 5)
-        out.append(f"“{toks[f]}”的注意力在每个头上的统计：熵（单位 nats；在 {len(toks)} 个词元上均匀分布时为 "
-                   f"{math.log(len(toks)):.2f}）、最大权重、落在 {toks[0]} 上的权重：")
+        first = _short(keys[0], 5)
+        out.append(f"“{toks[f]}”的注意力在每个头上的统计：熵（单位 nats；在 {len(keys)} 个词元上均匀分布时为 "
+                   f"{math.log(len(keys)):.2f}）、最大权重、落在 {keys[0]} 上的权重：")
         head_cell = f"{'熵':>3} {'最大':>2} {first:>5}"
         for start in range(0, self.num_layers, 6):
             ls = range(start, min(self.num_layers, start + 6))
@@ -371,7 +384,7 @@ class Explanation:
                     f"{st['entropy'][l, h]:4.2f} {st['max_weight'][l, h]:4.2f} {st['first_weight'][l, h]:5.2f}" for l in ls))
         mean_first = float(np.mean(st["first_weight"]))
         mean_last = float(np.mean(st["last_weight"]))
-        out.append(f"  平均而言，关注词元的注意力有 {mean_first:.0%} 落在 {toks[0]} 上，{mean_last:.0%} 落在 {toks[-1]} 上："
+        out.append(f"  平均而言，关注词元的注意力有 {mean_first:.0%} 落在 {keys[0]} 上，{mean_last:.0%} 落在 {keys[-1]} 上："
                    "没有事可做的头常常把权重“停放”在这里。")
         if "pair_weight" in st:
             out.append("")
@@ -754,6 +767,66 @@ def explain(
         ex.ablation = ablation_effect(model, input_ids, mask, ablate, focus_index=ex.focus_index, tokens=tokens,
                                       mode=ablate_mode, token_type_ids=types)
     return ex
+
+
+def explain_cross_attention(
+    model: Any,
+    run: Any,
+    query_tokens: Sequence[str],
+    key_tokens: Sequence[str],
+    *,
+    focus: Optional[str] = None,
+    target: Optional[str] = None,
+    modules: str = "*cross_attn",
+    model_name: str = "model",
+) -> Explanation:
+    """Explain the cross-attention of an encoder–decoder built from :mod:`qkv.nn` (e.g.
+    :class:`qkv.nn.Transformer`): where one decoder token reads in the source.
+
+    ``run()`` runs ``model`` on one pair of sequences (batch 1); every attention module whose
+    path matches ``modules`` is recorded (its weights ``(1, H, N, Nk)``, one per decoder layer)
+    with :func:`qkv.inspect.record`. ``query_tokens`` name the ``N`` decoder positions,
+    ``key_tokens`` the ``Nk`` source positions. ``focus`` is a decoder token (word or ``#i``),
+    ``target`` a source token (default: the one the focus reads most in any head). The result
+    renders like any explanation: ``to_string()``, :func:`qkv.viz.save_png`,
+    :func:`qkv.viz.save_html` (queries on the left, source tokens on the right).
+    """
+    from qkv.inspect import record
+
+    queries, keys = [str(t) for t in query_tokens], [str(t) for t in key_tokens]
+    with record(model, f"{modules}.weights") as rec:
+        run()
+    called = [m for m in rec.modules if f"{m}.weights" in set(rec)]
+    if not called:
+        raise ValueError(f"run() called no attention module matching modules={modules!r}; it must run the "
+                         "model's decoder (e.g. lambda: model(src, tgt))")
+    maps = []
+    for m in called:
+        w = rec[f"{m}.weights"]  # (1, H, N, Nk)
+        if w.dim() != 4 or w.shape[0] != 1 or tuple(w.shape[2:]) != (len(queries), len(keys)):
+            raise ValueError(f"{m} attended with weights of shape {tuple(w.shape)}, but there are {len(queries)} "
+                             f"query_tokens and {len(keys)} key_tokens (run one pair of sequences, batch 1)")
+        maps.append(w[0].float().cpu().numpy())
+    full = np.stack(maps)  # (L, H, N, Nk)
+    q_text, k_text = " ".join(queries), " ".join(keys)
+    f_idx, notes = _resolve_focus(focus, q_text, queries, None)
+    fw = full[:, :, f_idx[0], :]  # (L, H, Nk)
+    mean_ent = _row_stats(full)["entropy"].mean(-1)  # (L, H)
+    if target is None:
+        t_idx = _pick_target(keys, fw, [])
+        notes.append(f'target: "{keys[t_idx]}", the source token "{queries[f_idx[0]]}" reads most in any head '
+                     "(name one with target=)")
+    else:
+        t_list, more = match_word(target, k_text, keys, None)
+        notes += [m.replace("using the first", "using the first as target") for m in more]
+        t_idx = t_list[0]
+    stats = {k: np.asarray(v) for k, v in _row_stats(fw).items()}
+    stats["mean_entropy"] = np.asarray(mean_ent, dtype=np.float64)
+    return Explanation(
+        text=q_text, tokens=queries, focus_index=f_idx[0], focus_matches=list(f_idx), target_index=t_idx,
+        target_given=target is not None, focus_weights=fw.astype(np.float32), stats=stats, maps=full,
+        model_name=model_name, notes=notes, focus_word=focus or "", target_word=target or "", key_tokens=keys,
+    )
 
 
 _MODELS: dict[Optional[str], Any] = {}  # loaded once per process: explain only reads the weights

@@ -53,11 +53,13 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
     """The data embedded in the page (JSON-ready); ``layer``/``head`` as :meth:`Explanation.select`."""
     labels = _labels(lang)
     layer, head = ex.select(layer, head)
-    L, H, N = ex.focus_weights.shape
+    L, H, N = ex.focus_weights.shape  # N: keys (the queries too, except for cross-attention)
+    keys = getattr(ex, "keys", ex.tokens)
+    cross = getattr(ex, "key_tokens", None) is not None
     notes = list(ex.notes)
     maps = None
     if ex.maps is not None:
-        if L * H * N * N * 2 <= max_map_bytes:
+        if ex.maps.size * 2 <= max_map_bytes:
             maps = _encode(ex.maps)
         else:
             notes.append(f"{N} tokens: the full maps would make the page {L * H * N * N * 2 / 1e6:.0f} MB; "
@@ -66,6 +68,7 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "model": ex.model_name,
         "text": ex.text,
         "tokens": list(ex.tokens),
+        "key_tokens": list(keys) if cross else None,  # cross-attention: the source tokens attended to
         "pair": getattr(ex, "pair", ""),
         "segments": getattr(ex, "segments", None),  # per token 0 / 1 / null for a sentence pair, else null
         "num_layers": L,
@@ -73,13 +76,13 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "mode": "maps" if maps is not None else "stats",
         "notes": notes if lang == "en" else [zh_note(n) for n in notes],
         "focus": {"index": ex.focus_index, "token": ex.tokens[ex.focus_index], "word": ex.focus_word},
-        "target": {"index": ex.target_index, "token": ex.tokens[ex.target_index], "word": ex.target_word},
+        "target": {"index": ex.target_index, "token": keys[ex.target_index], "word": ex.target_word},
         "top_heads": [{"layer": l, "head": h, "weight": round(w, 4)} for l, h, w in ex.top_heads(5)],
         "initial": {"layer": int(layer), "head": int(head)},
         "encoding": "base64 little-endian uint16, weight = value / 65535",
         "maps": maps,  # (L, H, N, N) or None
         "focus_weights": _encode(ex.focus_weights),  # (L, H, N)
-        "vectors": _vectors(ex),  # (L, 2, H, N, Dh) float32 base64, or None
+        "vectors": None if cross else _vectors(ex),  # (L, 2, H, N, Dh) float32 base64, or None
         "head_dim": None if getattr(ex, "vectors", None) is None else int(ex.vectors.shape[-1]),
         "scale": getattr(ex, "scale", None),
         "labels": labels["js"],
@@ -295,6 +298,7 @@ _JS = r"""
   'use strict';
   var D = JSON.parse(document.getElementById('qkv-data').textContent);
   var L = D.num_layers, H = D.num_heads, N = D.tokens.length, ROW = 22;
+  var KT = D.key_tokens || D.tokens, NK = KT.length;  // keys: the source tokens for cross-attention
   var COLORS = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b',
                 '#e377c2', '#7f7f7f', '#bcbd22', '#17becf', '#393b79', '#ad494a'];
   function color(h) { return COLORS[h % COLORS.length]; }
@@ -305,11 +309,11 @@ _JS = r"""
     for (var j = 0; j < u16.length; j++) f[j] = u16[j] / 65535;
     return f;
   }
-  var maps = D.maps ? decode(D.maps) : null;          // (L, H, N, N)
-  var focusRows = decode(D.focus_weights);            // (L, H, N)
-  function row(l, h, q) {                             // (N,) weights of query q, or null
-    if (maps) { var o = ((l * H + h) * N + q) * N; return maps.subarray(o, o + N); }
-    if (q === D.focus.index) { var p = (l * H + h) * N; return focusRows.subarray(p, p + N); }
+  var maps = D.maps ? decode(D.maps) : null;          // (L, H, N, NK)
+  var focusRows = decode(D.focus_weights);            // (L, H, NK)
+  function row(l, h, q) {                             // (NK,) weights of query q, or null
+    if (maps) { var o = ((l * H + h) * N + q) * NK; return maps.subarray(o, o + NK); }
+    if (q === D.focus.index) { var p = (l * H + h) * NK; return focusRows.subarray(p, p + NK); }
     return null;
   }
   function selectable(q) { return !!maps || q === D.focus.index; }
@@ -330,12 +334,12 @@ _JS = r"""
   function say(key, o) { return T[key].replace(/\{(\w+)\}/g, function (m, k) { return String(o[k]); }); }
 
   // header
-  $('summary').textContent = say('summary', { n: N, L: L, H: H, focus: D.focus.token, fi: D.focus.index,
+  $('summary').textContent = say('summary', { n: D.key_tokens ? N + ' → ' + NK : N, L: L, H: H, focus: D.focus.token, fi: D.focus.index,
     target: D.target.token, top: D.top_heads.slice(0, 3).map(function (t) {
       return say('top_item', { layer: t.layer, head: t.head, w: t.weight.toFixed(2) }); }).join(T.list_sep) });
   D.notes.forEach(function (n) { $('notes').appendChild(el('li', '', n)); });
-  $('first-col').textContent = say('on', { tok: D.tokens[0] });
-  $('last-col').textContent = say('on', { tok: D.tokens[N - 1] });
+  $('first-col').textContent = say('on', { tok: KT[0] });
+  $('last-col').textContent = say('on', { tok: KT[NK - 1] });
 
   // controls
   for (var l = 0; l < L; l++) { var o = el('option', '', say('layer_option', { l: l })); o.value = String(l); $('layer').appendChild(o); }
@@ -367,31 +371,34 @@ _JS = r"""
   var left = [], right = [];
   D.tokens.forEach(function (t, i) {
     var a = el('div', 'tok', t); a.id = 'q-' + i; a.dataset.index = String(i);
-    var seg = D.segments ? D.segments[i] : null;       // a sentence pair: mark the second text and where it starts
     if (!selectable(i)) a.classList.add('disabled');
     a.addEventListener('mouseenter', function () { if (selectable(i)) { state.hover = i; render(); } });
     a.addEventListener('mouseleave', function () { state.hover = null; render(); });
     a.addEventListener('click', function () { if (selectable(i)) { state.pinned = i; render(); } });
     $('left').appendChild(a); left.push(a);
+  });
+  KT.forEach(function (t, i) {
+    var seg = D.segments ? D.segments[i] : null;       // a sentence pair: mark the second text and where it starts
     var k = el('div', 'tok', t); k.id = 'k-' + i; k.dataset.index = String(i);
     k.addEventListener('click', function () { state.key = i; render(); });
     k.addEventListener('mouseenter', function () { k.classList.add('hovered'); });
     k.addEventListener('mouseleave', function () { k.classList.remove('hovered'); });
     $('right').appendChild(k); right.push(k);
     if (seg === 1) {
-      [a, k].forEach(function (x) {
+      [left[i], k].forEach(function (x) {
         x.classList.add('seg-b'); x.title = say('second_text');
         if (i > 0 && D.segments[i - 1] !== 1) x.classList.add('seg-start');
       });
     }
   });
   var svg = $('lines'), SVGNS = 'http:' + '//www.w3.org/2000/svg';  // a namespace name, not an address: split so scans for links stay clean
-  svg.setAttribute('height', String(N * ROW)); svg.style.height = (N * ROW) + 'px';
+  var ROWS = Math.max(N, NK);
+  svg.setAttribute('height', String(ROWS * ROW)); svg.style.height = (ROWS * ROW) + 'px';
 
-  function mean(q) {                                  // (N,) mean weights over the selected heads
-    var m = new Float32Array(N), n = 0;
-    state.heads.forEach(function (h) { var r = row(state.layer, h, q); if (r) { n++; for (var j = 0; j < N; j++) m[j] += r[j]; } });
-    if (n) for (var j = 0; j < N; j++) m[j] /= n;
+  function mean(q) {                                  // (NK,) mean weights over the selected heads
+    var m = new Float32Array(NK), n = 0;
+    state.heads.forEach(function (h) { var r = row(state.layer, h, q); if (r) { n++; for (var j = 0; j < NK; j++) m[j] += r[j]; } });
+    if (n) for (var j = 0; j < NK; j++) m[j] /= n;
     return m;
   }
   function entropy(r) { var e = 0; for (var j = 0; j < r.length; j++) if (r[j] > 0) e -= r[j] * Math.log(r[j]); return e; }
@@ -401,7 +408,7 @@ _JS = r"""
     while (svg.firstChild) svg.removeChild(svg.firstChild);
     state.heads.forEach(function (h) {
       var r = row(state.layer, h, q); if (!r) return;
-      for (var j = 0; j < N; j++) {
+      for (var j = 0; j < NK; j++) {
         if (r[j] < 0.01) continue;
         var ln = document.createElementNS(SVGNS, 'line');
         ln.setAttribute('x1', '0'); ln.setAttribute('y1', String(q * ROW + ROW / 2 + 1));
@@ -413,7 +420,7 @@ _JS = r"""
       }
     });
     var m = mean(q), order = [];
-    for (var j = 0; j < N; j++) order.push(j);
+    for (var j = 0; j < NK; j++) order.push(j);
     order.sort(function (a, b) { return m[b] - m[a] || a - b; });
     left.forEach(function (e, i) { e.classList.toggle('active', i === q); e.classList.toggle('pinned', i === state.pinned); });
     right.forEach(function (e, i) {
@@ -421,11 +428,11 @@ _JS = r"""
       e.style.background = 'rgba(214, 51, 108, ' + Math.min(0.85, m[i]).toFixed(3) + ')';
     });
     $('sel-token').textContent = D.tokens[q];
-    $('top-token').textContent = D.tokens[order[0]];
+    $('top-token').textContent = KT[order[0]];
     $('top-weight').textContent = fmt(m[order[0]]);
     var list = $('top-list'); list.innerHTML = '';
     order.slice(0, 5).forEach(function (j) {
-      var li = el('li', '', D.tokens[j] + ' ' + fmt(m[j]));
+      var li = el('li', '', KT[j] + ' ' + fmt(m[j]));
       li.dataset.index = String(j);
       var bar = el('span', 'bar'); bar.style.width = Math.round(120 * m[j]) + 'px'; li.appendChild(bar);
       list.appendChild(li);
@@ -433,9 +440,9 @@ _JS = r"""
     var body = document.querySelector('#stats-table tbody'); body.innerHTML = '';
     for (var h = 0; h < H; h++) {
       var r = row(state.layer, h, q); if (!r) continue;
-      var mx = 0; for (var k = 0; k < N; k++) if (r[k] > mx) mx = r[k];
+      var mx = 0; for (var k = 0; k < NK; k++) if (r[k] > mx) mx = r[k];
       var tr = el('tr', state.heads.indexOf(h) >= 0 ? 'sel' : '');
-      [String(h), entropy(r).toFixed(2), fmt(mx), fmt(r[0]), fmt(r[N - 1])].forEach(function (c) { tr.appendChild(el('td', '', c)); });
+      [String(h), entropy(r).toFixed(2), fmt(mx), fmt(r[0]), fmt(r[NK - 1])].forEach(function (c) { tr.appendChild(el('td', '', c)); });
       body.appendChild(tr);
     }
   }
@@ -456,11 +463,11 @@ _JS = r"""
       for (var h2 = 0; h2 < H; h2++) {
         var c = el('div', maps ? 'cell' : 'cell strip'); c.dataset.layer = String(l); c.dataset.head = String(h2);
         c.id = 'cell-' + l + '-' + h2;
-        var rows = maps ? N : 1, cv = document.createElement('canvas'); cv.width = N; cv.height = rows;
-        var ctx = cv.getContext('2d'), img = ctx.createImageData(N, rows);
+        var rows = maps ? N : 1, cv = document.createElement('canvas'); cv.width = NK; cv.height = rows;
+        var ctx = cv.getContext('2d'), img = ctx.createImageData(NK, rows);
         for (var q = 0; q < rows; q++) {
           var r = maps ? row(l, h2, q) : row(l, h2, D.focus.index);
-          for (var j = 0; j < N; j++) { var p = rgb(r[j]), o = (q * N + j) * 4; img.data[o] = p[0]; img.data[o + 1] = p[1]; img.data[o + 2] = p[2]; img.data[o + 3] = 255; }
+          for (var j = 0; j < NK; j++) { var p = rgb(r[j]), o = (q * NK + j) * 4; img.data[o] = p[0]; img.data[o + 1] = p[1]; img.data[o + 2] = p[2]; img.data[o + 3] = 255; }
         }
         ctx.putImageData(img, 0, 0); c.appendChild(cv);
         c.title = say('cell_title', { l: l, h: h2, focus: D.focus.token, target: D.target.token,

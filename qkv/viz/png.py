@@ -77,17 +77,18 @@ def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None, lan
     families, lang = _fonts_for(lang)
     # token labels no installed font can draw become their index instead of empty boxes
     toks = [tok if _drawable(tok, families) else f"#{k}" for k, tok in enumerate(ex.tokens)]
+    keys = [tok if _drawable(tok, families) else f"#{k}" for k, tok in enumerate(getattr(ex, "keys", ex.tokens))]
     with matplotlib.rc_context({"font.family": families}):
-        return _figure(ex, layer, head, _TEXT[lang], toks)
+        return _figure(ex, layer, head, _TEXT[lang], toks, keys)
 
 
-def _figure(ex: Any, layer: int, head: int, tx: dict[str, str], toks: list[str]) -> Any:
+def _figure(ex: Any, layer: int, head: int, tx: dict[str, str], toks: list[str], keys: list[str]) -> Any:
     plt = _plt()
     L, H = ex.num_layers, ex.num_heads
     f, t = ex.focus_index, ex.target_index
     if ex.maps is None:
-        return _stats_figure(plt, ex, tx, toks)
-    n = len(toks)
+        return _stats_figure(plt, ex, tx, toks, keys)
+    n = max(len(toks), len(keys))
     big = max(5.0, min(11.0, 0.28 * n + 2.5))
     fig = plt.figure(figsize=(H * 0.95 + big + 1.5, max(L * 0.95 + 1.2, big + 0.5)), dpi=100)
     gs = fig.add_gridspec(1, 2, width_ratios=[H * 0.95, big], wspace=0.12, left=0.04, right=0.97, top=0.9, bottom=0.16)
@@ -110,12 +111,12 @@ def _figure(ex: Any, layer: int, head: int, tx: dict[str, str], toks: list[str])
              ha="center", fontsize=11)
     ax = fig.add_subplot(gs[1])
     im = ax.imshow(ex.maps[layer, head], cmap=_CMAP, vmin=0.0, interpolation="nearest")
-    _tick_labels(ax, toks, "x", (t,))
+    _tick_labels(ax, keys, "x", (t,))
     _tick_labels(ax, toks, "y", (f,))
     ax.set_xlabel(tx["key"])
     ax.set_ylabel(tx["query"])
     w = float(ex.focus_weights[layer, head, t])
-    ax.set_title(tx["head"].format(layer=layer, head=head, a=toks[f], b=toks[t], w=w), fontsize=11)
+    ax.set_title(tx["head"].format(layer=layer, head=head, a=toks[f], b=keys[t], w=w), fontsize=11)
     ax.add_patch(_rect(plt, (t - 0.5, f - 0.5)))
     start = getattr(ex, "pair_start", None)
     if start:  # a sentence pair: where the second text begins, on both axes
@@ -132,14 +133,14 @@ def _rect(plt: Any, xy: tuple[float, float]) -> Any:
     return Rectangle(xy, 1, 1, fill=False, edgecolor="red", linewidth=2)
 
 
-def _stats_figure(plt: Any, ex: Any, tx: dict[str, str], toks: list[str]) -> Any:
+def _stats_figure(plt: Any, ex: Any, tx: dict[str, str], toks: list[str], keys: list[str]) -> Any:
     L, H, N = ex.focus_weights.shape
     rows = ex.focus_weights.reshape(L * H, N)  # (L·H, N)
     fig, ax = plt.subplots(figsize=(min(24.0, 6 + N * 0.03), 10), dpi=100)
     im = ax.imshow(rows, cmap=_CMAP, vmin=0.0, aspect="auto", interpolation="nearest")
     ax.set_yticks(range(0, L * H, H))
     ax.set_yticklabels([f"L{l} H0" for l in range(L)], fontsize=8)
-    _tick_labels(ax, toks, "x", (ex.target_index,))
+    _tick_labels(ax, keys, "x", (ex.target_index,))
     ax.set_xlabel(tx["key"])
     ax.set_ylabel(tx["layer_head"])
     ax.set_title(tx["stats"].format(N=N, tok=toks[ex.focus_index], i=ex.focus_index), fontsize=11)
