@@ -141,3 +141,14 @@ def test_page_in_chromium(browser, cmp, tmp_path):  # noqa: F811
     browser.find_element(By.TAG_NAME, "body").send_keys("\ue014")  # arrow right
     assert "Layer 0, head 1" in browser.find_element(By.ID, "head-title").text
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_long_texts_compare_focus_rows_without_maps(model, tmp_path):
+    c = compare(BIG, SMALL, focus="it", model=model, max_map_tokens=0)
+    full = compare(BIG, SMALL, focus="it", model=model)
+    assert c.a.maps is None and c.b.maps is None
+    assert np.abs(c.distance - full.distance).max() < 1e-5  # the focus rows alone give the same distances
+    with pytest.raises(ValueError, match="maps were not kept"):
+        c.difference(0, 0)
+    png = save_compare_png(c, tmp_path / "rows.png")
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
