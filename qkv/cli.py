@@ -594,7 +594,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         if not path:
             continue
         try:
-            files[flag[2:]] = save(ex, path, layer, head)
+            files[flag[2:]] = save(ex, path, layer, head, lang=args.lang)
         except OSError as e:  # checked when parsed; this is what only trying finds (/dev/full, /proc)
             raise _write_error(flag, path, e) from None
         except ImportError as e:
@@ -606,9 +606,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         d["files"] = files
         print(json.dumps(d, allow_nan=False, ensure_ascii=False))
         return 0
-    print(ex.to_string(top=args.top))
+    print(ex.to_string(top=args.top, lang=args.lang))
     for kind, path in files.items():
-        print(f"Wrote {kind.upper()}: {path}" + (f"  (focused head L{layer} H{head})" if kind == "png" else ""))
+        print(_WROTE[args.lang].format(kind=kind.upper(), path=path) + (f"  (L{layer} H{head})" if kind == "png" else ""))
     return 0
 
 
@@ -636,7 +636,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for flag, path, save in (("--png", args.png, save_compare_png), ("--html", args.html, save_compare_html)):
         if path:
             try:
-                files[flag[2:]] = save(cmp, path, layer, head)
+                files[flag[2:]] = save(cmp, path, layer, head, lang=args.lang)
             except OSError as e:
                 raise _write_error(flag, path, e) from None
     if args.json:
@@ -645,9 +645,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         d["files"] = files
         print(json.dumps(d, allow_nan=False, ensure_ascii=False))
         return 0
-    print(cmp.to_string())
+    print(cmp.to_string(lang=args.lang))
     for kind, path in files.items():
-        print(f"Wrote {kind.upper()}: {path}  (head L{layer} H{head})")
+        print(_WROTE[args.lang].format(kind=kind.upper(), path=path) + f"  (L{layer} H{head})")
     return 0
 
 
@@ -694,6 +694,8 @@ def _add_explain(sub: Any) -> None:
     p.add_argument("--ablate", metavar="L.H", action="append", type=_head_spec,
                    help="knock out head H of layer L (from 0) and report how the focus token's final state, the "
                    "sentence embedding and, for language models, the next-token prediction change; repeat for several heads")
+    p.add_argument("--lang", choices=("en", "zh"), default="en",
+                   help="language of the report, the figure and the page: en (English) or zh (中文) (default en)")
     p.add_argument("--ablate-mode", choices=("zero", "mean"), default="zero",
                    help="zero: the head outputs 0; mean: its mean output over the positions (default zero)")
     p.add_argument("--max-map-tokens", type=_int_at_least(1), default=512,

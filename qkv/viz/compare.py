@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .explain import Explanation, _encode, _load, explain
+from .explain import Explanation, _encode, _load, _short, explain, zh_note
 
 __all__ = ["Comparison", "compare", "align_tokens", "save_compare_png", "render_compare_html", "save_compare_html"]
 
@@ -140,7 +140,7 @@ class Comparison:
                    f"A：{a.text}", f"B：{b.text}",
                    f"关注词元：A 中的“{fa}”（第 {a.focus_index} 个）与 B 中的“{fb}”（第 {b.focus_index} 个）；"
                    f"{len(self.pairs)} 个词元对齐，只在 A 中：{' '.join(only_a) or '无'}，只在 B 中：{' '.join(only_b) or '无'}"]
-            out += [f"说明：{n}" for n in self.notes]
+            out += [f"说明：{zh_note(n)}" for n in self.notes]
             out += ["", f"“{fa}”的注意力变化最大的头（全变差距离，0 = 相同，1 = 完全不同）："]
         else:
             out = [f"Model: {a.model_name} ({a.num_layers} layers × {a.num_heads} heads)",
@@ -224,21 +224,42 @@ def compare(
 # -- pictures ------------------------------------------------------------------------------------
 
 
-def figure(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = None) -> Any:
+_FIG_TEXT = {
+    "en": {"moved": '"{tok}"\'s attention moved\n(total variation, per head)', "head": "head", "layer": "layer",
+           "map": "{name}: layer {l}, head {h}", "diff": "B − A on the aligned tokens",
+           "rows": '"{tok}"\'s attention, layer {l}, head {h}'},
+    "zh": {"moved": "“{tok}”的注意力变化\n（全变差距离，每个头）", "head": "头", "layer": "层",
+           "map": "{name}：第 {l} 层第 {h} 个头", "diff": "B − A（对齐的词元）", "rows": "“{tok}”的注意力，第 {l} 层第 {h} 个头"},
+}
+
+
+def figure(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = None, lang: str = "en") -> Any:
     """Four panels: the per-head distance grid, head (layer, head)'s map for A and for B, and B − A."""
+    import matplotlib
+
+    from .trace_png import _fonts_for
+
+    if lang not in _FIG_TEXT:
+        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    layer, head = cmp.select(layer, head)
+    families, lang = _fonts_for(lang)
+    with matplotlib.rc_context({"font.family": families}):
+        return _figure(cmp, layer, head, _FIG_TEXT[lang])
+
+
+def _figure(cmp: Comparison, layer: int, head: int, tx: dict[str, str]) -> Any:
     from .png import _CMAP, _plt, _tick_labels
 
     plt = _plt()
-    layer, head = cmp.select(layer, head)
     a, b = cmp.a, cmp.b
     has_maps = a.maps is not None and b.maps is not None
     n = max(len(a.tokens), len(b.tokens))
     side = max(4.0, min(9.0, 0.25 * n + 2.0))
     fig, axes = plt.subplots(1, 4 if has_maps else 2, figsize=((4 if has_maps else 2) * side + 1, side + 1.2), dpi=100)
     im = axes[0].imshow(cmp.distance, cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
-    axes[0].set_xlabel("head")
-    axes[0].set_ylabel("layer")
-    axes[0].set_title(f'How far "{a.tokens[a.focus_index]}"\'s attention moved\n(total variation, per head)', fontsize=10)
+    axes[0].set_xlabel(tx["head"])
+    axes[0].set_ylabel(tx["layer"])
+    axes[0].set_title(tx["moved"].format(tok=a.tokens[a.focus_index]), fontsize=10)
     axes[0].add_patch(plt.Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="cyan", linewidth=2))
     fig.colorbar(im, ax=axes[0], fraction=0.046, pad=0.04)
     if has_maps:
@@ -246,13 +267,13 @@ def figure(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = N
             ax.imshow(ex.maps[layer, head], cmap=_CMAP, vmin=0.0, vmax=1.0, interpolation="nearest")
             _tick_labels(ax, ex.tokens, "x")
             _tick_labels(ax, ex.tokens, "y", (ex.focus_index,))
-            ax.set_title(f"{name}: layer {layer}, head {head}", fontsize=10)
+            ax.set_title(tx["map"].format(name=name, l=layer, h=head), fontsize=10)
         diff, ia, _ = cmp.difference(layer, head)
         lim = max(1e-6, float(np.abs(diff).max()))
         im = axes[3].imshow(diff, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
         _tick_labels(axes[3], [a.tokens[i] for i in ia], "x")
         _tick_labels(axes[3], [a.tokens[i] for i in ia], "y")
-        axes[3].set_title("B − A on the aligned tokens", fontsize=10)
+        axes[3].set_title(tx["diff"], fontsize=10)
         fig.colorbar(im, ax=axes[3], fraction=0.046, pad=0.04)
     else:  # long texts keep no maps: the focus rows on the aligned tokens
         x = np.arange(len(cmp.pairs))
@@ -260,18 +281,18 @@ def figure(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = N
         axes[1].bar(x + 0.2, [b.focus_weights[layer, head, j] for _, j in cmp.pairs], 0.4, label="B")
         _tick_labels(axes[1], [a.tokens[i] for i, _ in cmp.pairs], "x")
         axes[1].legend()
-        axes[1].set_title(f'"{a.tokens[a.focus_index]}"\'s attention, layer {layer}, head {head}', fontsize=10)
-    fig.suptitle(f"{a.model_name}: A = {a.text[:60]!r} vs B = {b.text[:60]!r}", fontsize=11)
+        axes[1].set_title(tx["rows"].format(tok=a.tokens[a.focus_index], l=layer, h=head), fontsize=10)
+    fig.suptitle(f"{a.model_name}: A = “{_short(a.text, 80)}”   B = “{_short(b.text, 80)}”", fontsize=11)
     fig.tight_layout()
     return fig
 
 
 def save_compare_png(cmp: Comparison, path: "str | os.PathLike[str]", layer: Optional[int] = None,
-                     head: Optional[int] = None) -> str:
+                     head: Optional[int] = None, lang: str = "en") -> str:
     """Write :func:`figure` to ``path`` (PNG) and return the path."""
     from .png import _plt
 
-    fig = figure(cmp, layer, head)
+    fig = figure(cmp, layer, head, lang)
     try:
         fig.savefig(path, format="png")
     finally:
@@ -299,22 +320,50 @@ def page_data(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] 
     }
 
 
-def render_compare_html(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = None) -> str:
-    """The comparison as one offline page: the distance grid (click a head), both maps and B − A."""
+_PAGE_TEXT = {
+    "en": {
+        "html_lang": "en", "title": "{model}: two sentences compared", "report": "Text report",
+        "grid": "How far the focus token's attention moved, per head",
+        "hint": "Total variation distance between its two rows (0: same, 1: disjoint). Click a head, or use the arrow keys.",
+        "diff": "B − A on the aligned tokens (red: more in B, blue: less)",
+        "head_title": "Layer {l}, head {h}: distance {d}", "rows_title": 'Focus rows: "{a}" in A and "{b}" in B',
+        "cols": ["A token", "A", "B token", "B", "B − A"],
+    },
+    "zh": {
+        "html_lang": "zh-Hans", "title": "{model}：两个句子的对比", "report": "文字报告",
+        "grid": "关注词元的注意力在每个头上变化了多少",
+        "hint": "两行注意力之间的全变差距离（0：相同，1：完全不同）。点击一个头，或用方向键。",
+        "diff": "B − A（对齐的词元；红：B 中更多，蓝：更少）",
+        "head_title": "第 {l} 层第 {h} 个头：距离 {d}", "rows_title": "关注词元的注意力行：A 中的“{a}”与 B 中的“{b}”",
+        "cols": ["A 词元", "A", "B 词元", "B", "B − A"],
+    },
+}
+
+
+def render_compare_html(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = None,
+                        lang: str = "en") -> str:
+    """The comparison as one offline page: the distance grid (click a head), both maps and B − A;
+    ``lang`` ("en" or "zh") is the language of every label."""
     from markupsafe import Markup
 
     from .trace_page import _asset, _environment, script_json
 
+    if lang not in _PAGE_TEXT:
+        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    tx = _PAGE_TEXT[lang]
     data = page_data(cmp, layer, head)
+    data["labels"] = {k: tx[k] for k in ("head_title", "rows_title", "cols")}
     return _environment().get_template("compare.html.j2").render(
-        data_json=script_json(data), script=Markup(_asset("compare.js")),
-        title=f"{cmp.a.model_name}: two sentences compared", a=cmp.a.text, b=cmp.b.text,
-        report=cmp.to_string(),
+        data_json=script_json(data), script=Markup(_asset("compare.js")), t=tx,
+        title=tx["title"].format(model=cmp.a.model_name), a=cmp.a.text, b=cmp.b.text,
+        report=cmp.to_string(lang=lang),
     )
 
 
 def save_compare_html(cmp: Comparison, path: "str | os.PathLike[str]", layer: Optional[int] = None,
-                      head: Optional[int] = None) -> str:
+                      head: Optional[int] = None, lang: str = "en") -> str:
+    """Write :func:`render_compare_html` to ``path`` and return the path."""
+    page = render_compare_html(cmp, layer, head, lang)  # first: a bad head must not leave an empty file
     with open(path, "w", encoding="utf-8") as f:
-        f.write(render_compare_html(cmp, layer, head))
+        f.write(page)
     return os.fspath(path)

@@ -396,6 +396,14 @@ class Explanation:
 
 
 _ZH_NOTES: list[tuple[str, str]] = [
+    (r'the focus "(?P<t>.*)" has no counterpart in B; looking for "(?P<w>.*)" there',
+     "关注词元“{t}”在 B 中没有对应的词元；改在 B 中查找“{w}”"),
+    (r'the focus "(?P<t>.*)" has no counterpart in B; looking for B\'s own choice',
+     "关注词元“{t}”在 B 中没有对应的词元；由 B 自行选择"),
+    (r'the target "(?P<t>.*)" has no counterpart in B; looking for "(?P<w>.*)" there',
+     "目标“{t}”在 B 中没有对应的词元；改在 B 中查找“{w}”"),
+    (r'the target "(?P<t>.*)" has no counterpart in B; looking for B\'s own choice',
+     "目标“{t}”在 B 中没有对应的词元；由 B 自行选择"),
     (r'target: "(?P<t>.*)", the content token of the other text that "(?P<f>.*)" gives most attention to in any head '
      r"\(name one with --target\)", "目标：“{t}”，即“{f}”在所有头中最关注的、句对另一句中的实词（可用 --target 指定）"),
     (r'target: "(?P<t>.*)", the content token "(?P<f>.*)" gives most attention to in any head, leaving out (?P<rest>.*) '

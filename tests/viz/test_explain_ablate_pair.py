@@ -188,3 +188,12 @@ def test_library_bad_arguments(model):
         explain(TROPHY, model=model, ablate=[])
     with pytest.raises(ValueError, match="pair is empty"):
         explain(TROPHY, model=model, pair="  ")
+
+
+def test_cli_lang_zh_report_and_page(tmp_path, capsys):
+    page = tmp_path / "r.html"
+    assert main(["explain", "The trophy didn't fit in the suitcase.", "--pair", "It was too big.", "--focus", "it",
+                 "--ablate", "3.1", "--lang", "zh", "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    assert "消融 L3 H1（置零）之后" in out and "句对中另一句" in out and "目标：“trophy”" in out
+    assert '<html lang="zh' in page.read_text()

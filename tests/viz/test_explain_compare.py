@@ -152,3 +152,16 @@ def test_long_texts_compare_focus_rows_without_maps(model, tmp_path):
         c.difference(0, 0)
     png = save_compare_png(c, tmp_path / "rows.png")
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chinese_report_figure_and_page(cmp, tmp_path, capsys):
+    png, page = tmp_path / "zh.png", tmp_path / "zh.html"
+    assert main(["explain", BIG, "--compare", SMALL, "--focus", "it", "--lang", "zh", "--png", str(png),
+                 "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    assert "全变差距离" in out and "说明：目标“big”在 B 中没有对应的词元" in out and "已写入 HTML" in out
+    html = page.read_text()
+    assert '<html lang="zh-Hans">' in html and "两个句子的对比" in html and "Click a head" not in html
+    assert png.stat().st_size > 20_000
+    with pytest.raises(ValueError, match="lang"):
+        render_compare_html(cmp, lang="fr")

@@ -4,6 +4,8 @@
   var D = JSON.parse(document.getElementById('qkv-data').textContent);
   var L = D.num_layers, H = D.num_heads;
   var $ = function (id) { return document.getElementById(id); };
+  var T = D.labels;
+  function say(key, o) { return T[key].replace(/\{(\w+)\}/g, function (m, k) { return String(o[k]); }); }
   function decode(b64) {                                // base64 little-endian uint16 → weights
     if (!b64) return null;
     var s = atob(b64), out = new Float32Array(s.length / 2);
@@ -75,7 +77,7 @@
   function select(l, h) {
     state.l = l; state.h = h;
     cells.forEach(function (c) { c.classList.toggle('sel', +c.dataset.l === l && +c.dataset.h === h); });
-    $('head-title').textContent = 'Layer ' + l + ', head ' + h + ': distance ' + D.distance[l][h].toFixed(3);
+    $('head-title').textContent = say('head_title', { l: l, h: h, d: D.distance[l][h].toFixed(3) });
     if (A.maps && B.maps) {
       drawMap($('map-a'), D.a.tokens, D.a.focus, function (i, j) { return row(A, l, h, i)[j]; }, heat);
       drawMap($('map-b'), D.b.tokens, D.b.focus, function (i, j) { return row(B, l, h, i)[j]; }, heat);
@@ -90,10 +92,10 @@
     }
     // the focus rows, token by token (aligned tokens side by side; the rest alone)
     var ra = row(A, l, h), rb = row(B, l, h), rows = $('rows');
-    $('rows-title').textContent = 'Focus rows: "' + D.a.tokens[D.a.focus] + '" in A and "' + D.b.tokens[D.b.focus] + '" in B';
+    $('rows-title').textContent = say('rows_title', { a: D.a.tokens[D.a.focus], b: D.b.tokens[D.b.focus] });
     rows.textContent = '';
     var tr = el('tr');
-    ['A token', 'A', 'B token', 'B', 'B − A'].forEach(function (t) { tr.appendChild(el('th', '', t)); });
+    T.cols.forEach(function (t) { tr.appendChild(el('th', '', t)); });
     rows.appendChild(tr);
     var i = 0, j = 0, k = 0;
     function add(ia, jb) {
