@@ -37,6 +37,15 @@ def align_tokens(a: list[str], b: list[str]) -> list[tuple[int, int]]:
     return [(blk.a + k, blk.b + k) for blk in sm.get_matching_blocks() for k in range(blk.size)]
 
 
+def _listed(tokens: list[str], zh: bool, most: int = 20) -> str:
+    """Tokens for a report line: at most ``most``, then how many more."""
+    if not tokens:
+        return "无" if zh else "none"
+    more = len(tokens) - most
+    tail = "" if more <= 0 else (f" …（另有 {more} 个）" if zh else f" … ({more} more)")
+    return " ".join(tokens[:most]) + tail
+
+
 def _shared_tv(a: np.ndarray, b: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
     """Total variation between the rows restricted to the aligned tokens, each renormalised to 1."""
     if not pairs:
@@ -133,21 +142,20 @@ class Comparison:
         zh = lang == "zh"
         a, b = self.a, self.b
         fa, fb = a.tokens[a.focus_index], b.tokens[b.focus_index]
-        only_a = [a.tokens[i] for i in range(len(a.tokens)) if i not in dict(self.pairs)]
-        only_b = [b.tokens[j] for j in range(len(b.tokens)) if j not in {j for _, j in self.pairs}]
+        only_a = _listed([a.tokens[i] for i in range(len(a.tokens)) if i not in dict(self.pairs)], zh)
+        only_b = _listed([b.tokens[j] for j in range(len(b.tokens)) if j not in {j for _, j in self.pairs}], zh)
         if zh:
             out = [f"模型：{a.model_name}（{a.num_layers} 层 × {a.num_heads} 个头）",
-                   f"A：{a.text}", f"B：{b.text}",
+                   f"A：{_short(a.text, 300)}", f"B：{_short(b.text, 300)}",
                    f"关注词元：A 中的“{fa}”（第 {a.focus_index} 个）与 B 中的“{fb}”（第 {b.focus_index} 个）；"
-                   f"{len(self.pairs)} 个词元对齐，只在 A 中：{' '.join(only_a) or '无'}，只在 B 中：{' '.join(only_b) or '无'}"]
-            out += [f"说明：{zh_note(n)}" for n in self.notes]
+                   f"{len(self.pairs)} 个词元对齐，只在 A 中：{only_a}，只在 B 中：{only_b}"]
+            out += [f"说明：B 中：{zh_note(n[6:])}" if n.startswith("in B: ") else f"说明：{zh_note(n)}" for n in self.notes]
             out += ["", f"“{fa}”的注意力变化最大的头（全变差距离，0 = 相同，1 = 完全不同）："]
         else:
             out = [f"Model: {a.model_name} ({a.num_layers} layers × {a.num_heads} heads)",
-                   f"A: {a.text}", f"B: {b.text}",
+                   f"A: {_short(a.text, 300)}", f"B: {_short(b.text, 300)}",
                    f'Focus: "{fa}" (token {a.focus_index} of A) and "{fb}" (token {b.focus_index} of B); '
-                   f"{len(self.pairs)} tokens aligned, only in A: {' '.join(only_a) or 'none'}, "
-                   f"only in B: {' '.join(only_b) or 'none'}"]
+                   f"{len(self.pairs)} tokens aligned, only in A: {only_a}, only in B: {only_b}"]
             out += [f"Note: {n}" for n in self.notes]
             out += ["", f'Heads where "{fa}"\'s attention moved most (total variation distance, 0 = same, 1 = disjoint):']
         for l, h, d in self.top_changes(top):
@@ -215,6 +223,8 @@ def compare(
     except ValueError as e:
         raise ValueError(f"in the second text (--compare): {e}") from None
     b.focus_word, b.target_word = a.focus_word, a.target_word
+    # how B's words were found (a word matched inside another, a truncation), not its target choice
+    notes += [f"in B: {n}" for n in b.notes if n not in a.notes and not n.startswith("target: ")]
     if b.tokens != tokens_b:  # truncated to the model's positions: align what it read
         pairs = align_tokens(a.tokens, b.tokens)
     dist = _tv(a.focus_weights, b.focus_weights, pairs)  # (L, H)

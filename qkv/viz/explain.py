@@ -34,7 +34,10 @@ SENTENCE = (
 )
 MAX_MAP_TOKENS = 512
 MAX_MAP_BYTES = 50_000_000  # float32 maps of all heads beyond this: statistics only
-SPECIAL = frozenset({"[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]", "<s>", "</s>", "<pad>"})
+SPECIAL = frozenset({  # BERT's, RoBERTa's and the common decoders' begin/end/padding tokens
+    "[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]", "<s>", "</s>", "<pad>", "<unk>", "<mask>", "<bos>", "<eos>",
+    "<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>",
+})
 
 
 def _is_content(token: str) -> bool:
@@ -420,6 +423,8 @@ _ZH_NOTES: list[tuple[str, str]] = [
      "“{w}”被切分成 {n} 个词元（{parts}）；跟踪第一个“{t}”"),
     (r'target "(?P<w>.*)" is split into (?P<n>\d+) tokens; using the first, "(?P<t>.*)"',
      "目标“{w}”被切分成 {n} 个词元；使用第一个“{t}”"),
+    (r"the pair has (?P<n>\d+) tokens but the model reads at most (?P<m>\d+); keeping the first (?P<a>\d+) of the "
+     r"first text and (?P<b>\d+) of the second", "句对有 {n} 个词元，但模型最多读取 {m} 个；保留第一句的前 {a} 个和第二句的前 {b} 个"),
     (r"the text has (?P<n>\d+) tokens but the model reads at most (?P<m>\d+); using the first (?P<k>\d+) and the "
      r"closing (?P<t>.*)", "文本有 {n} 个词元，但模型最多读取 {m} 个；使用前 {k} 个和结尾的 {t}"),
     (r"(?P<n>\d+) tokens: the attention maps would take (?P<mb>\d+) MB \(limits: (?P<lt>[^ ]+) tokens, (?P<lb>\d+) MB\); "
@@ -661,6 +666,24 @@ def _encode(model: Any, text: str, pair: Optional[str] = None) -> _Encoded:
     return _Encoded(ids, [str(name(i)) if name else str(i) for i in ids], None)
 
 
+def _longest_first(segments: Sequence[Optional[int]], limit: int) -> list[int]:
+    """Token indices to keep so a pair fits ``limit``: special tokens stay, and each text loses
+    tokens from its end, the longer one first (the tokenizers' "longest_first" strategy)."""
+    count = {s: sum(x == s for x in segments) for s in (0, 1)}
+    budget = limit - sum(x is None for x in segments)
+    while count[0] + count[1] > max(budget, 0):
+        count[0 if count[0] >= count[1] else 1] -= 1
+    seen = {0: 0, 1: 0}
+    keep = []
+    for i, x in enumerate(segments):
+        if x is None:
+            keep.append(i)
+        elif seen[x] < count[x]:
+            seen[x] += 1
+            keep.append(i)
+    return keep
+
+
 def _max_positions(model: Any) -> int:
     for owner in (model, getattr(model, "config", None)):
         for name in ("max_position_embeddings", "max_positions", "max_len"):
@@ -713,7 +736,13 @@ def explain(
     enc = _encode(model, text, pair)
     notes: list[str] = []
     limit = _max_positions(model)
-    if len(enc.ids) > limit:
+    if len(enc.ids) > limit and enc.segments is not None:  # a pair: shorten the longer text first
+        keep = _longest_first(enc.segments, limit)
+        notes.append(f"the pair has {len(enc.ids)} tokens but the model reads at most {limit}; "
+                     f"keeping the first {sum(enc.segments[i] == 0 for i in keep)} of the first text and "
+                     f"{sum(enc.segments[i] == 1 for i in keep)} of the second")
+        enc = enc.cut(keep)
+    elif len(enc.ids) > limit:
         notes.append(f"the text has {len(enc.ids)} tokens but the model reads at most {limit}; "
                      f"using the first {limit - 1} and the closing {enc.tokens[-1]}")
         enc = enc.cut(list(range(limit - 1)) + [len(enc.ids) - 1])
