@@ -589,26 +589,32 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         layer, head = ex.select(args.layer, args.head)
     except ValueError as e:
         raise UsageError(f"{e} (--layer, --head)") from None
+    return _write_report(args, ex, layer, head, save_png, save_html, lambda: ex.to_string(top=args.top, lang=args.lang))
+
+
+def _write_report(args: argparse.Namespace, result: Any, layer: int, head: int, save_png: Callable[..., str],
+                  save_html: Callable[..., str], text: Callable[[], str]) -> int:
+    """Write --png/--html of an explanation or a comparison, then print JSON or the text report."""
     files: dict[str, str] = {}
     for flag, path, save in (("--png", args.png, save_png), ("--html", args.html, save_html)):
         if not path:
             continue
         try:
-            files[flag[2:]] = save(ex, path, layer, head, lang=args.lang)
+            files[flag[2:]] = save(result, path, layer, head, lang=args.lang)
         except OSError as e:  # checked when parsed; this is what only trying finds (/dev/full, /proc)
             raise _write_error(flag, path, e) from None
         except ImportError as e:
             print(f"qkv explain: cannot write {flag} {path}: {e} (pip install matplotlib)", file=sys.stderr)
             return 1
     if args.json:
-        d = ex.to_dict()
+        d = result.to_dict()
         d["selected"] = {"layer": layer, "head": head}
         d["files"] = files
         print(json.dumps(d, allow_nan=False, ensure_ascii=False))
         return 0
-    print(ex.to_string(top=args.top, lang=args.lang))
+    print(text())
     for kind, path in files.items():
-        print(_WROTE[args.lang].format(kind=kind.upper(), path=path) + (f"  (L{layer} H{head})" if kind == "png" else ""))
+        print(_WROTE[args.lang].format(kind=kind.upper(), path=path) + f"  (L{layer} H{head})")
     return 0
 
 
@@ -632,23 +638,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except (ImportError, RuntimeError, FileNotFoundError) as e:
         print(f"qkv explain: cannot run the model: {e}", file=sys.stderr)
         return 1
-    files: dict[str, str] = {}
-    for flag, path, save in (("--png", args.png, save_compare_png), ("--html", args.html, save_compare_html)):
-        if path:
-            try:
-                files[flag[2:]] = save(cmp, path, layer, head, lang=args.lang)
-            except OSError as e:
-                raise _write_error(flag, path, e) from None
-    if args.json:
-        d = cmp.to_dict()
-        d["selected"] = {"layer": layer, "head": head}
-        d["files"] = files
-        print(json.dumps(d, allow_nan=False, ensure_ascii=False))
-        return 0
-    print(cmp.to_string(lang=args.lang))
-    for kind, path in files.items():
-        print(_WROTE[args.lang].format(kind=kind.upper(), path=path) + f"  (L{layer} H{head})")
-    return 0
+    return _write_report(args, cmp, layer, head, save_compare_png, save_compare_html, lambda: cmp.to_string(lang=args.lang))
 
 
 def _head_spec(spec: str) -> tuple[int, int]:
