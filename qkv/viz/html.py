@@ -86,6 +86,7 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "head_dim": None if getattr(ex, "vectors", None) is None else int(ex.vectors.shape[-1]),
         "scale": getattr(ex, "scale", None),
         "labels": labels["js"],
+        "ablation": None if getattr(ex, "ablation", None) is None else ex.ablation.to_dict(),
     }
 
 
@@ -137,6 +138,12 @@ _BODY = """<header>
   <p class="text">%TEXT%</p>
   <p id="summary"></p>
   <ul id="notes"></ul>
+  <section id="ablation" hidden>
+    <h2 id="ablation-title"></h2>
+    <p id="ablation-summary"></p>
+    <p id="ablation-next" class="small"></p>
+    <details><summary id="ablation-more"></summary><table id="ablation-table"><tbody></tbody></table></details>
+  </section>
 </header>
 <nav class="tabs">
   <button id="tab-head" class="tab active" type="button">%head_view%</button>
@@ -202,6 +209,12 @@ _LABELS: dict[str, dict[str, Any]] = {
             "head_title": "head {h}", "head_label_one": "Layer {l} \u00b7 Head {h}",
             "head_label_many": "Layer {l} \u00b7 Heads {hs}",
             "cell_title": 'layer {l}, head {h}: "{focus}" \u2192 "{target}" {w}',
+            "ablation_title": "Ablating {heads} ({mode})",
+            "mode_zero": "zeroed", "mode_mean": "mean output", "ablation_more": "every token",
+            "ablation_summary": 'Cosine distance of each token\'s final state with and without those heads: "{focus}" '
+                                "{d}, the other tokens {mean} on average; the sentence embedding {emb}.",
+            "ablation_next": 'Next token after "{focus}": KL(clean \u2016 ablated) = {kl} nats; log-probability of '
+                             '"{tok}" {delta}.',
         },
     },
     "zh": {
@@ -226,6 +239,10 @@ _LABELS: dict[str, dict[str, Any]] = {
             "head_title": "第 {h} 个头", "head_label_one": "第 {l} 层 \u00b7 第 {h} 个头",
             "head_label_many": "第 {l} 层 \u00b7 第 {hs} 个头",
             "cell_title": "第 {l} 层，第 {h} 个头：“{focus}” \u2192 “{target}” {w}",
+            "ablation_title": "消融 {heads}（{mode}）",
+            "mode_zero": "置零", "mode_mean": "换成平均输出", "ablation_more": "每个词元",
+            "ablation_summary": "去掉这些头前后，每个词元最终表示的余弦距离：“{focus}”为 {d}，其他词元平均 {mean}；句向量 {emb}。",
+            "ablation_next": "“{focus}”之后的下一个词元：KL(原始 \u2016 消融) = {kl} nats；“{tok}”的对数概率变化 {delta}。",
         },
     },
 }
@@ -276,6 +293,9 @@ main { min-height: 200px; }
 #top-list li { margin: 1px 0; }
 .bar { display: inline-block; height: 9px; background: var(--accent); vertical-align: middle; margin-left: 6px; border-radius: 2px; }
 table { border-collapse: collapse; font-size: 12px; width: 100%; }
+#ablation { margin: 8px 0; padding: 6px 12px; max-width: 640px; border-left: 3px solid var(--accent); background: #fff; }
+#ablation h2 { font-size: 15px; margin: 2px 0; } #ablation p { margin: 3px 0; }
+#ablation td:first-child { text-align: left; }
 th, td { padding: 2px 6px; text-align: right; border-bottom: 1px solid #eee; }
 tr.sel td { background: #fdeef4; font-weight: 600; }
 #grid { display: grid; gap: 4px; align-items: center; }
@@ -522,6 +542,28 @@ _JS = r"""
     $('neuron-sum').textContent = say('neuron_sum', { s: sum.toFixed(3), scale: scale.toFixed(4), scaled: (sum * scale).toFixed(3),
       n: N, w: (Math.exp(s[k] - mx) / z).toFixed(3), m: r ? r[k].toFixed(3) : '—' });
     $('neuron-sum').dataset.score = String(sum); $('neuron-sum').dataset.weight = String(Math.exp(s[k] - mx) / z);
+  }
+  // ablation: how far each token's final state moved when the listed heads were knocked out
+  if (D.ablation) {
+    var A = D.ablation, dist = A.token_distance, top = Math.max.apply(null, dist.concat([1e-12]));
+    $('ablation').hidden = false;
+    $('ablation-title').textContent = say('ablation_title', { mode: T['mode_' + A.mode],
+      heads: A.heads.map(function (x) { return 'L' + x.layer + ' H' + x.head; }).join(T.list_sep) });
+    $('ablation-summary').textContent = say('ablation_summary', { focus: D.focus.token, d: A.focus_distance.toFixed(4),
+      mean: A.others_mean_distance.toFixed(4), emb: A.embedding_distance.toFixed(4) });
+    if (A.next_token) {
+      $('ablation-next').textContent = say('ablation_next', { focus: D.focus.token, kl: A.next_token.kl.toFixed(4),
+        tok: A.next_token.clean_top[0].token, delta: A.next_token.delta_logprob.toFixed(4) });
+    }
+    $('ablation-more').textContent = T.ablation_more;
+    var tb = document.querySelector('#ablation-table tbody');
+    dist.forEach(function (d, i) {
+      var tr = el('tr', i === D.focus.index ? 'sel' : ''), bar = el('span', 'bar');
+      bar.style.width = Math.round(160 * d / top) + 'px';
+      var cell = el('td'); cell.appendChild(bar);
+      [el('td', '', D.tokens[i]), el('td', '', d.toFixed(4)), cell].forEach(function (c) { tr.appendChild(c); });
+      tb.appendChild(tr);
+    });
   }
   buildGrid();
   render();

@@ -13,7 +13,10 @@ import torch
 
 from qkv.cli import main
 from qkv.viz import explain
+from qkv.viz import save_html
 from qkv.viz.ablation import parse_head
+
+from .test_trace_page import browser  # noqa: F401  (the headless Chromium driver, module scope)
 
 models = pytest.importorskip("qkv.models")
 
@@ -212,3 +215,25 @@ def test_long_pairs_shorten_the_longer_text_first(model):
     assert ex.segments.count(1) == 5 and ex.tokens[ex.pair_start:ex.pair_start + 5] == ["it", "was", "too", "big", "."]
     assert any(n.startswith("the pair has") for n in ex.notes)
     assert "pair_weight" in ex.stats and ex.segments[ex.focus_index] == 1
+
+
+def test_report_page_shows_the_ablation(browser, model, tmp_path):  # noqa: F811
+    from selenium.webdriver.common.by import By
+
+    ex = explain(TROPHY, focus="it", model=model, ablate=[(3, 1), (4, 3)])
+    path = tmp_path / "ablated.html"
+    save_html(ex, path)
+    browser.get(path.as_uri())
+    assert browser.find_element(By.ID, "ablation").is_displayed()
+    assert browser.find_element(By.ID, "ablation-title").text == "Ablating L3 H1, L4 H3 (zeroed)"
+    assert f"{ex.ablation.focus_distance:.4f}" in browser.find_element(By.ID, "ablation-summary").text
+    browser.find_element(By.ID, "ablation-more").click()
+    rows = browser.find_elements(By.CSS_SELECTOR, "#ablation-table tr")
+    assert len(rows) == len(ex.tokens)
+    shown = [float(r.find_elements(By.TAG_NAME, "td")[1].text) for r in rows]
+    assert np.abs(np.array(shown) - ex.ablation.token_distance).max() < 6e-5
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    plain = tmp_path / "plain.html"
+    save_html(explain(TROPHY, focus="it", model=model), plain)
+    browser.get(plain.as_uri())
+    assert not browser.find_element(By.ID, "ablation").is_displayed()
