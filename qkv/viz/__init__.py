@@ -5,6 +5,10 @@ offline page: step through the computation, hover a cell to see where its number
 :func:`save_trace_png` draws the same as one static figure for slides. Every report speaks
 English or Chinese (``lang="en"`` / ``"zh"``).
 
+:func:`explain` also reads sentence pairs (``pair=``) and ablates heads (``ablate=``);
+:func:`compare` sets two texts side by side head by head; :func:`explain_cross_attention`
+explains an encoder–decoder's cross-attention in the same report.
+
 Importing this package needs neither torch nor matplotlib (each is imported when first used)::
 
     from qkv.viz import explain, save_png, save_html
@@ -15,6 +19,7 @@ Importing this package needs neither torch nor matplotlib (each is imported when
 from __future__ import annotations
 
 from .explain import Explanation, explain, explain_attentions, explain_cross_attention, match_word
+from .compare import Comparison, compare, save_compare_html, save_compare_png
 from .html import render_html, save_html
 from .png import save_png
 from .trace_page import render_trace_page, save_trace_page
@@ -23,4 +28,5 @@ from .trace_png import save_trace_png, trace_figure
 __all__ = [
     "Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word", "save_png", "save_html", "render_html",
     "save_trace_png", "trace_figure", "render_trace_page", "save_trace_page",
+    "Comparison", "compare", "save_compare_png", "save_compare_html",
 ]
