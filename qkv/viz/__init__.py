@@ -18,8 +18,14 @@ Importing this package needs neither torch nor matplotlib (each is imported when
 
 from __future__ import annotations
 
-from .explain import Explanation, explain, explain_attentions, explain_cross_attention, match_word
 from .compare import Comparison, compare, save_compare_html, save_compare_png
+from .explain import (
+    Explanation,
+    explain,
+    explain_attentions,
+    explain_cross_attention,
+    match_word,
+)
 from .html import render_html, save_html
 from .png import save_png
 from .trace_page import render_trace_page, save_trace_page
