@@ -131,3 +131,16 @@ def test_pair_with_a_decoder_tokenizer(checkpoint):
     assert ex.segments == [0] * 5 + [1] * 4 and ex.pair_start == 5
     assert ex.tokens[ex.target_index] in "the trophy did not fit".split()
     assert ex.focus_index == 5
+
+
+def test_compare_with_a_decoder(checkpoint):
+    from qkv.viz import compare
+
+    kind, path = checkpoint
+    other = TEXT.replace("big", "fit")  # one word changed, same length
+    c = compare(TEXT, other, focus="it", model_path=str(path))
+    assert c.a.tokens == TEXT.split() and c.b.tokens == other.split()
+    assert len(c.pairs) == len(c.a.tokens) - 1
+    f = c.a.focus_index  # "it" comes before the changed last word: a causal row cannot see the change
+    assert f < c.a.tokens.index("big")
+    assert np.abs(c.distance).max() < 1e-6
