@@ -37,6 +37,17 @@ def align_tokens(a: list[str], b: list[str]) -> list[tuple[int, int]]:
     return [(blk.a + k, blk.b + k) for blk in sm.get_matching_blocks() for k in range(blk.size)]
 
 
+_UNKNOWN = frozenset({"[UNK]", "<unk>"})
+
+
+def _keys(enc: Any, text: str) -> list[str]:
+    """What alignment compares: the token, or for an unknown token also the text it stands for
+    (two [UNK]s match only when they hide the same characters)."""
+    if enc.offsets is None:
+        return list(enc.tokens)
+    return [f"{t}\x00{text[a:b]}" if t in _UNKNOWN else t for t, (a, b) in zip(enc.tokens, enc.offsets, strict=True)]
+
+
 def _listed(tokens: list[str], zh: bool, most: int = 20) -> str:
     """Tokens for a report line: at most ``most``, then how many more."""
     if not tokens:
@@ -204,8 +215,11 @@ def compare(
     if model is None:
         model = _load(model_path)
     a = explain(text, focus, target, model=model, model_path=model_path, **kwargs)
-    tokens_b = _encode(model, other).tokens
-    pairs = align_tokens(a.tokens, tokens_b)
+    enc_b = _encode(model, other)
+    tokens_b = enc_b.tokens
+    enc_a = _encode(model, text)
+    keys_a = _keys(enc_a, text) if enc_a.tokens == a.tokens else a.tokens  # (a truncated text: tokens only)
+    pairs = align_tokens(keys_a, _keys(enc_b, other))
     to_b = dict(pairs)
     notes: list[str] = []
 

@@ -165,3 +165,11 @@ def test_chinese_report_figure_and_page(cmp, tmp_path, capsys):
     assert png.stat().st_size > 20_000
     with pytest.raises(ValueError, match="lang"):
         render_compare_html(cmp, lang="fr")
+
+
+def test_unknown_tokens_align_only_on_the_same_characters(model):
+    c = compare("I feel 🙂 today", "I feel 🙃 today", model=model)
+    unk = c.a.tokens.index("[UNK]")
+    assert c.b.tokens[unk] == "[UNK]" and (unk, unk) not in c.pairs and len(c.pairs) == len(c.a.tokens) - 1
+    same = compare("I feel 🙂 today", "I feel 🙂 today", model=model)
+    assert (unk, unk) in same.pairs and np.abs(same.distance).max() < 1e-6
