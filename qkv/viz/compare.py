@@ -210,7 +210,9 @@ def compare(
     when the word itself changed between the texts, it is looked for in ``other`` by name.
     ``kwargs`` go to :func:`qkv.viz.explain` (``max_map_tokens``, ``max_map_bytes``).
     """
-    if not isinstance(other, str) or not other.strip():
+    if not isinstance(other, str):
+        raise TypeError(f"other must be a string (the text to compare with), got {type(other).__name__}")
+    if not other.strip():
         raise ValueError("the second text is empty; pass the sentence to compare with, e.g. --compare 'It was too small.'")
     if model is None:
         model = _load(model_path)

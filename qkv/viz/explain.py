@@ -722,7 +722,9 @@ def explain(
 
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
-    if pair is not None and (not isinstance(pair, str) or not pair.strip()):
+    if pair is not None and not isinstance(pair, str):
+        raise TypeError(f"pair must be a string (the second sentence), got {type(pair).__name__}")
+    if pair is not None and not pair.strip():
         raise ValueError("pair is empty; pass the second sentence of the pair, e.g. --pair 'It was too big.'")
     if ablate_mode not in ("zero", "mean"):
         raise ValueError(f"ablate_mode={ablate_mode!r} is not available; use 'zero' or 'mean' (--ablate-mode)")

@@ -191,6 +191,8 @@ def test_library_bad_arguments(model):
         explain(TROPHY, model=model, ablate=[])
     with pytest.raises(ValueError, match="pair is empty"):
         explain(TROPHY, model=model, pair="  ")
+    with pytest.raises(TypeError, match="pair must be a string"):
+        explain(TROPHY, model=model, pair=["It was big."])
 
 
 def test_cli_lang_zh_report_and_page(tmp_path, capsys):

@@ -173,3 +173,12 @@ def test_unknown_tokens_align_only_on_the_same_characters(model):
     assert c.b.tokens[unk] == "[UNK]" and (unk, unk) not in c.pairs and len(c.pairs) == len(c.a.tokens) - 1
     same = compare("I feel 🙂 today", "I feel 🙂 today", model=model)
     assert (unk, unk) in same.pairs and np.abs(same.distance).max() < 1e-6
+
+
+def test_library_bad_arguments(model):
+    with pytest.raises(TypeError, match="other must be a string"):
+        compare(BIG, None, model=model)
+    with pytest.raises(ValueError, match="second text is empty"):
+        compare(BIG, "", model=model)
+    with pytest.raises(TypeError, match="text must be a string"):
+        compare(b"bytes", SMALL, model=model)
