@@ -161,7 +161,13 @@ def final_states(model: Any, input_ids: Any, mask: Any, token_type_ids: Any = No
         if hasattr(model, "hf_tokenizer"):
             return model.final(input_ids, mask, token_type_ids)
         out = model(input_ids, mask) if token_type_ids is None else model(input_ids, mask, token_type_ids)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if isinstance(out, torch.Tensor):  # a module that returns its hidden states (B, N, E)
+            hidden = out
+        else:
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            raise ValueError("ablation needs the model's final hidden states (B, N, E): return them, or an "
+                             "object with .last_hidden_state")
         return hidden[0].double().cpu().numpy(), None
 
 

@@ -239,3 +239,31 @@ def test_report_page_shows_the_ablation(browser, model, tmp_path):  # noqa: F811
     save_html(explain(TROPHY, focus="it", model=model), plain)
     browser.get(plain.as_uri())
     assert not browser.find_element(By.ID, "ablation").is_displayed()
+
+
+def test_ablation_effect_on_a_module_returning_hidden_states():
+    from torch import nn
+
+    from qkv.nn import TransformerEncoder, TransformerEncoderLayer
+    from qkv.viz.ablation import ablation_effect
+
+    class Tiny(nn.Module):  # ids (B, N) -> hidden states (B, N, 16)
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 16)
+            self.enc = TransformerEncoder(TransformerEncoderLayer(16, 4, 32, dropout=0.0), 2)
+
+        def forward(self, ids, mask=None):
+            return self.enc(self.emb(ids))
+
+    torch.manual_seed(0)
+    m = Tiny().eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    ab = ablation_effect(m, ids, torch.ones_like(ids), [(1, 2)], focus_index=2, tokens=list("abcde"))
+    hand = copy.deepcopy(m)
+    with torch.no_grad():
+        hand.enc.layers[1].self_attn.out_proj.weight[:, 8:12] = 0
+        clean, hit = m(ids)[0].double().numpy(), hand(ids)[0].double().numpy()
+    assert np.abs(ab.token_distance - _cos_dist(clean, hit)).max() < 1e-6 and ab.next_token is None
+    with pytest.raises(ValueError, match="final hidden states"):
+        ablation_effect(lambda ids, mask: (None,), ids, None, [(0, 0)], focus_index=0, tokens=["x"])
