@@ -500,7 +500,9 @@ _MODEL_TEXT = {
             "Wrote:\n  {png}   (every head as a heatmap, and L{layer} H{head} in full)\n"
             "  {page}   (open in a browser: interactive, works offline)"
         ),
-        "next": 'Every step of that head, with its real numbers: qkv trace --model --token she --layer {layer} --head {head}',
+        "next": ('Every step of that head, with its real numbers: qkv trace --model --token she --layer {layer} --head {head}\n'
+                 'What happens without it:                       qkv explain --focus she --ablate {layer}.{head}\n'
+                 'Your own checkpoint, a sentence pair, two texts: qkv explain TEXT --model DIR | --pair TEXT2 | --compare TEXT2'),
     },
     "zh": {
         "heading": "4. 真实模型：“she”在看哪里？",
@@ -515,7 +517,9 @@ _MODEL_TEXT = {
             "已写入：\n  {png}   （每个头的热力图，以及 L{layer} H{head} 的完整热力图）\n"
             "  {page}   （用浏览器打开：可交互，离线可用）"
         ),
-        "next": "用真实数字逐步查看这个头：qkv trace --model --token she --layer {layer} --head {head} --lang zh",
+        "next": ("用真实数字逐步查看这个头：qkv trace --model --token she --layer {layer} --head {head} --lang zh\n"
+                 "去掉这个头会怎样：qkv explain --focus she --ablate {layer}.{head} --lang zh\n"
+                 "你自己的模型、句对、两句对比：qkv explain 文本 --model 目录 | --pair 第二句 | --compare 另一句 --lang zh"),
     },
 }
 
