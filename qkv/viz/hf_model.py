@@ -169,9 +169,15 @@ def load_hf(path: str) -> HFExplainModel:
     # with its language-model head when it has one: --ablate then reports next-token changes
     lm = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
     auto = transformers.AutoModelForCausalLM if lm else transformers.AutoModel
+    bars = transformers.utils.logging
+    was_on = bars.is_progress_bar_enabled()
+    bars.disable_progress_bar()  # a local read of a few files: no progress bar between the command and its report
     try:
         model = auto.from_pretrained(path, local_files_only=True, attn_implementation=NAME)
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {path}: the model could not be loaded with qkv's attention ({e})") from e
+    finally:
+        if was_on:
+            bars.enable_progress_bar()
     model.eval()
     return HFExplainModel(model, tokenizer, os.path.basename(os.path.normpath(path)))

@@ -69,11 +69,18 @@ def test_maps_match_eager_attention(checkpoint):
     assert ex.tokens[ex.focus_index] == "it"
 
 
-def test_cli_json_png_html(checkpoint, tmp_path, capsys):
+def test_cli_json_png_html(checkpoint, tmp_path, capsys, monkeypatch):
+    import sys
+
     kind, path = checkpoint
+    # load the checkpoint afresh in this test (the module, not the function qkv.viz.explain)
+    monkeypatch.setattr(sys.modules["qkv.viz.explain"], "_MODELS", {})
     png, page = tmp_path / "m.png", tmp_path / "m.html"
     assert main(["explain", TEXT, "--model", str(path), "--focus", "it", "--json", "--png", str(png), "--html", str(page)]) == 0
-    d = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert "Loading weights" not in captured.err  # no progress bar between the command and its report
+    assert transformers.utils.logging.is_progress_bar_enabled()  # and the user's setting is back
     assert d["tokens"] == TEXT.split() and d["focus"]["token"] == "it" and d["model"] == path.name
     assert d["num_layers"] == 2 and d["num_heads"] == 4
     assert d["target"]["index"] < d["focus"]["index"]  # causal: the focus only reaches earlier tokens
