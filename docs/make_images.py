@@ -1,4 +1,4 @@
-"""Make the README's pictures: docs/images/heatmap.png and docs/images/html_report.png.
+"""Make the README's pictures: docs/images/heatmap.png, html_report.png and compare_page.png.
 
     python docs/make_images.py
 
@@ -13,20 +13,21 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qkv.viz import explain, save_html, save_png  # noqa: E402
+from qkv.viz import compare, explain, save_compare_html, save_html, save_png  # noqa: E402
 from qkv.viz.explain import SENTENCE  # noqa: E402
 
 OUT = ROOT / "docs" / "images"
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--window-size=1400,900", "--hide-scrollbars")
+         "--hide-scrollbars")
 
 
-def screenshot(page: Path, dest: Path) -> None:
+def screenshot(page: Path, dest: Path, hover: Optional[str] = "q-8", size: str = "1400,900") -> None:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.action_chains import ActionChains
@@ -37,11 +38,13 @@ def screenshot(page: Path, dest: Path) -> None:
     options.binary_location = "/usr/bin/chromium"
     for flag in FLAGS:
         options.add_argument(flag)
+    options.add_argument(f"--window-size={size}")
     options.add_argument(f"--user-data-dir={profile}")
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
     try:
         driver.get(page.as_uri())
-        ActionChains(driver).move_to_element(driver.find_element(By.ID, "q-8")).perform()  # hover "she"
+        if hover:
+            ActionChains(driver).move_to_element(driver.find_element(By.ID, hover)).perform()  # e.g. "she"
         driver.save_screenshot(str(dest))
     finally:
         driver.quit()
@@ -55,7 +58,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         page = Path(save_html(ex, Path(tmp) / "report.html"))
         screenshot(page, OUT / "html_report.png")
-    print("wrote", OUT / "html_report.png")
+        print("wrote", OUT / "html_report.png")
+        big = "The trophy didn't fit in the suitcase because it was too big."
+        cmp = compare(big, big.replace("big", "small"), focus="it")
+        page = Path(save_compare_html(cmp, Path(tmp) / "compare.html"))
+        screenshot(page, OUT / "compare_page.png", hover=None, size="1000,900")
+        print("wrote", OUT / "compare_page.png")
 
 
 if __name__ == "__main__":
