@@ -498,12 +498,13 @@ def _build(
     text: str, tokens: list[str], f_idx: list[int], fw: np.ndarray, mean_entropy: Optional[np.ndarray],
     maps: Optional[np.ndarray],
     *, focus: Optional[str], target: Optional[str], offsets: Optional[Sequence[tuple[int, int]]], model_name: str,
-    notes: list[str], segments: Optional[list[Optional[int]]] = None,
+    notes: list[str], segments: Optional[list[Optional[int]]] = None, key_tokens: Optional[list[str]] = None,
 ) -> Explanation:
     """The explanation from the focus rows ``fw (L, H, N)`` and each head's mean row entropy ``(L, H)``.
 
     With ``segments`` (a sentence pair), the statistics gain ``pair_weight``, the focus row's
-    weight on the other text, and the default target comes from the other text.
+    weight on the other text, and the default target comes from the other text. With
+    ``key_tokens`` (cross-attention) the rows run over those tokens and the target is one of them.
     """
     stats = {k: np.asarray(v) for k, v in _row_stats(fw).items()}
     if mean_entropy is not None:
@@ -513,32 +514,39 @@ def _build(
         mine = segments[f_idx[0]]
         other = [i for i, sg in enumerate(segments) if sg is not None and sg != mine]
         stats["pair_weight"] = fw[:, :, other].astype(np.float64).sum(-1) if other else np.zeros(fw.shape[:2])
-    if target is None and other:
+    keys = tokens if key_tokens is None else key_tokens
+    if target is not None:
+        key_text = text if key_tokens is None else " ".join(key_tokens)
+        t_list, more = match_word(target, key_text, keys, offsets if key_tokens is None else None)
+        notes += [m.replace("using the first", "using the first as target") for m in more]
+        if len(t_list) > 1:
+            notes.append(f'target "{target}" is split into {len(t_list)} tokens; using the first, "{keys[t_list[0]]}"')
+        t_idx = t_list[0]
+    elif key_tokens is not None:
+        t_idx = _pick_target(keys, fw, [])
+        notes.append(f'target: "{keys[t_idx]}", the source token "{tokens[f_idx[0]]}" reads most in any head '
+                     "(name one with target=)")
+    elif other:
         t_idx = _pick_target(tokens, fw, [j for j in range(len(tokens)) if j not in other])
         notes.append(f'target: "{tokens[t_idx]}", the content token of the other text that "{tokens[f_idx[0]]}" gives '
                      "most attention to in any head (name one with --target)")
-    elif target is None:
+    else:
         prev = f_idx[0] - 1
         skip = list(f_idx) + ([prev] if prev >= 0 and _is_content(tokens[prev]) else [])
         t_idx = _pick_target(tokens, fw, skip)
         left_out = [f'"{tokens[f_idx[0]]}" itself', "special tokens"] + ([f'the previous token "{tokens[prev]}"'] if prev in skip else [])
         notes.append(f'target: "{tokens[t_idx]}", the content token "{tokens[f_idx[0]]}" gives most attention to in any head, '
                      f"leaving out {', '.join(left_out)} (name one with --target)")
-    else:
-        t_list, more = match_word(target, text, tokens, offsets)
-        notes += [m.replace("using the first", "using the first as target") for m in more]
-        if len(t_list) > 1:
-            notes.append(f'target "{target}" is split into {len(t_list)} tokens; using the first, "{tokens[t_list[0]]}"')
-        t_idx = t_list[0]
     return Explanation(
         text=text, tokens=tokens, focus_index=f_idx[0], focus_matches=list(f_idx), target_index=t_idx,
         target_given=target is not None, focus_weights=fw, stats=stats, maps=maps, model_name=model_name,
-        notes=notes, focus_word=focus or "", target_word=target or "", segments=segments,
+        notes=notes, focus_word=focus or "", target_word=target or "", segments=segments, key_tokens=key_tokens,
     )
 
 
 def _reduce(attentions: Sequence[Any], f: int, n: int, keep_maps: bool) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    """Focus rows ``(L, H, N)``, mean row entropy ``(L, H)`` and, with ``keep_maps``, the maps, layer by layer."""
+    """Focus rows ``(L, H, Nk)``, mean row entropy ``(L, H)`` and, with ``keep_maps``, the maps, layer by layer
+    (``n``: the number of keys, the tokens themselves for self-attention)."""
     rows, full, mean_ent = [], [], []
     for a in attentions:
         a = a.detach().float().cpu().numpy() if hasattr(a, "detach") else np.asarray(a, dtype=np.float32)
@@ -835,7 +843,8 @@ def explain_cross_attention(
     queries, keys = [str(t) for t in query_tokens], [str(t) for t in key_tokens]
     with record(model, f"{modules}.weights") as rec:
         run()
-    called = [m for m in rec.modules if f"{m}.weights" in set(rec)]
+    recorded = set(rec)
+    called = [m for m in rec.modules if f"{m}.weights" in recorded]
     if not called:
         raise ValueError(f"run() called no attention module matching modules={modules!r}; it must run the "
                          "model's decoder (e.g. lambda: model(src, tgt))")
@@ -845,27 +854,12 @@ def explain_cross_attention(
         if w.dim() != 4 or w.shape[0] != 1 or tuple(w.shape[2:]) != (len(queries), len(keys)):
             raise ValueError(f"{m} attended with weights of shape {tuple(w.shape)}, but there are {len(queries)} "
                              f"query_tokens and {len(keys)} key_tokens (run one pair of sequences, batch 1)")
-        maps.append(w[0].float().cpu().numpy())
-    full = np.stack(maps)  # (L, H, N, Nk)
-    q_text, k_text = " ".join(queries), " ".join(keys)
+        maps.append(w[0])  # (H, N, Nk)
+    q_text = " ".join(queries)
     f_idx, notes = _resolve_focus(focus, q_text, queries, None)
-    fw = full[:, :, f_idx[0], :]  # (L, H, Nk)
-    mean_ent = _row_stats(full)["entropy"].mean(-1)  # (L, H)
-    if target is None:
-        t_idx = _pick_target(keys, fw, [])
-        notes.append(f'target: "{keys[t_idx]}", the source token "{queries[f_idx[0]]}" reads most in any head '
-                     "(name one with target=)")
-    else:
-        t_list, more = match_word(target, k_text, keys, None)
-        notes += [m.replace("using the first", "using the first as target") for m in more]
-        t_idx = t_list[0]
-    stats = {k: np.asarray(v) for k, v in _row_stats(fw).items()}
-    stats["mean_entropy"] = np.asarray(mean_ent, dtype=np.float64)
-    return Explanation(
-        text=q_text, tokens=queries, focus_index=f_idx[0], focus_matches=list(f_idx), target_index=t_idx,
-        target_given=target is not None, focus_weights=fw.astype(np.float32), stats=stats, maps=full,
-        model_name=model_name, notes=notes, focus_word=focus or "", target_word=target or "", key_tokens=keys,
-    )
+    fw, mean_ent, full = _reduce(maps, f_idx[0], len(keys), keep_maps=True)  # (L, H, Nk), (L, H), (L, H, N, Nk)
+    return _build(q_text, queries, f_idx, fw, mean_ent, full, focus=focus, target=target, offsets=None,
+                  model_name=model_name, notes=notes, key_tokens=keys)
 
 
 _MODELS: dict[Optional[str], Any] = {}  # loaded once per process: explain only reads the weights

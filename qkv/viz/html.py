@@ -62,7 +62,7 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         if ex.maps.size * 2 <= max_map_bytes:
             maps = _encode(ex.maps)
         else:
-            notes.append(f"{N} tokens: the full maps would make the page {L * H * N * N * 2 / 1e6:.0f} MB; "
+            notes.append(f"{N} tokens: the full maps would make the page {ex.maps.size * 2 / 1e6:.0f} MB; "
                          "it shows the focus token's attention only")
     return {
         "model": ex.model_name,
