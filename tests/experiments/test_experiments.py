@@ -79,6 +79,12 @@ def test_cross_attention_learns_reversal(tmp_path: Path) -> None:
     assert r.metrics["token_acc"] > 0.9
     assert r.metrics["anti_argmax_frac"] == 1.0
     assert r.held
+    import json
+
+    page = (tmp_path / "cross_attention_report.html").read_text(encoding="utf-8")  # the interactive report
+    data = json.loads(page.split('id="qkv-data">')[1].split("</script>")[0])
+    assert data["tokens"][0] == "<bos>" and len(data["key_tokens"]) == len(data["tokens"])
+    assert data["target"]["index"] == len(data["key_tokens"]) - 1  # output 0 reads the last source digit
 
 
 def test_report_embeds_figures_and_verdicts(tmp_path: Path) -> None:

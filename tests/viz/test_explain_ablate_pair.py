@@ -267,3 +267,24 @@ def test_ablation_effect_on_a_module_returning_hidden_states():
     assert np.abs(ab.token_distance - _cos_dist(clean, hit)).max() < 1e-6 and ab.next_token is None
     with pytest.raises(ValueError, match="final hidden states"):
         ablation_effect(lambda ids, mask: (None,), ids, None, [(0, 0)], focus_index=0, tokens=["x"])
+
+
+def test_pair_boundary_in_page_and_figure(browser, model, tmp_path):  # noqa: F811
+    from selenium.webdriver.common.by import By
+
+    from qkv.viz.png import figure
+
+    ex = explain("The trophy didn't fit in the suitcase.", focus="it", model=model, pair="It was too big.")
+    start = ex.pair_start
+    fig = figure(ex)
+    big = fig.axes[-2]  # the focused head's map (the last axes is its colorbar)
+    edge = [start - 0.5] * 2
+    assert len(big.lines) == 2  # a vertical and a horizontal line where the second text begins
+    assert any(list(ln.get_xdata()) == edge for ln in big.lines) and any(list(ln.get_ydata()) == edge for ln in big.lines)
+    path = tmp_path / "pair.html"
+    save_html(ex, path)
+    browser.get(path.as_uri())
+    starts = browser.find_elements(By.CSS_SELECTOR, ".tok.seg-start")
+    assert [e.get_attribute("id") for e in starts] == [f"q-{start}", f"k-{start}"]
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#right .tok.seg-b")) == ex.segments.count(1)
+    assert "‖ It was too big." in browser.find_element(By.CSS_SELECTOR, "p.text").text
