@@ -281,6 +281,9 @@ def test_pair_boundary_in_page_and_figure(browser, model, tmp_path):  # noqa: F8
     edge = [start - 0.5] * 2
     assert len(big.lines) == 2  # a vertical and a horizontal line where the second text begins
     assert any(list(ln.get_xdata()) == edge for ln in big.lines) and any(list(ln.get_ydata()) == edge for ln in big.lines)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
     path = tmp_path / "pair.html"
     save_html(ex, path)
     browser.get(path.as_uri())
