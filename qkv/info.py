@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .backends import BACKENDS, auto_order, order_notes, reasons_by_backend
+from .backends import BACKENDS, auto_order, native, order_notes, reasons_by_backend
 from .call import AttentionCall, validate
 from .cli import UsageError, _int_at_least
 
@@ -111,6 +111,7 @@ def report(call: Optional[AttentionCall] = None) -> str:
     lines = [
         f"qkv {__import__('qkv').__version__} · torch {torch.__version__} · Python {platform.python_version()}",
         f"CPU threads: {torch.get_num_threads()} · CUDA: {'yes, ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no'}",
+        f"Native CPU kernels (qkv/csrc): {native.status()}",
         "",
         "Backends:",
     ]

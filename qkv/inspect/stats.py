@@ -235,8 +235,6 @@ def attention_stats(
         max_w, top_w = torch.exp2(res["max_weight"]), torch.exp2(res["topk_weights"])
         nan = torch.isnan(res["max_weight"])
     ent.masked_fill_(ent < 0, 0.0)  # -0.0 and rounding below 0 on one-key rows
-    # a NaN score makes the row's maximum NaN; the masked-key fix-up in the pass zeroed its entropy terms
-    ent.masked_fill_(nan, float("nan"))
     out = dict(
         entropy=ent,
         max_weight=max_w,
@@ -249,6 +247,10 @@ def attention_stats(
     )
     if lse_out is not None:
         out["lse"] = lse_out
+    # a NaN score makes the row's maximum NaN: every statistic of that row is NaN (top-k: no keys)
+    for name, t in out.items():
+        if name != "n_keys":
+            t.masked_fill_(nan if t.dim() == nan.dim() else nan.unsqueeze(-1), -1 if name == "topk_indices" else float("nan"))
     out = {name: call.ungroup(t) for name, t in out.items()}  # (..., Hq, Nq[, ·])
     return AttentionStats(
         **out,
@@ -282,9 +284,13 @@ def _stats_heads(
     dev, dt = q.device, q.dtype
     off = tiles.positional.offset
     online = lse is None
-    if online:
+    fused = _native_kernel(q)
+    lse2 = None
+    if online or fused is not None:
         q_aug = q * (scale * LOG2E)  # (b, h, G, Nq, D): q_aug·kᵀ = s·log2e
         k_aug = k.transpose(-1, -2)  # (b, h, 1, D, Nk)
+        if not online:
+            lse2 = (lse * LOG2E).contiguous()  # the kernel subtracts it: log2 p = s·log2e - lse·log2e
     else:
         lse2 = (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)  # empty rows: every score is -inf anyway
         q_aug = torch.cat([q * (scale * LOG2E), -lse2.unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, D+1)
@@ -304,6 +310,12 @@ def _stats_heads(
         topi = torch.full((b, h, g, n, kk), -1, dtype=torch.long, device=dev)
         flat_v, flat_i = topv.view(b * h * g * n, kk), topi.view(b * h * g * n, kk)
         kw, rw = res["key_weights"][..., q0:q1, :], res["relative_weights"][..., q0:q1, :]
+        if fused is not None:
+            _native_row_block(fused, qa, k_aug, None if lse2 is None else lse2[..., q0:q1], tiles, q0, q1, bk, off, online,
+                              kpos, rel, (mx, cnt, tot, ent, dist, kw, rw), topv, topi)  # fmt: skip
+            res["topk_weights"][..., q0:q1, :] = topv
+            res["topk_indices"][..., q0:q1, :] = topi
+            continue
         first_k = None
         for k0, k1 in _key_blocks(tiles, q0, q1, bk):
             first_k = k0 if first_k is None else first_k
@@ -373,6 +385,55 @@ def _stats_heads(
                     rw[..., i] += p.gather(-1, idx)[..., 0] * inside.to(dt)
         res["topk_weights"][..., q0:q1, :] = topv
         res["topk_indices"][..., q0:q1, :] = topi
+
+
+def _native_kernel(q: torch.Tensor) -> Any:
+    """The C tile kernel for q's dtype (:mod:`qkv.backends.native`), or None: then the tile
+    work runs as torch operations."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return None
+    from ..backends import native
+
+    lib = native.library()
+    return None if lib is None else getattr(lib, "qkv_stats_tile_float" if q.dtype == torch.float32 else "qkv_stats_tile_double")
+
+
+def _native_row_block(
+    kernel: Any, qa: torch.Tensor, k_aug: torch.Tensor, lse2: Optional[torch.Tensor], tiles: MaskTiles, q0: int, q1: int,
+    bk: int, off: int, online: bool,
+    kpos: tuple[int, ...], rel: tuple[int, ...], views: tuple[torch.Tensor, ...], topv: torch.Tensor, topi: torch.Tensor,
+) -> None:  # fmt: skip
+    """One row block of :func:`_stats_heads` with each tile's statistics in one C pass
+    (``csrc/stats_tile.c``, the same sums as the torch formulation below it).
+
+    ``qa @ k_aug`` is ``s·log2e``; ``lse2`` ``(b, h, G, n)`` the rows' ``lse·log2e`` when given.
+    ``views`` are the row block's (mx, cnt, tot, ent, dist, kw, rw) views into the results; the
+    kernel works on contiguous copies, written back at the end."""
+    from ..backends.native import ptr
+
+    lse2 = None if lse2 is None else lse2.contiguous()
+    acc = [v.contiguous() for v in views]
+    mx, cnt, tot, ent, dist, kw, rw = acc
+    n = q1 - q0
+    rows = mx.numel()
+    kp = torch.tensor(kpos, dtype=torch.long)
+    rp = torch.tensor(rel, dtype=torch.long)
+    threads = torch.get_num_threads()
+    for k0, k1 in _key_blocks(tiles, q0, q1, bk):
+        allowed, bias = tiles.tile(q0, q1, k0, k1)
+        t = qa @ k_aug[..., k0:k1]  # (b, h, G, n, w) in log2 units
+        if bias is not None:
+            t.add_(bias, alpha=LOG2E)
+        if allowed is not None:
+            t.masked_fill_(~allowed, _NEG_INF)
+        kernel(
+            ptr(t.contiguous()), rows, k1 - k0, n, q0 + off, k0, int(online), int(allowed is not None or bias is not None),
+            ptr(lse2), ptr(mx), ptr(tot), ptr(ent), ptr(dist), ptr(cnt), ptr(kw), ptr(kp), len(kpos), ptr(rw), ptr(rp), len(rel),
+            ptr(topv), ptr(topi), topv.shape[-1], threads,
+        )  # fmt: skip
+    for view, a in zip(views, acc):
+        if a.data_ptr() != view.data_ptr():
+            view.copy_(a)
 
 
 def _merge_tile(flat_v: torch.Tensor, flat_i: torch.Tensor, t: torch.Tensor, cmax: torch.Tensor, thr: torch.Tensor,
