@@ -18,22 +18,23 @@ static inline void FN(topk_push_)(T *tv, int64_t *ti, int64_t kk, T val, int64_t
 }
 
 /* Merge the row's entries into its running top-k (keys k0, k0 + 1, …). */
-static inline void FN(row_topk_)(const T *row, int64_t w, T shift, int64_t k0, T *tv, int64_t *ti, int64_t kk) {
+static inline void FN(row_topk_)(const T *row, int64_t w, T shift, T floor, int64_t k0, T *tv, int64_t *ti, int64_t kk) {
+    /* entries must beat the k-th best so far, and be no lower than floor (see row_max_) */
     int64_t j = 0;
 #ifdef VECTOR_TOPK
     /* 32 entries at a time; only lanes above the k-th best are looked at one by one */
     for (; j + 4 * LANES <= w; j += 4 * LANES) {
         v8f x[4], m;
         for (int u = 0; u < 4; u++) {
-            __builtin_memcpy(&x[u], row + j + u * LANES, sizeof x[u]);
+            x[u] = v_loadu(row + j + u * LANES);
             x[u] -= v_set(shift);
         }
         m = v_select(x[0] > x[1], x[0], x[1]);
         m = v_select(m > x[2], m, x[2]);
         m = v_select(m > x[3], m, x[3]);
-        if (!lane_bits(m > v_set(tv[kk - 1]))) continue;
+        if (!lane_bits((m > v_set(tv[kk - 1])) & (m >= v_set(floor)))) continue;
         for (int u = 0; u < 4; u++) {
-            for (unsigned bits = lane_bits(x[u] > v_set(tv[kk - 1])); bits; bits &= bits - 1) {
+            for (unsigned bits = lane_bits((x[u] > v_set(tv[kk - 1])) & (x[u] >= v_set(floor))); bits; bits &= bits - 1) {
                 int i = __builtin_ctz(bits);
                 if (x[u][i] > tv[kk - 1]) FN(topk_push_)(tv, ti, kk, x[u][i], k0 + j + u * LANES + i);
             }
@@ -41,7 +42,7 @@ static inline void FN(row_topk_)(const T *row, int64_t w, T shift, int64_t k0, T
     }
 #endif
     for (; j < w; j++)
-        if (row[j] - shift > tv[kk - 1]) FN(topk_push_)(tv, ti, kk, row[j] - shift, k0 + j);
+        if (row[j] - shift > tv[kk - 1] && row[j] - shift >= floor) FN(topk_push_)(tv, ti, kk, row[j] - shift, k0 + j);
 }
 
 void FN(qkv_stats_tile_)(const T *t, int64_t R, int64_t w, int64_t n, int64_t pos0, int64_t k0, int online, int masked,
@@ -52,7 +53,8 @@ void FN(qkv_stats_tile_)(const T *t, int64_t R, int64_t w, int64_t n, int64_t po
         const T *row = t + r * w;
         const int64_t pos = pos0 + r % n;
         int64_t allowed, nans;
-        T tmax = FN(row_max_)(row, w, &allowed, &nans);
+        T bound; /* no lower than the row's k-th largest entry in this tile */
+        T tmax = FN(row_max_)(row, w, kk, &bound, &allowed, &nans);
         cnt[r] += masked ? allowed : w;
         /* given the lse, x = row − lse2 = log2 p; online, x = row − (the running maximum) */
         T given = online || !lse2 || lse2[r] == -INFINITY ? 0 : lse2[r];
@@ -89,7 +91,8 @@ void FN(qkv_stats_tile_)(const T *t, int64_t R, int64_t w, int64_t n, int64_t po
         if (kk > 0 && tmax > topv[r * kk + kk - 1]) { /* else no entry can enter */
             T *tv = topv + r * kk;
             int64_t *ti = topi + r * kk;
-            FN(row_topk_)(row, w, given, k0, tv, ti, kk);
+            /* entries below bound − given cannot reach the top-k (rounding is monotonic) */
+            FN(row_topk_)(row, w, given, bound - given, k0, tv, ti, kk);
         }
     }
 }

@@ -109,7 +109,7 @@ def test_nan_rows_and_empty_rows_match_the_torch_formulation(monkeypatch):
 
 
 def test_exp2_within_a_rounding_of_float64():
-    x = torch.cat([torch.linspace(-126, 127.9, 200_001), torch.rand(100_000) * 2 - 1, torch.randn(10_000) * 30])
+    x = torch.cat([torch.linspace(-126, 127.9, 200_001), torch.rand(100_000) * 2 - 1, (torch.randn(10_000) * 30).clamp(-126, 127.9)])
     got, want = native.exp2(x).double(), torch.exp2(x.double())
     rel = ((got - want).abs() / want).max().item()
     print("max relative error", rel)
