@@ -40,7 +40,7 @@ _reason: Optional[str] = None
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # qkv_stats_tile_<float|double> (see csrc/stats_tile.c for the meaning of each argument)
 _STATS_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
-               _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _int]  # fmt: skip
+               _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int]  # fmt: skip
 
 
 def _cpu_id() -> str:

@@ -23,6 +23,8 @@
  *   kw[p] = the weight of key kpos[p] (assigned where that key is in the tile),
  *   rw[q] += the weight of key pos + rel[q], cnt += the keys not at −inf (masked tiles),
  *   top-k: entries strictly above the row's k-th best enter (earlier keys win ties).
+ *   acc (optional, online only: the attention output's running numerator, R × dv): rescaled with
+ *     the sums, and the tile's weights p = 2^(x − mx) are left in t for the caller's P·V.
  *   A NaN anywhere in a row makes its maximum and sums NaN (as torch.maximum propagates it).
  *
  * float32 rows run 8 lanes at a time in GCC/clang vector extensions (lowered to the machine's
@@ -70,13 +72,21 @@ static inline float row_max_float(const float *row, int64_t w, int64_t kk, float
     return m;
 }
 
-/* Σ p, Σ p·x and Σ p·|rel0 − j| over the row, for p = 2^x, x = row[j] − shift. */
-static inline void row_sums_float(const float *row, int64_t w, float shift, float rel0, float *sp, float *spx, float *spd) {
+/* Σ p, Σ p·x and Σ p·|rel0 − j| over the row, for p = 2^x, x = row[j] − shift; p is stored
+ * into out (which may be the row itself) unless out is NULL. */
+static inline void row_sums_float(const float *row, int64_t w, float shift, float rel0, float *out, float *sp, float *spx,
+                                  float *spd) {
     const v8f lane = {0, 1, 2, 3, 4, 5, 6, 7};
     v8f s0 = v_set(0.0f), s1 = v_set(0.0f), s2 = v_set(0.0f);
     for (int64_t j = 0; j < w; j += LANES) {
         v8f x = v_load(row, j, w) - v_set(shift);
         v8f p = v_exp2(x);
+        if (out) {
+            if (j + LANES <= w)
+                v_storeu(out + j, p);
+            else
+                for (int64_t i = 0; j + i < w; i++) out[j + i] = p[i];
+        }
         v8f d = v_set(rel0 - (float)j) - lane;
         s0 += p;
         s1 += v_select(p > v_set(0.0f), p * x, v_set(0.0f));
@@ -103,11 +113,13 @@ static inline double row_max_double(const double *row, int64_t w, int64_t kk, do
     return m;
 }
 
-static inline void row_sums_double(const double *row, int64_t w, double shift, double rel0, double *sp, double *spx, double *spd) {
+static inline void row_sums_double(const double *row, int64_t w, double shift, double rel0, double *out, double *sp,
+                                   double *spx, double *spd) {
     double s0 = 0, s1 = 0, s2 = 0;
     for (int64_t j = 0; j < w; j++) {
         double x = row[j] - shift;
         double p = exp2(x);
+        if (out) out[j] = p;
         double d = rel0 - (double)j;
         s0 += p;
         s1 += p > 0 ? p * x : 0.0;

@@ -45,12 +45,12 @@ static inline void FN(row_topk_)(const T *row, int64_t w, T shift, T floor, int6
         if (row[j] - shift > tv[kk - 1] && row[j] - shift >= floor) FN(topk_push_)(tv, ti, kk, row[j] - shift, k0 + j);
 }
 
-void FN(qkv_stats_tile_)(const T *t, int64_t R, int64_t w, int64_t n, int64_t pos0, int64_t k0, int online, int masked,
+void FN(qkv_stats_tile_)(T *t, int64_t R, int64_t w, int64_t n, int64_t pos0, int64_t k0, int online, int masked,
                          const T *lse2, T *mx, T *tot, T *ent, T *dist, int64_t *cnt, T *kw, const int64_t *kpos, int64_t P, T *rw,
-                         const int64_t *rel, int64_t Q, T *topv, int64_t *topi, int64_t kk, int nthreads) {
+                         const int64_t *rel, int64_t Q, T *topv, int64_t *topi, int64_t kk, T *acc, int64_t dv, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t r = 0; r < R; r++) {
-        const T *row = t + r * w;
+        T *row = t + r * w;
         const int64_t pos = pos0 + r % n;
         int64_t allowed, nans;
         T bound; /* no lower than the row's k-th largest entry in this tile */
@@ -72,14 +72,18 @@ void FN(qkv_stats_tile_)(const T *t, int64_t R, int64_t w, int64_t n, int64_t po
                 dist[r] *= alpha;
                 for (int64_t i = 0; i < P; i++) kw[r * P + i] *= alpha;
                 for (int64_t i = 0; i < Q; i++) rw[r * Q + i] *= alpha;
+                if (acc)
+                    for (int64_t i = 0; i < dv; i++) acc[r * dv + i] *= alpha;
             }
         }
         mx[r] = m;
-        T sp, spx, spd;
-        FN(row_sums_)(row, w, shift, (T)(pos - k0), &sp, &spx, &spd);
-        ent[r] += nans ? (T)NAN : spx;
-        tot[r] += sp;
-        dist[r] += spd;
+        /* the entries themselves first: the sums pass below may overwrite the row with p */
+        if (kk > 0 && tmax > topv[r * kk + kk - 1]) { /* else no entry can enter */
+            T *tv = topv + r * kk;
+            int64_t *ti = topi + r * kk;
+            /* entries below bound − given cannot reach the top-k (rounding is monotonic) */
+            FN(row_topk_)(row, w, given, bound - given, k0, tv, ti, kk);
+        }
         for (int64_t i = 0; i < P; i++) {
             int64_t j = kpos[i] - k0;
             if (j >= 0 && j < w) kw[r * P + i] = EXP2(row[j] - shift);
@@ -88,12 +92,11 @@ void FN(qkv_stats_tile_)(const T *t, int64_t R, int64_t w, int64_t n, int64_t po
             int64_t j = pos + rel[i] - k0;
             if (j >= 0 && j < w) rw[r * Q + i] += EXP2(row[j] - shift);
         }
-        if (kk > 0 && tmax > topv[r * kk + kk - 1]) { /* else no entry can enter */
-            T *tv = topv + r * kk;
-            int64_t *ti = topi + r * kk;
-            /* entries below bound − given cannot reach the top-k (rounding is monotonic) */
-            FN(row_topk_)(row, w, given, bound - given, k0, tv, ti, kk);
-        }
+        T sp, spx, spd;
+        FN(row_sums_)(row, w, shift, (T)(pos - k0), acc ? row : NULL, &sp, &spx, &spd);
+        ent[r] += nans ? (T)NAN : spx;
+        tot[r] += sp;
+        dist[r] += spd;
     }
 }
 

@@ -4,6 +4,7 @@
 #define QKV_VEC_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 typedef float v8f __attribute__((vector_size(32)));

@@ -26,13 +26,14 @@ from .intervene import (
 )
 from .glass import trace_model
 from .maps import attention_map, attention_scores
-from .stats import AttentionStats, attention_stats
+from .stats import AttentionStats, attention_stats, attention_with_stats
 from .summary import HeadSummary, head_summary
 
 __all__ = [
     "attention_map",
     "attention_scores",
     "attention_stats",
+    "attention_with_stats",
     "AttentionStats",
     "record",
     "Recording",

@@ -33,7 +33,7 @@ from torch import nn
 from ..nn.attention import MultiHeadAttention
 from ..call import validate_qk
 from .maps import Index, attention_map, attention_scores, fused_lse
-from .stats import AttentionStats, attention_stats
+from .stats import AttentionStats, attention_stats, attention_with_stats
 
 __all__ = ["POINTS", "Recording", "record"]
 
@@ -100,6 +100,26 @@ class _Hook:
         # backend (rounding-level changes), so it is opt-in: by default the model runs untouched.
         own = opts["reuse_lse"] and ("lse" in wanted or "weights" in wanted or self.stats)
         self.wants_lse = own or bool(getattr(prev, "wants_lse", False))
+        self._fused: Optional[AttentionStats] = None  # statistics that attend() computed for the current call
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Run the module's attention call itself, or decline (None).
+
+        Recording statistics with ``reuse_lse=True`` on the CPU (no gradient, no nested
+        recording), the output, the lse and the statistics come from one tiled pass
+        (:func:`~qkv.inspect.attention_with_stats`), so the statistics do not repeat the score
+        matmul. Like ``reuse_lse`` itself this changes the call's rounding, not its result.
+        """
+        o = self.opts
+        if not (self.stats and o["reuse_lse"]) or self.prev is not None or q.device.type != "cpu":
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return None
+        out, st = attention_with_stats(
+            q, k, v, topk=o["topk"], key_positions=o["key_positions"], relative_positions=o["relative_positions"], **call
+        )
+        self._fused = st
+        return out, st.lse
 
     def _name(self, point: str) -> str:
         return f"{self.path}.{point}" if self.path else point
@@ -120,6 +140,11 @@ class _Hook:
 
     def _attention(self, lse: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor, **masks: Any) -> None:
         o = self.opts
+        if self.stats and self._fused is not None:  # attend() ran this call and kept its statistics
+            self.rec.stats[self.path], self._fused = self._fused, None
+            if "lse" in self.wanted:
+                self._store("lse", lse)
+            return
         if self.stats:
             # without the model's own lse the statistics find it in their single pass (stats.lse)
             st = attention_stats(
@@ -201,7 +226,10 @@ def record(
     Recording does not change what the model computes: its outputs stay bit-identical, and the
     lse that ``weights``/``lse``/``stats`` need comes from a separate fused pass over the captured
     q and k. ``reuse_lse=True`` asks the model's own attention call for it instead (one pass
-    fewer; the call may then run on another backend, so outputs may differ by rounding).
+    fewer; the call may then run on another backend, so outputs may differ by rounding); with
+    ``stats=True`` as well, CPU calls without gradients then run through
+    :func:`~qkv.inspect.attention_with_stats`, which gives the output, the lse and the
+    statistics in a single pass over the scores.
     The hooks are removed on exit, also when the forward pass raises::
 
         with qkv.inspect.record(model, ["encoder.layers.*.self_attn.weights"], rows=[-1]) as rec:

@@ -31,10 +31,11 @@ import torch
 from ..backends.base import half_to_float
 from ..backends.chunked import LN2, LOG2E, _augment, _head_groups, _key_blocks, plan_tiles
 from ..masks import MaskTiles
-from ..call import validate_qk
+from ..nonfinite import guard
+from ..call import validate, validate_qk
 from .maps import Window, check_row_sums, grouped_lse
 
-__all__ = ["AttentionStats", "attention_stats"]
+__all__ = ["AttentionStats", "attention_stats", "attention_with_stats"]
 
 _NEG_INF = float("-inf")
 # Key tiles twice the forward pass's: the statistics do many small per-row updates per tile, and
@@ -181,14 +182,70 @@ def attention_stats(
         if why is not None:
             raise ValueError(f"backend='triton' cannot compute these statistics: {why}; use backend='torch'")
         return _triton_stats(call, topk, key_positions, relative_positions)
+    return _tiled_stats(call, lse, check_lse, topk, key_positions, relative_positions, block_q, block_k)[1]
+
+
+def attention_with_stats(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: Union[bool, str] = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    window: Window = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    topk: int = 5,
+    key_positions: Sequence[int] = (0,),
+    relative_positions: Sequence[int] = (-1, 0),
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+) -> tuple[torch.Tensor, AttentionStats]:
+    """The attention output and the statistics of its weights, from one tiled pass.
+
+    Shapes::
+
+        query (..., Hq, Nq, D)   key (..., Hk, Nk, D)   value (..., Hk, Nk, Dv)
+        →     out (..., Hq, Nq, Dv),  AttentionStats with (..., Hq, Nq[, ·]) arrays and its lse
+
+    The pass of :func:`attention_stats` without an lse, with ``P·V`` accumulated from the same
+    tiles: one score matmul, one exponential pass and one ``P·V`` matmul per tile, so the
+    statistics cost little more than the forward pass alone, where computing them after it
+    (``attention_stats(q, k, lse=lse)``) repeats the score matmul. Arguments mean what they
+    mean in :func:`qkv.attention` and :func:`attention_stats`; no dropout, no gradient.
+    ``out`` is as exact as ``qkv.attention``'s (the accuracy rule of the tests), in the query's
+    dtype (16-bit inputs are computed in float32).
+    """
+    if topk < 0:
+        raise ValueError(f"topk={topk} must be >= 0")
+    call = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window, key_padding_mask=key_padding_mask)
+    out, stats = _tiled_stats(call, None, False, topk, key_positions, relative_positions, block_q, block_k, with_output=True)
+    assert out is not None and stats.lse is not None
+    # qkv.attention's rule for non-finite inputs (qkv.nonfinite), for the statistics too
+    out, lse = guard(call.query, call.key, call.value, out, stats.lse)
+    assert lse is not None
+    bad = torch.isnan(lse) & ~torch.isnan(stats.lse)
+    if bool(bad.any()):
+        _nan_rows({name: getattr(stats, name) for name in AttentionStats.ARRAYS}, bad)
+    stats.lse = lse
+    return out, stats
+
+
+def _tiled_stats(
+    call: Any, lse: Optional[torch.Tensor], check_lse: bool, topk: int, key_positions: Sequence[int],
+    relative_positions: Sequence[int], block_q: Optional[int], block_k: Optional[int], with_output: bool = False,
+) -> tuple[Optional[torch.Tensor], AttentionStats]:  # fmt: skip
+    """The tiled pass of :func:`attention_stats` (and, ``with_output``, of :func:`attention_with_stats`)."""
     check = lse is not None and check_lse
     online = lse is None  # one pass: the lse is found on the way, with every sum rescaled as the row maximum grows
     lse_g = None if online else grouped_lse(call, lse, check=check)
     kpos = _positions(key_positions, call.nk, "key_positions") if call.nk else ()
     rel = tuple(int(r) for r in relative_positions)
-    q, k, _ = call.grouped_qkv()  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, D)
-    q, k = half_to_float(q), half_to_float(k)
+    q, k, v = call.grouped_qkv()  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, D), (B, Hk, 1, Nk, Dv)
+    q, k, v = half_to_float(q), half_to_float(k), half_to_float(v)
     b, hk, g, nq, _ = q.shape
+    out_g = torch.zeros(b, hk, g, nq, call.dv, dtype=q.dtype, device=q.device) if with_output else None
     kk = min(topk, call.nk)
     new = lambda *tail, fill=0.0, dtype=q.dtype: torch.full((b, hk, g, nq, *tail), fill, dtype=dtype, device=q.device)  # noqa: E731
     res = {
@@ -209,6 +266,7 @@ def attention_stats(
             _stats_heads(
                 q[bs, hs], k[bs, hs], None if online else lse_g[bs, hs].to(q.dtype), tiles.narrow(bs, hs), call.scale,
                 bq, bk, kpos, rel, {name: t[bs, hs] for name, t in res.items()},
+                None if out_g is None else v[bs, hs], None if out_g is None else out_g[bs, hs],
             )  # fmt: skip
     if check:
         flat = lambda t: t.reshape(b, hk * g, nq)  # noqa: E731  (B, Hq, Nq): head hk·G + g
@@ -247,18 +305,16 @@ def attention_stats(
     )
     if lse_out is not None:
         out["lse"] = lse_out
-    # a NaN score makes the row's maximum NaN: every statistic of that row is NaN (top-k: no keys)
-    for name, t in out.items():
-        if name != "n_keys":
-            t.masked_fill_(nan if t.dim() == nan.dim() else nan.unsqueeze(-1), -1 if name == "topk_indices" else float("nan"))
+    _nan_rows(out, nan)  # a NaN score makes the row's maximum NaN
     out = {name: call.ungroup(t) for name, t in out.items()}  # (..., Hq, Nq[, ·])
-    return AttentionStats(
+    stats = AttentionStats(
         **out,
         key_positions=kpos,
         relative_positions=rel,
         query_offset=call.positional.offset,
         meta={"nq": call.nq, "nk": call.nk, "hq": call.hq, "hk": call.hk, "causal": call.causal, "window": call.window},
     )
+    return (None if out_g is None else call.ungroup(out_g.to(call.dtype))), stats
 
 
 def _stats_heads(
@@ -272,8 +328,13 @@ def _stats_heads(
     kpos: tuple[int, ...],
     rel: tuple[int, ...],
     res: dict[str, torch.Tensor],
+    v: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> None:
     """One head group: q ``(b, h, G, Nq, D)``, k ``(b, h, 1, Nk, D)``, lse ``(b, h, G, Nq)``; fills ``res`` views.
+
+    With ``v`` ``(b, h, 1, Nk, Dv)`` (one pass only) the tiles' weights also accumulate ``P·V``,
+    rescaled with the sums, and ``out`` ``(b, h, G, Nq, Dv)`` receives the attention output.
 
     With ``lse`` every tile is ``log2 p`` directly. Without it (one pass) a tile holds
     ``log2 p̃ = s·log2e - m`` for the row's running maximum ``m`` (``res["max_weight"]``), and
@@ -310,11 +371,13 @@ def _stats_heads(
         topi = torch.full((b, h, g, n, kk), -1, dtype=torch.long, device=dev)
         flat_v, flat_i = topv.view(b * h * g * n, kk), topi.view(b * h * g * n, kk)
         kw, rw = res["key_weights"][..., q0:q1, :], res["relative_weights"][..., q0:q1, :]
+        num = None if v is None else torch.zeros(b, h, g, n, v.shape[-1], dtype=dt, device=dev)  # Σ p̃·v
         if fused is not None:
             _native_row_block(fused, qa, k_aug, None if lse2 is None else lse2[..., q0:q1], tiles, q0, q1, bk, off, online,
-                              kpos, rel, (mx, cnt, tot, ent, dist, kw, rw), topv, topi)  # fmt: skip
+                              kpos, rel, (mx, cnt, tot, ent, dist, kw, rw), topv, topi, v, num)  # fmt: skip
             res["topk_weights"][..., q0:q1, :] = topv
             res["topk_indices"][..., q0:q1, :] = topi
+            _normalise(num, res["total"][..., q0:q1], out, q0, q1)
             continue
         first_k = None
         for k0, k1 in _key_blocks(tiles, q0, q1, bk):
@@ -355,11 +418,15 @@ def _stats_heads(
                     dist.mul_(alpha)
                     kw.mul_(alpha.unsqueeze(-1))
                     rw.mul_(alpha.unsqueeze(-1))
+                    if num is not None:
+                        num.mul_(alpha.unsqueeze(-1))
                 mx.copy_(new)
                 t.sub_(shift.unsqueeze(-1))
             else:
                 mx.copy_(torch.maximum(mx, tmax))
             p = torch.exp2(t)
+            if num is not None:
+                num += p @ v[..., k0:k1, :]
             pt = p * t
             if masked:
                 pt.nan_to_num_(nan=0.0)  # masked keys: 0 · -inf (NaN inputs: restored after the pass)
@@ -385,6 +452,21 @@ def _stats_heads(
                     rw[..., i] += p.gather(-1, idx)[..., 0] * inside.to(dt)
         res["topk_weights"][..., q0:q1, :] = topv
         res["topk_indices"][..., q0:q1, :] = topi
+        _normalise(num, res["total"][..., q0:q1], out, q0, q1)
+
+
+def _nan_rows(arrays: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
+    """Every statistic of the ``rows`` (bool, the arrays' leading shape) NaN, in place; their
+    top-k has no keys (-1); ``n_keys`` stays."""
+    for name, t in arrays.items():
+        if name != "n_keys":
+            t.masked_fill_(rows if t.dim() == rows.dim() else rows.unsqueeze(-1), -1 if name == "topk_indices" else float("nan"))
+
+
+def _normalise(num: Optional[torch.Tensor], total: torch.Tensor, out: Optional[torch.Tensor], q0: int, q1: int) -> None:
+    """out rows ``[q0, q1)`` = Σ p̃·v / Σ p̃ (0 for an empty row, NaN for a NaN row)."""
+    if num is not None:
+        out[..., q0:q1, :] = num / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
 
 
 def _native_kernel(q: torch.Tensor) -> Any:
@@ -402,17 +484,20 @@ def _native_row_block(
     kernel: Any, qa: torch.Tensor, k_aug: torch.Tensor, lse2: Optional[torch.Tensor], tiles: MaskTiles, q0: int, q1: int,
     bk: int, off: int, online: bool,
     kpos: tuple[int, ...], rel: tuple[int, ...], views: tuple[torch.Tensor, ...], topv: torch.Tensor, topi: torch.Tensor,
+    v: Optional[torch.Tensor] = None, num: Optional[torch.Tensor] = None,
 ) -> None:  # fmt: skip
     """One row block of :func:`_stats_heads` with each tile's statistics in one C pass
     (``csrc/stats_tile.c``, the same sums as the torch formulation below it).
 
     ``qa @ k_aug`` is ``s·log2e``; ``lse2`` ``(b, h, G, n)`` the rows' ``lse·log2e`` when given.
     ``views`` are the row block's (mx, cnt, tot, ent, dist, kw, rw) views into the results; the
-    kernel works on contiguous copies, written back at the end."""
+    kernel works on contiguous copies, written back at the end. With ``v``, the kernel rescales
+    ``num`` (contiguous ``(b, h, G, n, Dv)``) with the sums and leaves each tile's ``p̃`` in the
+    tile, and ``num += p̃·v`` follows."""
     from ..backends.native import ptr
 
     lse2 = None if lse2 is None else lse2.contiguous()
-    acc = [v.contiguous() for v in views]
+    acc = [a.contiguous() for a in views]
     mx, cnt, tot, ent, dist, kw, rw = acc
     n = q1 - q0
     rows = mx.numel()
@@ -426,11 +511,18 @@ def _native_row_block(
             t.add_(bias, alpha=LOG2E)
         if allowed is not None:
             t.masked_fill_(~allowed, _NEG_INF)
+        t = t.contiguous()
         kernel(
-            ptr(t.contiguous()), rows, k1 - k0, n, q0 + off, k0, int(online), int(allowed is not None or bias is not None),
+            ptr(t), rows, k1 - k0, n, q0 + off, k0, int(online), int(allowed is not None or bias is not None),
             ptr(lse2), ptr(mx), ptr(tot), ptr(ent), ptr(dist), ptr(cnt), ptr(kw), ptr(kp), len(kpos), ptr(rw), ptr(rp), len(rel),
-            ptr(topv), ptr(topi), topv.shape[-1], threads,
+            ptr(topv), ptr(topi), topv.shape[-1], ptr(num), 0 if num is None else num.shape[-1], threads,
         )  # fmt: skip
+        if num is not None:  # t now holds p̃
+            vb = v[..., k0:k1, :]  # (b, h, 1, w, Dv)
+            if t.shape[2] == 1:
+                num.view(-1, n, num.shape[-1]).baddbmm_(t.view(-1, n, k1 - k0), vb.flatten(0, 2))
+            else:
+                num += t @ vb
     for view, a in zip(views, acc):
         if a.data_ptr() != view.data_ptr():
             view.copy_(a)

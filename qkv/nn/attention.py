@@ -58,7 +58,9 @@ class MultiHeadAttention(nn.Module):
     (B, Hk, Nk, Dh) after the head split, rotary and cache, ``"lse"`` (B, H, Nq) or None with
     the attention call's query, key and mask arguments as context, and ``"output"``
     (B, H, Nq, Dh) before the heads merge. The log-sum-exp is requested from the fused
-    attention call only when ``_capture.wants_lse`` is true.
+    attention call only when ``_capture.wants_lse`` is true. A recorder with an ``attend(q, k,
+    v, **call)`` method may run the attention call itself (returning ``(out, lse)``, or None to
+    decline).
 
     Edit points (set by :func:`qkv.inspect.patch` and friends): ``_edit(name, tensor)`` returns
     the tensor to use instead for ``"q"``, ``"k"``, ``"v"``, ``"weights"`` (B, H, Nq, Nk) and
@@ -280,39 +282,23 @@ class MultiHeadAttention(nn.Module):
         lse: Optional[Tensor] = None
         dropout_p = self.dropout if self.training else 0.0
         edit_weights = ed is not None and getattr(ed, "edits_weights", False)
+        masks = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask)
         if need_weights or edit_weights:
-            weights = attention_weights(
-                q,
-                k,
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                enable_gqa=gqa,
-                window=window,
-                key_padding_mask=key_padding_mask,
-            )  # (B, H, Nq, Nk)
+            weights = attention_weights(q, k, enable_gqa=gqa, **masks)  # (B, H, Nq, Nk)
             if edit_weights:
                 weights = ed("weights", weights)
             p = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
             p = p.reshape(b, hk, h // hk, nq, nk)  # (B, Hk, G, Nq, Nk): G query heads per kv head
             out = (p @ v.unsqueeze(2)).view(b, h, nq, dh)  # (B, H, Nq, Dh)
         else:
-            out = attention(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                enable_gqa=gqa,
-                window=window,
-                key_padding_mask=key_padding_mask,
-                return_lse=want_lse,
-                backend=backend,
-            )  # (B, H, Nq, Dh), or with the lse (B, H, Nq) for a recorder
-            if isinstance(out, tuple):
-                out, lse = out
+            # a recorder may run the call itself (output, lse and statistics in one pass)
+            attend = getattr(cap, "attend", None) if backend == "auto" and dropout_p == 0.0 else None
+            res = None if attend is None else attend(q, k, v, enable_gqa=gqa, **masks)
+            if res is None:
+                res = attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa, return_lse=want_lse, backend=backend, **masks)
+            # (B, H, Nq, Dh), or with the lse (B, H, Nq) for a recorder
+            out, lse = res if isinstance(res, tuple) else (res, lse)
         if cap is not None:
-            masks = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask)
             cap("lse", lse, query=q, key=k, enable_gqa=gqa, **masks)
         if ed is not None:
             out = ed("output", out)

@@ -470,6 +470,9 @@ def _draw(seed: int, case: str) -> Spec:
         spec.grad = tuple(grad)
         if rng.random() < 0.15:
             spec.grad_api = "func"
+    # the forward call through qkv.inspect.attention_with_stats (no gradient, keyword arguments)
+    if not triton and not spec.grad and not spec.positional and spec.window_alignment is None and rng.random() < 0.12:
+        spec.backend = "stats"
     return spec
 
 

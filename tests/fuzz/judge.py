@@ -179,7 +179,12 @@ def call_qkv(inputs: Inputs, backend: str, return_lse: bool, grad: bool) -> Outc
         if return_lse:
             kwargs["return_lse"] = True
         before = {n: a.detach().clone() for n, a in args.items()} if snapshot else {}
-        got = qkv.attention(args["q"], args["k"], args["v"], *positional, backend=backend, **kwargs)
+        if backend == "stats":  # the output and lse of the statistics pass (qkv.inspect)
+            ret = kwargs.pop("return_lse", False)
+            out, st = qkv.inspect.attention_with_stats(args["q"], args["k"], args["v"], **kwargs)
+            got = (out, st.lse) if ret else out
+        else:
+            got = qkv.attention(args["q"], args["k"], args["v"], *positional, backend=backend, **kwargs)
         for n, b in before.items():
             a = args[n].detach()
             if not (torch.equal(torch.isnan(a), torch.isnan(b)) if a.is_floating_point() else True) or not torch.equal(
