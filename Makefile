@@ -20,6 +20,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	@# qkv's C kernels for the CPU, built now rather than on first use (optional: without a
+	@# C compiler qkv uses torch operations instead)
+	$(PY) -c "from qkv.backends import native; print('native CPU kernels:', native.status())"
 	touch $@
 
 demo: setup

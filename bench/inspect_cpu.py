@@ -7,12 +7,12 @@ Workload: batch 1, ``--heads`` heads, head dim 64, float32, causal. The peer, me
 run and interleaved with the statistics, is the plain fused forward pass
 ``qkv.attention(q, k, v, is_causal=True, backend="chunked", return_lse=True)``. Cases:
 the statistics given that lse (``attention_stats(q, k, lse=lse)``), and from scratch in one pass
-(no lse: it is found on the way) without and with the top-k. Times are the best of ``--rounds``
-interleaved runs.
+(no lse: it is found on the way) without and with the top-k, and the output with the statistics
+(``attention_with_stats(q, k, v)``, one pass). Times are the best of ``--rounds`` interleaved runs.
 
 Model: the bundled all-MiniLM-L6-v2 on a 512-token input, unrecorded against recorded with
-``qkv.inspect.record(model, "*.weights", stats=True, reuse_lse=True)`` (the statistics use each
-layer's own lse), interleaved.
+``qkv.inspect.record(model, "*.weights", stats=True, reuse_lse=True)`` (each layer's attention
+runs through ``attention_with_stats``), interleaved.
 
 Memory: each case runs in a fresh subprocess that reports its peak resident memory above what it
 already held (Linux VmHWM − VmRSS, as bench/attention_cpu.py). For the statistics given the lse,
@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import cpu_name, proc_status_kib  # noqa: E402
 import qkv  # noqa: E402
-from qkv.inspect import attention_stats  # noqa: E402
+from qkv.backends import native  # noqa: E402
+from qkv.inspect import attention_stats, attention_with_stats  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 D = 64
@@ -67,7 +68,7 @@ def _timed(fn) -> float:
     return clock() - t0
 
 
-CASES = ("forward", "stats_given_lse", "one_pass_no_topk", "one_pass")
+CASES = ("forward", "stats_given_lse", "one_pass_no_topk", "one_pass", "with_output")
 
 
 def time_case(h: int, n: int, topk: int, rounds: int) -> dict:
@@ -80,6 +81,7 @@ def time_case(h: int, n: int, topk: int, rounds: int) -> dict:
         "stats_given_lse": lambda: stats(q, k, lse, topk),
         "one_pass_no_topk": lambda: stats(q, k, None, 0),
         "one_pass": lambda: stats(q, k, None, topk),
+        "with_output": lambda: attention_with_stats(q, k, v, is_causal=True, topk=topk),
     }
     times: dict = {c: [] for c in fns}
     for _ in range(rounds):  # interleaved, so drift on a shared machine hits every case
@@ -181,20 +183,29 @@ def write_report(meta: dict, times: dict, mem: dict, model: dict, path: Path) ->
         "\"One pass\" gets no lse: it finds it on the way (online rescaling) and returns it. "
         f"Best of {times[ns[0]]['rounds']} rounds; ratios are × the forward pass.",
         "",
-        "| N | forward s | given the lse | one pass, no top-k | one pass, top-" + str(k) + " |",
-        "|---:|---:|---:|---:|---:|",
+        "| N | forward s | given the lse | one pass, no top-k | one pass, top-" + str(k) + " | output + statistics |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for n in ns:
         t = times[n]
         f = t["forward"]
-        lines.append(f"| {n} | {f:.2f} | {t['stats_given_lse'] / f:.2f}× | {t['one_pass_no_topk'] / f:.2f}× | {t['one_pass'] / f:.2f}× |")
+        lines.append(
+            f"| {n} | {f:.2f} | {t['stats_given_lse'] / f:.2f}× | {t['one_pass_no_topk'] / f:.2f}× | {t['one_pass'] / f:.2f}× "
+            f"| {t['with_output'] / f:.2f}× |"
+        )
+    lines += [
+        "",
+        f"\"Output + statistics\" is `attention_with_stats(q, k, v, is_causal=True, topk={k})`: the attention output, "
+        "its lse and the same statistics from one pass (the P·V product accumulated from the statistics' own tiles).",
+    ]
     if model:
         m = model["model"]
         lines += [
             "",
             "The bundled all-MiniLM-L6-v2 (6 layers × 12 heads, head dim 32) on a 512-token input: "
             f"unrecorded {1e3 * m:.0f} ms; recorded with statistics of every layer "
-            '(`record(model, "*.weights", stats=True, reuse_lse=True)`, each layer\'s own lse) '
+            '(`record(model, "*.weights", stats=True, reuse_lse=True)`: each layer\'s attention runs through '
+            "`attention_with_stats`) "
             f"{1e3 * model['model_recorded']:.0f} ms ({model['model_recorded'] / m:.2f}×), without the top-k "
             f"{1e3 * model['model_recorded_no_topk']:.0f} ms ({model['model_recorded_no_topk'] / m:.2f}×).",
         ]
@@ -215,12 +226,11 @@ def write_report(meta: dict, times: dict, mem: dict, model: dict, path: Path) ->
                 lines.append(f"| {label} | {_mib(b)} | {100 * b / scores:.3f}% |")
     lines += [
         "",
-        "Per tile the statistics cost one score matmul and one `exp2` (the forward pass: two matmuls and an `exp` inside "
-        "torch's fused kernel), plus their reductions in separate torch operations: entropy, maximum, the distance via "
-        "a matrix-vector product off the diagonal, and the running top-k (entries above a row's k-th best are picked "
-        "out of the chunks whose maximum beats it, and merged; a row block's first tile bounds its k-th best by the k-th "
-        "largest chunk maximum). Those extra passes over each tile, and their per-tile fixed costs, are what the fused "
-        "kernel does not pay; with more threads they weigh more, since the small operations run on one.",
+        "Per tile the statistics cost one score matmul (the forward pass: two, inside torch's fused kernel) and one "
+        "pass of qkv's C kernel (`qkv/csrc/stats_tile.c`, " + meta["native"] + "): per row, the maximum, then the "
+        "exponentials with every running sum (entropy, distance, weights on chosen keys) and the top-k in the same "
+        "visit, entries under a bound from the row's lane maxima skipped. The top-k costs most on a row block's first "
+        "tiles, where every entry above that bound enters.",
         "",
         f"Machine load while measuring: {meta['load']} (1/5/15-minute load averages on {meta['cores']} cores).",
     ]
@@ -256,6 +266,7 @@ def main() -> None:
         "topk": args.topk,
         "cores": os.cpu_count(),
         "clock": "thread CPU time" if torch.get_num_threads() == 1 else "wall time",
+        "native": native.status().split(" (")[0],  # "built", or why the torch formulation ran
     }
     times = {n: time_case(args.heads, n, args.topk, args.rounds) for n in args.n}
     model = {} if args.no_model else model_case(max(3, args.rounds), args.topk)
