@@ -19,6 +19,12 @@ reduction over the key tiles of a row block, so memory is ``O(Nq · k)`` per hea
   ``P · (j - k0)``; only tiles straddling the diagonal need the elementwise form,
 * the weight on chosen key positions (``key_positions``, e.g. 0: the attention sink) and on keys
   at chosen offsets from the query (``relative_positions``: -1 the previous token, 0 itself).
+
+Without an lse the same pass finds it online, rescaling every sum as a row's maximum grows.
+On a CPU each tile's statistics (float32 and float64) are one pass of a C kernel,
+``qkv/csrc/stats_tile.c`` (:mod:`qkv.backends.native`), that computes these same sums; the
+torch formulation below serves other devices and machines without a C compiler, and is tested
+against it. :func:`attention_with_stats` also accumulates ``P·V`` from the same tiles.
 """
 
 from __future__ import annotations
