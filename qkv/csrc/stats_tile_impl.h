@@ -22,22 +22,23 @@ static inline void FN(row_topk_)(const T *row, int64_t w, T shift, T floor, int6
     /* entries must beat the k-th best so far, and be no lower than floor (see row_max_) */
     int64_t j = 0;
 #ifdef VECTOR_TOPK
-    /* 32 entries at a time; only lanes above the k-th best are looked at one by one */
+    /* 32 entries at a time; the lanes that may enter are gathered into one bit mask and looked
+     * at one by one (few branches: most blocks hold none) */
+    const v8f sh = v_set(shift), fl = v_set(floor);
     for (; j + 4 * LANES <= w; j += 4 * LANES) {
-        v8f x[4], m;
-        for (int u = 0; u < 4; u++) {
-            x[u] = v_loadu(row + j + u * LANES);
-            x[u] -= v_set(shift);
-        }
-        m = v_select(x[0] > x[1], x[0], x[1]);
-        m = v_select(m > x[2], m, x[2]);
-        m = v_select(m > x[3], m, x[3]);
-        if (!lane_bits((m > v_set(tv[kk - 1])) & (m >= v_set(floor)))) continue;
-        for (int u = 0; u < 4; u++) {
-            for (unsigned bits = lane_bits((x[u] > v_set(tv[kk - 1])) & (x[u] >= v_set(floor))); bits; bits &= bits - 1) {
-                int i = __builtin_ctz(bits);
-                if (x[u][i] > tv[kk - 1]) FN(topk_push_)(tv, ti, kk, x[u][i], k0 + j + u * LANES + i);
-            }
+        v8f x0 = v_loadu(row + j) - sh, x1 = v_loadu(row + j + LANES) - sh;
+        v8f x2 = v_loadu(row + j + 2 * LANES) - sh, x3 = v_loadu(row + j + 3 * LANES) - sh;
+        v8f m = v_select(x0 > x1, x0, x1);
+        m = v_select(m > x2, m, x2);
+        m = v_select(m > x3, m, x3);
+        const v8f kth = v_set(tv[kk - 1]);
+        if (!lane_bits((m > kth) & (m >= fl))) continue;
+        uint32_t bits = lane_bits((x0 > kth) & (x0 >= fl)) | lane_bits((x1 > kth) & (x1 >= fl)) << 8 |
+                        lane_bits((x2 > kth) & (x2 >= fl)) << 16 | (uint32_t)lane_bits((x3 > kth) & (x3 >= fl)) << 24;
+        for (; bits; bits &= bits - 1) {
+            int i = __builtin_ctz(bits);
+            T val = row[j + i] - shift; /* rounds as the vector lanes did */
+            if (val > tv[kk - 1]) FN(topk_push_)(tv, ti, kk, val, k0 + j + i);
         }
     }
 #endif
