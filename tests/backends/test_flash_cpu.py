@@ -151,3 +151,21 @@ def test_bool_mask_block_sparse_dispatch_matches_math(mask_kind):
         assert max_err(out, ref) < 1e-12, kw
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
         assert max_err(lse.nan_to_num(neginf=0.0), ref_lse.nan_to_num(neginf=0.0)) < 1e-12
+
+
+def test_whole_blocks_need_no_mask(monkeypatch):
+    # a block-sparse layout leaves each row block whole key blocks: the kernel gets no mask
+    import qkv.backends.flash_cpu as fc
+
+    built = []
+    real = fc._additive
+    monkeypatch.setattr(fc, "_additive", lambda allowed, dtype: built.append(1) or real(allowed, dtype))
+    keep = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    mask = keep.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    q, k, v = make_qkv(1, 2, 2, 384, 512, 16, dtype=torch.float64)
+    out, lse = qkv.attention(q, k, v, attn_mask=mask, backend="chunked", return_lse=True)
+    ref, ref_lse = qkv.attention(q, k, v, attn_mask=mask, backend="math", return_lse=True)
+    assert built == [] and max_err(out, ref) < 1e-12 and max_err(lse, ref_lse) < 1e-12
+    mask[5, 0] = False  # one entry less: that row block needs its mask again
+    out = qkv.attention(q, k, v, attn_mask=mask, backend="chunked")
+    assert len(built) == 1 and max_err(out, qkv.attention(q, k, v, attn_mask=mask, backend="math")) < 1e-12
