@@ -132,5 +132,6 @@ def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     """The data pointer of a contiguous CPU tensor (None for None)."""
     if t is None:
         return None
-    assert t.is_contiguous() and t.device.type == "cpu", "native kernels take contiguous CPU tensors"
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"native kernels take contiguous CPU tensors, got strides {t.stride()} on {t.device}")
     return t.data_ptr()

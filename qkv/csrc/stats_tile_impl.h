@@ -5,7 +5,8 @@
 #define CAT(a, b) CAT2(a, b)
 #define FN(name) CAT(name, SUFFIX)
 
-/* Insert (value, index) into a descending list of kk entries if it beats the last one. */
+/* Insert (value, index) into a descending list of kk entries, dropping the last (the caller has
+ * checked that the value beats it); an equal value already there stays ahead. */
 static inline void FN(topk_push_)(T *tv, int64_t *ti, int64_t kk, T val, int64_t idx) {
     int64_t s = kk - 1;
     while (s > 0 && val > tv[s - 1]) {
