@@ -50,8 +50,9 @@ _NEG_INF = float("-inf")
 STATS_BLOCK_K = 512
 # Scores per tile, summed over the heads processed together, for the native kernel: it visits a
 # tile row by row, so the tile need not stay in cache, and fewer, larger tiles mean fewer matmul
-# calls and less per-tile work in Python (bundled model, 512 tokens, 12 heads, 2 threads: about
-# 10 ms per layer against 12-15 ms with the forward pass's 1 << 19).
+# calls and less per-tile work in Python (one layer of the bundled model, 512 tokens, 12 heads,
+# 2 threads: 9-11 ms against 12-15 ms with the forward pass's 1 << 19; the whole recorded model
+# showed no difference beyond this machine's noise).
 NATIVE_TILE_BUDGET = 1 << 21
 # Keys per chunk in the running top-k's search (see _merge_tile): 16 float32 = one cache line.
 TOPK_CHUNK = 16
@@ -364,7 +365,7 @@ def _stats_heads(
         q_aug = q * (scale * LOG2E)  # (b, h, G, Nq, D): q_aug·kᵀ = s·log2e
         k_aug = k.transpose(-1, -2)  # (b, h, 1, D, Nk)
         if not online:
-            lse2 = (lse * LOG2E).contiguous()  # the kernel subtracts it: log2 p = s·log2e - lse·log2e
+            lse2 = lse * LOG2E  # the kernel subtracts it: log2 p = s·log2e - lse·log2e
     else:
         lse2 = (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)  # empty rows: every score is -inf anyway
         q_aug = torch.cat([q * (scale * LOG2E), -lse2.unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, D+1)
@@ -396,14 +397,8 @@ def _stats_heads(
         for k0, k1 in _key_blocks(tiles, q0, q1, bk):
             first_k = k0 if first_k is None else first_k
             w = k1 - k0
-            allowed, bias = tiles.tile(q0, q1, k0, k1)
-            masked = allowed is not None or bias is not None
-            t = qa @ k_aug[..., k0:k1]  # (b, h, G, n, w) = log2 p
+            t, masked = _tile_scores(qa, k_aug, tiles, q0, q1, k0, k1)  # (b, h, G, n, w) = log2 p
             if masked:
-                if bias is not None:
-                    t.add_(bias, alpha=LOG2E)  # the bias in log2 units
-                if allowed is not None:
-                    t.masked_fill_(~allowed, _NEG_INF)
                 cnt += (t != _NEG_INF).sum(-1)  # float -inf biases mask as bool masks do
             else:
                 cnt += w
@@ -468,6 +463,20 @@ def _stats_heads(
         _normalise(num, res["total"][..., q0:q1], out, q0, q1)
 
 
+def _tile_scores(
+    qa: torch.Tensor, k_aug: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int
+) -> tuple[torch.Tensor, bool]:
+    """One tile ``qa · k_augᵀ`` (contiguous ``(b, h, G, n, w)``, log2 units) with the tile's
+    float bias added and its disallowed keys at ``-inf``; and whether any mask applied."""
+    allowed, bias = tiles.tile(q0, q1, k0, k1)
+    t = qa @ k_aug[..., k0:k1]
+    if bias is not None:
+        t.add_(bias, alpha=LOG2E)  # the bias in log2 units
+    if allowed is not None:
+        t.masked_fill_(~allowed, _NEG_INF)
+    return t, allowed is not None or bias is not None
+
+
 def _nan_rows(arrays: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
     """Every statistic of the ``rows`` (bool, the arrays' leading shape) NaN, in place; their
     top-k has no keys (-1); ``n_keys`` stays."""
@@ -518,15 +527,9 @@ def _native_row_block(
     rp = torch.tensor(rel, dtype=torch.long)
     threads = torch.get_num_threads()
     for k0, k1 in _key_blocks(tiles, q0, q1, bk):
-        allowed, bias = tiles.tile(q0, q1, k0, k1)
-        t = qa @ k_aug[..., k0:k1]  # (b, h, G, n, w) in log2 units
-        if bias is not None:
-            t.add_(bias, alpha=LOG2E)
-        if allowed is not None:
-            t.masked_fill_(~allowed, _NEG_INF)
-        t = t.contiguous()
+        t, masked = _tile_scores(qa, k_aug, tiles, q0, q1, k0, k1)  # (b, h, G, n, w) in log2 units
         kernel(
-            ptr(t), rows, k1 - k0, n, q0 + off, k0, int(online), int(allowed is not None or bias is not None),
+            ptr(t), rows, k1 - k0, n, q0 + off, k0, int(online), int(masked),
             ptr(lse2), ptr(mx), ptr(tot), ptr(ent), ptr(dist), ptr(cnt), ptr(kw), ptr(kp), len(kpos), ptr(rw), ptr(rp), len(rel),
             ptr(topv), ptr(topi), topv.shape[-1], ptr(num), 0 if num is None else num.shape[-1], threads,
         )  # fmt: skip
