@@ -41,6 +41,9 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # qkv_stats_tile_<float|double> (see csrc/stats_tile.c for the meaning of each argument)
 _STATS_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int]  # fmt: skip
+# qkv_attention_stats_<float|double> (see csrc/stats_tile_impl.h)
+_FUSED_ARGS = [_ptr, _ptr, _ptr, *[_i64] * 6, *[_i64] * 3, _int, _int, _ptr, _i64, _i64, *[_ptr] * 8, _i64, _ptr, _ptr,
+               _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int]  # fmt: skip
 
 
 def _cpu_id() -> str:
@@ -107,8 +110,28 @@ def library() -> Optional[ctypes.CDLL]:
     for dt in ("float", "double"):
         fn = getattr(lib, f"qkv_stats_tile_{dt}")
         fn.argtypes, fn.restype = _STATS_ARGS, None
+        fn = getattr(lib, f"qkv_attention_stats_{dt}")
+        fn.argtypes, fn.restype = _FUSED_ARGS, _int
     lib.qkv_exp2_float.argtypes, lib.qkv_exp2_float.restype = [_ptr, _ptr, _i64], None
     return lib
+
+
+@lru_cache(maxsize=None)
+def gemm(dtype: torch.dtype) -> Optional[int]:
+    """The address of the BLAS ``sgemm_``/``dgemm_`` that torch itself links (MKL on x86-64
+    wheels), for kernels that multiply tiles small enough to stay in cache; None when torch
+    exports none (then those kernels are not used)."""
+    name = {torch.float32: "sgemm_", torch.float64: "dgemm_"}.get(dtype)
+    if name is None:
+        return None
+    libdir = Path(torch.__file__).resolve().parent / "lib"
+    for path in [*sorted(libdir.glob("libtorch_cpu*")), None]:  # None: every library already loaded
+        try:
+            fn = getattr(ctypes.CDLL(None if path is None else str(path)), name)
+        except (OSError, AttributeError):
+            continue
+        return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
 
 
 def exp2(x: torch.Tensor) -> torch.Tensor:

@@ -47,59 +47,156 @@ static inline void FN(row_topk_)(const T *row, int64_t w, T shift, T floor, int6
         if (row[j] - shift > tv[kk - 1] && row[j] - shift >= floor) FN(topk_push_)(tv, ti, kk, row[j] - shift, k0 + j);
 }
 
+/* One row of a tile (see stats_tile.c): row holds w scores for keys k0…; the query sits at key
+ * position pos; lse2 is the row's lse·log2e or NULL; the other pointers are this row's entries. */
+static inline void FN(stats_row_)(T *row, int64_t w, int64_t pos, int64_t k0, int online, int masked, const T *lse2,
+                                  T *mx, T *tot, T *ent, T *dist, int64_t *cnt, T *kw, const int64_t *kpos, int64_t P,
+                                  T *rw, const int64_t *rel, int64_t Q, T *tv, int64_t *ti, int64_t kk, T *acc,
+                                  int64_t dv) {
+    int64_t allowed, nans;
+    T bound; /* no lower than the row's k-th largest entry in this tile */
+    T tmax = FN(row_max_)(row, w, kk, &bound, &allowed, &nans);
+    *cnt += masked ? allowed : w;
+    /* given the lse, x = row − lse2 = log2 p; online, x = row − (the running maximum) */
+    T given = online || !lse2 || *lse2 == -INFINITY ? 0 : *lse2;
+    tmax -= given;
+    T old = *mx;
+    T m = (nans || old != old) ? (T)NAN : (old > tmax ? old : tmax);
+    T shift = given;
+    if (online) {
+        shift = m == -INFINITY ? 0 : m;
+        T delta = old == -INFINITY ? 0 : old - shift;
+        if (delta < 0 || delta != delta) { /* the maximum grew (or became NaN): rescale the sums */
+            T alpha = EXP2(delta);
+            *ent = (*ent + delta * *tot) * alpha;
+            *tot *= alpha;
+            *dist *= alpha;
+            for (int64_t i = 0; i < P; i++) kw[i] *= alpha;
+            for (int64_t i = 0; i < Q; i++) rw[i] *= alpha;
+            if (acc)
+                for (int64_t i = 0; i < dv; i++) acc[i] *= alpha;
+        }
+    }
+    *mx = m;
+    /* the entries themselves first: the sums pass below may overwrite the row with p */
+    if (kk > 0 && tmax > tv[kk - 1]) /* else no entry can enter */
+        /* entries below bound − given cannot reach the top-k (rounding is monotonic) */
+        FN(row_topk_)(row, w, given, bound - given, k0, tv, ti, kk);
+    for (int64_t i = 0; i < P; i++) {
+        int64_t j = kpos[i] - k0;
+        if (j >= 0 && j < w) kw[i] = EXP2(row[j] - shift);
+    }
+    for (int64_t i = 0; i < Q; i++) {
+        int64_t j = pos + rel[i] - k0;
+        if (j >= 0 && j < w) rw[i] += EXP2(row[j] - shift);
+    }
+    T sp, spx, spd;
+    FN(row_sums_)(row, w, shift, (T)(pos - k0), acc ? row : NULL, &sp, &spx, &spd);
+    *ent += nans ? (T)NAN : spx;
+    *tot += sp;
+    *dist += spd;
+}
+
 void FN(qkv_stats_tile_)(T *t, int64_t R, int64_t w, int64_t n, int64_t pos0, int64_t k0, int online, int masked,
                          const T *lse2, T *mx, T *tot, T *ent, T *dist, int64_t *cnt, T *kw, const int64_t *kpos, int64_t P, T *rw,
                          const int64_t *rel, int64_t Q, T *topv, int64_t *topi, int64_t kk, T *acc, int64_t dv, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t r = 0; r < R; r++) {
-        T *row = t + r * w;
-        const int64_t pos = pos0 + r % n;
-        int64_t allowed, nans;
-        T bound; /* no lower than the row's k-th largest entry in this tile */
-        T tmax = FN(row_max_)(row, w, kk, &bound, &allowed, &nans);
-        cnt[r] += masked ? allowed : w;
-        /* given the lse, x = row − lse2 = log2 p; online, x = row − (the running maximum) */
-        T given = online || !lse2 || lse2[r] == -INFINITY ? 0 : lse2[r];
-        tmax -= given;
-        T old = mx[r];
-        T m = (nans || old != old) ? (T)NAN : (old > tmax ? old : tmax);
-        T shift = given;
-        if (online) {
-            shift = m == -INFINITY ? 0 : m;
-            T delta = old == -INFINITY ? 0 : old - shift;
-            if (delta < 0 || delta != delta) { /* the maximum grew (or became NaN): rescale the sums */
-                T alpha = EXP2(delta);
-                ent[r] = (ent[r] + delta * tot[r]) * alpha;
-                tot[r] *= alpha;
-                dist[r] *= alpha;
-                for (int64_t i = 0; i < P; i++) kw[r * P + i] *= alpha;
-                for (int64_t i = 0; i < Q; i++) rw[r * Q + i] *= alpha;
-                if (acc)
-                    for (int64_t i = 0; i < dv; i++) acc[r * dv + i] *= alpha;
+    for (int64_t r = 0; r < R; r++)
+        FN(stats_row_)(t + r * w, w, pos0 + r % n, k0, online, masked, lse2 ? lse2 + r : NULL, mx + r, tot + r, ent + r,
+                       dist + r, cnt + r, kw + r * P, kpos, P, rw + r * Q, rel, Q, topv + r * kk, topi + r * kk, kk,
+                       acc ? acc + r * dv : NULL, dv);
+}
+
+/* BLAS ?gemm_ (Fortran interface, column-major), passed in by the caller: torch's own. */
+typedef void (*FN(gemm_t_))(const char *, const char *, const int *, const int *, const int *, const T *, const T *,
+                            const int *, const T *, const int *, const T *, T *, const int *);
+
+/* Row-major c (m × n, row stride ldc) = beta·c + a (m × kd, row stride lda) · bᵀ (b: n × kd, row
+ * stride ldb) when bt, else + a · b (b: kd × n, row stride ldb). */
+static inline void FN(gemm_rm_)(FN(gemm_t_) gemm, int bt, int m, int n, int kd, const T *a, int lda, const T *b, int ldb,
+                                T beta, T *c, int ldc) {
+    const T one = 1;
+    /* row-major c = a·op(b) is column-major cᵀ = op(b)ᵀ·aᵀ */
+    gemm(bt ? "T" : "N", "N", &n, &m, &kd, &one, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+/* Statistics (and, with v, the output's running numerator) of whole attention calls in one
+ * call: for each head and block of `br` query rows, the key blocks of `bc` keys that the band
+ * leaves visible are scored with one gemm into a per-thread buffer that stays in cache, masked,
+ * passed row by row through stats_row_, and (with v) multiplied into acc with a second gemm.
+ *
+ * q: (J, G, nq, d), the scores' factor s·log2e folded in; k: (J, nk, d); v: (J, nk, dv) or NULL;
+ * query head (j, g) attends with key/value head j. Row arrays are (J, G, nq[, ·]), contiguous,
+ * initialised as for qkv_stats_tile_; query row i sits at key position i + pos_off. Key j is allowed for query i iff lo ≤ j − i ≤ hi (has_lo,
+ * has_hi: the bound exists) and kpad (NULL, or (J / hk_per_pad, nk) bytes with kpad_rows = 0 for
+ * one row shared by all) is nonzero. lse2: (J, G, nq) or NULL (online). Returns 0, or −1 when a
+ * buffer could not be allocated. */
+int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d,
+                             int64_t dv, int64_t pos_off, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad,
+                             int64_t kpad_rows, int64_t heads_per_pad, const T *lse2, T *mx, T *tot, T *ent, T *dist,
+                             int64_t *cnt, T *kw, const int64_t *kpos, int64_t P, T *rw, const int64_t *rel, int64_t Q,
+                             T *topv, int64_t *topi, int64_t kk, T *acc, int64_t br, int64_t bc, void *gemm_fn,
+                             int nthreads) {
+    FN(gemm_t_) gemm = (FN(gemm_t_))gemm_fn;
+    const int online = lse2 == NULL;
+    const int64_t row_blocks = (nq + br - 1) / br;
+    const int64_t jobs = J * G * row_blocks;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        T *t = (T *)malloc(sizeof(T) * br * bc);
+        if (!t) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < jobs; job++) {
+            if (!t) continue;
+            const int64_t jg = job / row_blocks, q0 = (job % row_blocks) * br, j = jg / G;
+            const int64_t q1 = q0 + br < nq ? q0 + br : nq, n = q1 - q0;
+            const int64_t r0 = jg * nq + q0; /* first row in the (J, G, nq) row arrays */
+            const T *qb = q + r0 * d, *kb = k + j * nk * d, *vb = v ? v + j * nk * dv : NULL;
+            const uint8_t *pad = kpad ? kpad + (kpad_rows ? j / heads_per_pad : 0) * nk : NULL;
+            int64_t klo = has_lo ? q0 + lo : 0, khi = has_hi ? q1 - 1 + hi + 1 : nk;
+            klo = klo < 0 ? 0 : klo;
+            khi = khi > nk ? nk : khi;
+            for (int64_t k0 = klo; k0 < khi; k0 += bc) {
+                const int64_t w = khi - k0 < bc ? khi - k0 : bc;
+                const int64_t k1 = k0 + w;
+                if (d > 0)
+                    FN(gemm_rm_)(gemm, 1, (int)n, (int)w, (int)d, qb, (int)d, kb + k0 * d, (int)d, 0, t, (int)w);
+                else
+                    for (int64_t i = 0; i < n * w; i++) t[i] = 0;
+                /* the band cuts this tile unless every row sees every key of it */
+                const int band = (has_lo && k0 - (q1 - 1) < lo) || (has_hi && k1 - 1 - q0 > hi);
+                int masked = band;
+                if (pad)
+                    for (int64_t c = k0; c < k1 && !masked; c++) masked = !pad[c];
+                for (int64_t i = 0; i < n; i++) {
+                    T *row = t + i * w;
+                    const int64_t qi = q0 + i, r = r0 + i;
+                    if (band) {
+                        int64_t a = has_lo ? qi + lo - k0 : 0, b = has_hi ? qi + hi + 1 - k0 : w;
+                        a = a < 0 ? 0 : (a > w ? w : a);
+                        b = b < a ? a : (b > w ? w : b);
+                        for (int64_t c = 0; c < a; c++) row[c] = -INFINITY;
+                        for (int64_t c = b; c < w; c++) row[c] = -INFINITY;
+                    }
+                    if (pad && masked)
+                        for (int64_t c = 0; c < w; c++)
+                            if (!pad[k0 + c]) row[c] = -INFINITY;
+                    FN(stats_row_)(row, w, qi + pos_off, k0, online, masked, lse2 ? lse2 + r : NULL, mx + r, tot + r, ent + r,
+                                   dist + r, cnt + r, kw + r * P, kpos, P, rw + r * Q, rel, Q, topv + r * kk,
+                                   topi + r * kk, kk, acc ? acc + r * dv : NULL, dv);
+                }
+                if (acc && dv > 0) /* t now holds p̃: acc += p̃ · v */
+                    FN(gemm_rm_)(gemm, 0, (int)n, (int)dv, (int)w, t, (int)w, vb + k0 * dv, (int)dv, 1, acc + r0 * dv,
+                                 (int)dv);
             }
         }
-        mx[r] = m;
-        /* the entries themselves first: the sums pass below may overwrite the row with p */
-        if (kk > 0 && tmax > topv[r * kk + kk - 1]) { /* else no entry can enter */
-            T *tv = topv + r * kk;
-            int64_t *ti = topi + r * kk;
-            /* entries below bound − given cannot reach the top-k (rounding is monotonic) */
-            FN(row_topk_)(row, w, given, bound - given, k0, tv, ti, kk);
-        }
-        for (int64_t i = 0; i < P; i++) {
-            int64_t j = kpos[i] - k0;
-            if (j >= 0 && j < w) kw[r * P + i] = EXP2(row[j] - shift);
-        }
-        for (int64_t i = 0; i < Q; i++) {
-            int64_t j = pos + rel[i] - k0;
-            if (j >= 0 && j < w) rw[r * Q + i] += EXP2(row[j] - shift);
-        }
-        T sp, spx, spd;
-        FN(row_sums_)(row, w, shift, (T)(pos - k0), acc ? row : NULL, &sp, &spx, &spd);
-        ent[r] += nans ? (T)NAN : spx;
-        tot[r] += sp;
-        dist[r] += spd;
+        free(t);
     }
+    return failed ? -1 : 0;
 }
 
 #undef FN

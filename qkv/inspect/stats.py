@@ -54,6 +54,9 @@ STATS_BLOCK_K = 512
 # 2 threads: 9-11 ms against 12-15 ms with the forward pass's 1 << 19; the whole recorded model
 # showed no difference beyond this machine's noise).
 NATIVE_TILE_BUDGET = 1 << 21
+# Query rows per tile of the fused native pass (_fused_native): 64 rows × 512 keys of float32 is
+# 128 KiB, which stays in a core's L2 cache between the score gemm, the statistics and P·V.
+FUSED_BLOCK_Q = 64
 # Keys per chunk in the running top-k's search (see _merge_tile): 16 float32 = one cache line.
 TOPK_CHUNK = 16
 
@@ -271,11 +274,13 @@ def _tiled_stats(
         "n_keys": new(fill=0, dtype=torch.long),
         "total": new(),  # Σp per row: 1 when the lse belongs to these scores
     }
-    if call.nk and nq:
+    tiles = MaskTiles.from_call(call)
+    fused = call.nk and nq and _fused_native(call, q, k, v if with_output else None, lse_g, tiles, kpos, rel, res, out_g,
+                                             block_q or FUSED_BLOCK_Q, block_k or STATS_BLOCK_K)  # fmt: skip
+    if call.nk and nq and not fused:
         bq, bk, per_group = plan_tiles(b, hk, g, nq, call.nk, block_q, block_k or STATS_BLOCK_K)
         if _native_kernel(q) is not None:
             per_group = max(1, NATIVE_TILE_BUDGET // (g * bq * bk))
-        tiles = MaskTiles.from_call(call)
         for bs, hs in _head_groups(b, hk, per_group):
             _stats_heads(
                 q[bs, hs], k[bs, hs], None if online else lse_g[bs, hs].to(q.dtype), tiles.narrow(bs, hs), call.scale,
@@ -500,6 +505,53 @@ def _native_kernel(q: torch.Tensor) -> Any:
 
     lib = native.library()
     return None if lib is None else getattr(lib, "qkv_stats_tile_float" if q.dtype == torch.float32 else "qkv_stats_tile_double")
+
+
+def _fused_native(
+    call: Any, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], lse_g: Optional[torch.Tensor],
+    tiles: MaskTiles, kpos: tuple[int, ...], rel: tuple[int, ...], res: dict[str, torch.Tensor],
+    out_g: Optional[torch.Tensor], block_q: int, block_k: int,
+) -> bool:  # fmt: skip
+    """The whole tiled pass as one C call (``qkv_attention_stats_*``, csrc/stats_tile_impl.h),
+    when the native kernels and torch's BLAS are at hand and no ``attn_mask`` is given (the
+    kernel applies the causal/window band and key padding itself); False otherwise.
+
+    q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``, v ``(B, Hk, 1, Nk, Dv)`` or None; ``res``
+    and ``out_g`` (the output's numerator, normalised here) are filled in place. Each thread
+    scores a ``block_q × block_k`` tile with one gemm into a buffer that stays in its cache,
+    where the tiled torch path writes tiles of every head to memory and reads them back.
+    """
+    if tiles.attn is not None or _native_kernel(q) is None:
+        return False
+    from ..backends import native
+
+    gemm = native.gemm(q.dtype)
+    if gemm is None:
+        return False
+    kernel = getattr(native.library(), "qkv_attention_stats_float" if q.dtype == torch.float32 else "qkv_attention_stats_double")
+    b, hk, g, nq, d = q.shape
+    nk, dv = k.shape[3], (0 if v is None else v.shape[-1])
+    qa = (q * (call.scale * LOG2E)).contiguous()  # (B, Hk, G, Nq, D): qa·kᵀ = s·log2e
+    kc = k.contiguous()
+    vc = None if v is None else v.contiguous()
+    lo, hi = tiles.positional.band()
+    pad = tiles.padding  # (B|1, 1, 1, 1, Nk) bool
+    pad_b = None if pad is None else pad.reshape(pad.shape[0], nk).to(torch.uint8).contiguous()
+    lse2 = None if lse_g is None else (lse_g.to(q.dtype) * LOG2E).contiguous()
+    kp, rp = torch.tensor(kpos, dtype=torch.long), torch.tensor(rel, dtype=torch.long)
+    ptr = native.ptr
+    rc = kernel(
+        ptr(qa), ptr(kc), ptr(vc), b * hk, g, nq, nk, d, dv, tiles.positional.offset, lo or 0, hi or 0,
+        int(lo is not None), int(hi is not None), ptr(pad_b), 0 if pad is None or pad.shape[0] == 1 else pad.shape[0], hk,
+        ptr(lse2), ptr(res["max_weight"]), ptr(res["total"]), ptr(res["entropy"]), ptr(res["mean_distance"]),
+        ptr(res["n_keys"]), ptr(res["key_weights"]), ptr(kp), len(kpos), ptr(res["relative_weights"]), ptr(rp), len(rel),
+        ptr(res["topk_weights"]), ptr(res["topk_indices"]), res["topk_indices"].shape[-1], ptr(out_g),
+        block_q, block_k, gemm, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError(f"qkv: could not allocate a {block_q} x {block_k} score tile per thread")
+    _normalise(out_g, res["total"], out_g, 0, nq)
+    return True
 
 
 def _native_row_block(

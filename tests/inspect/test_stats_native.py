@@ -64,6 +64,38 @@ def test_native_equals_torch_formulation_every_mask(monkeypatch, shape, given_ls
         assert np.array_equal(fast.topk_indices.numpy(), want["topk_indices"]), name  # ties: earlier key first
 
 
+@pytest.mark.skipif(native.gemm(torch.float64) is None, reason="torch exports no BLAS dgemm_")
+@pytest.mark.parametrize("given_lse", [False, True], ids=["one_pass", "given_lse"])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 70, 130), (1, 3, 1, 40, 23), (2, 2, 2, 65, 65)], ids=str)
+def test_fused_pass_equals_tile_pass(monkeypatch, shape, given_lse):
+    """The one-call fused pass (own gemms, band and padding applied in C) against the tile-by-tile
+    native pass it replaces, for every mask kind it takes; attn_mask calls keep the tile pass."""
+    b, hq, hk, nq, nk = shape
+    q, k, v = make_qkv(b, hq, hk, nq, nk, 16, dtype=torch.float64)
+    taken = []
+    real = stats_mod._fused_native
+    monkeypatch.setattr(stats_mod, "_fused_native", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
+    for name, kw in mask_cases(b, hq, nq, nk):
+        lse = None
+        if given_lse:
+            _, lse = qkv.attention(q, k, v, enable_gqa=hq != hk, return_lse=True, backend="math", **kw)
+        args = dict(query=q, key=k, lse=lse, enable_gqa=hq != hk, topk=4, key_positions=(0, 5, -1),
+                    relative_positions=(-3, -1, 0, 2), block_q=16, block_k=32, **kw)  # fmt: skip
+        taken.clear()
+        fused = attention_stats(**args)
+        assert taken == ["attn_mask" not in kw], name
+        with monkeypatch.context() as m:
+            m.setattr(native, "gemm", lambda dtype: None)
+            tiled = attention_stats(**args)
+        _assert_same(fused, tiled, 1e-12)
+        assert torch.equal(fused.topk_indices, tiled.topk_indices), name
+        if not given_lse:
+            gqa = {"enable_gqa": hq != hk}
+            out, st = qkv.inspect.attention_with_stats(q, k, v, topk=2, block_q=16, block_k=32, **gqa, **kw)
+            want, lse_want = qkv.attention(q, k, v, return_lse=True, backend="math", **gqa, **kw)
+            assert (out - want).abs().max() < 1e-12 and torch.allclose(st.lse, lse_want, atol=1e-12), name
+
+
 @pytest.mark.parametrize("given_lse", [False, True], ids=["one_pass", "given_lse"])
 def test_native_float32_against_float64(given_lse):
     q, k, v = make_qkv(1, 4, 4, 300, 300, 64)
