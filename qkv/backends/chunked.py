@@ -41,8 +41,10 @@ Differences from ``math``: no dropout, and no gradient to a float ``attn_mask``.
 
 Calls without gradients on a CPU (and without a float ``attn_mask``) run on torch's fused
 flash kernel instead, dispatched block by block under the same rules (:mod:`.flash_cpu`):
-the same tiles skipped, at the speed of torch's vectorised kernel. The loops here are torch
-custom ops, so ``torch.compile`` keeps a call in one graph without tracing into them.
+the same tiles skipped, at the speed of torch's vectorised kernel. Calls with gradients on a
+CPU (no ``attn_mask``) run the forward and backward below as C loops over cache-sized tiles
+with torch's own BLAS (:mod:`.chunked_native`): the same tiles, units and precision measures;
+the torch formulation here stays their reference. The loops here are torch custom ops, so ``torch.compile`` keeps a call in one graph without tracing into them.
 
 The autograd functions follow ``torch.func``'s protocol (``setup_context`` and a ``vmap``
 rule), so ``jacrev``, ``vmap`` and ``grad`` work; batched cotangents from the autograd engine
@@ -58,6 +60,7 @@ import torch
 from ..call import AttentionCall
 from ..masks import MaskTiles
 from ..reference.masks import PositionalMask
+from . import chunked_native
 from .base import Backend, half_to_float
 from .flash_cpu import can_fuse, fused_attention
 
@@ -234,6 +237,9 @@ def chunked_forward(
     would round it, and the backward needs ``S - m`` exact."""
     b, hk, g, nq, _ = q.shape
     bq, bk, per_group = plan
+    native = chunked_native.forward(q, k, v, tiles, scale, bq, bk)
+    if native is not None:
+        return native
     out = q.new_zeros(b, hk, g, nq, v.shape[-1])
     m = q.new_full((b, hk, g, nq), _NEG_INF)
     l = q.new_zeros((b, hk, g, nq))
@@ -343,6 +349,10 @@ def chunked_backward(
         "dlse": dlse_s,
         "half_l": torch.where(has, 0.5 * l, float("inf")),
     }
+    native = chunked_native.backward(q, k, v, out, rows, tiles, scale, bq, bk)
+    if native is not None:
+        dq, dk, dv = native
+        return dq.mul_(scale), dk.mul_(scale), dv
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for e, te in _entries(tiles):
         qe, ke, ve, oe, dqe, dke, dve = q[e], k[e], v[e], out[e], dq[e], dk[e], dv[e]

@@ -30,8 +30,8 @@ import torch
 
 log = logging.getLogger("qkv")
 
-SOURCES = ("stats_tile.c",)  # compiled
-HEADERS = ("stats_tile_impl.h", "vec.h")  # included by them
+SOURCES = ("stats_tile.c", "flash.c")  # compiled
+HEADERS = ("stats_tile_impl.h", "flash_impl.h", "tile_impl.h", "vec.h")  # included by them
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11")
 
@@ -44,6 +44,11 @@ _STATS_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _int, _int, _ptr, _ptr, _ptr,
 # qkv_attention_stats_<float|double> (see csrc/stats_tile_impl.h)
 _FUSED_ARGS = [_ptr, _ptr, _ptr, *[_i64] * 6, *[_i64] * 3, _int, _int, _ptr, _i64, _i64, *[_ptr] * 8, _i64, _ptr, _ptr,
                _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int]  # fmt: skip
+# qkv_flash_fwd_<float|double> and qkv_flash_bwd_<…> (see csrc/flash_impl.h); the scale factor c
+# is the element type
+_MASK_ARGS = [_i64, _i64, _int, _int, _ptr, _i64, _i64, _ptr]  # band, key padding, key lengths
+_FWD_ARGS = lambda c: [*[_ptr] * 3, *[_i64] * 6, *_MASK_ARGS, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
+_BWD_ARGS = lambda c: [*[_ptr] * 9, *[_i64] * 6, *_MASK_ARGS, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
 
 
 def _cpu_id() -> str:
@@ -112,6 +117,10 @@ def library() -> Optional[ctypes.CDLL]:
         fn.argtypes, fn.restype = _STATS_ARGS, None
         fn = getattr(lib, f"qkv_attention_stats_{dt}")
         fn.argtypes, fn.restype = _FUSED_ARGS, _int
+        c = ctypes.c_float if dt == "float" else ctypes.c_double
+        for name, args in (("fwd", _FWD_ARGS(c)), ("bwd", _BWD_ARGS(c))):
+            fn = getattr(lib, f"qkv_flash_{name}_{dt}")  # (attribute access caches the function object)
+            fn.argtypes, fn.restype = args, _int
     lib.qkv_exp2_float.argtypes, lib.qkv_exp2_float.restype = [_ptr, _ptr, _i64], None
     return lib
 

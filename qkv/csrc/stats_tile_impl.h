@@ -5,6 +5,8 @@
 #define CAT(a, b) CAT2(a, b)
 #define FN(name) CAT(name, SUFFIX)
 
+#include "tile_impl.h"
+
 /* Insert (value, index) into a descending list of kk entries, dropping the last (the caller has
  * checked that the value beats it); an equal value already there stays ahead. */
 static inline void FN(topk_push_)(T *tv, int64_t *ti, int64_t kk, T val, int64_t idx) {
@@ -107,19 +109,6 @@ void FN(qkv_stats_tile_)(T *t, int64_t R, int64_t w, int64_t n, int64_t pos0, in
                        acc ? acc + r * dv : NULL, dv);
 }
 
-/* BLAS ?gemm_ (Fortran interface, column-major), passed in by the caller: torch's own. */
-typedef void (*FN(gemm_t_))(const char *, const char *, const int *, const int *, const int *, const T *, const T *,
-                            const int *, const T *, const int *, const T *, T *, const int *);
-
-/* Row-major c (m × n, row stride ldc) = beta·c + a (m × kd, row stride lda) · bᵀ (b: n × kd, row
- * stride ldb) when bt, else + a · b (b: kd × n, row stride ldb). */
-static inline void FN(gemm_rm_)(FN(gemm_t_) gemm, int bt, int m, int n, int kd, const T *a, int lda, const T *b, int ldb,
-                                T beta, T *c, int ldc) {
-    const T one = 1;
-    /* row-major c = a·op(b) is column-major cᵀ = op(b)ᵀ·aᵀ */
-    gemm(bt ? "T" : "N", "N", &n, &m, &kd, &one, b, &ldb, a, &lda, &beta, c, &ldc);
-}
-
 /* Statistics (and, with v, the output's running numerator) of whole attention calls in one
  * call: for each head and block of `br` query rows, the key blocks of `bc` keys that the band
  * leaves visible are scored with one gemm into a per-thread buffer that stays in cache, masked,
@@ -138,6 +127,7 @@ int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, int64_t J, int6
                              T *topv, int64_t *topi, int64_t kk, T *acc, int64_t br, int64_t bc, void *gemm_fn,
                              int nthreads) {
     FN(gemm_t_) gemm = (FN(gemm_t_))gemm_fn;
+    const band_t bd = {lo, hi, has_lo, has_hi};
     const int online = lse2 == NULL;
     const int64_t row_blocks = (nq + br - 1) / br;
     const int64_t jobs = J * G * row_blocks;
@@ -157,41 +147,20 @@ int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, int64_t J, int6
             const int64_t r0 = jg * nq + q0; /* first row in the (J, G, nq) row arrays */
             const T *qb = q + r0 * d, *kb = k + j * nk * d, *vb = v ? v + j * nk * dv : NULL;
             const uint8_t *pad = kpad ? kpad + (kpad_rows ? j / heads_per_pad : 0) * nk : NULL;
-            int64_t klo = has_lo ? q0 + lo : 0, khi = has_hi ? q1 - 1 + hi + 1 : nk;
-            klo = klo < 0 ? 0 : klo;
-            khi = khi > nk ? nk : khi;
+            int64_t klo, khi;
+            band_keys(&bd, q0, q1, nk, &klo, &khi);
             for (int64_t k0 = klo; k0 < khi; k0 += bc) {
                 const int64_t w = khi - k0 < bc ? khi - k0 : bc;
-                const int64_t k1 = k0 + w;
-                if (d > 0)
-                    FN(gemm_rm_)(gemm, 1, (int)n, (int)w, (int)d, qb, (int)d, kb + k0 * d, (int)d, 0, t, (int)w);
-                else
-                    for (int64_t i = 0; i < n * w; i++) t[i] = 0;
-                /* the band cuts this tile unless every row sees every key of it */
-                const int band = (has_lo && k0 - (q1 - 1) < lo) || (has_hi && k1 - 1 - q0 > hi);
-                int masked = band;
-                if (pad)
-                    for (int64_t c = k0; c < k1 && !masked; c++) masked = !pad[c];
+                FN(gemm_rm_)(gemm, 0, 1, n, w, d, qb, d, kb + k0 * d, d, 0, t, w); /* s·log2e */
+                const int masked = FN(mask_tile_)(t, n, w, q0, k0, &bd, pad);
                 for (int64_t i = 0; i < n; i++) {
-                    T *row = t + i * w;
-                    const int64_t qi = q0 + i, r = r0 + i;
-                    if (band) {
-                        int64_t a = has_lo ? qi + lo - k0 : 0, b = has_hi ? qi + hi + 1 - k0 : w;
-                        a = a < 0 ? 0 : (a > w ? w : a);
-                        b = b < a ? a : (b > w ? w : b);
-                        for (int64_t c = 0; c < a; c++) row[c] = -INFINITY;
-                        for (int64_t c = b; c < w; c++) row[c] = -INFINITY;
-                    }
-                    if (pad && masked)
-                        for (int64_t c = 0; c < w; c++)
-                            if (!pad[k0 + c]) row[c] = -INFINITY;
-                    FN(stats_row_)(row, w, qi + pos_off, k0, online, masked, lse2 ? lse2 + r : NULL, mx + r, tot + r, ent + r,
-                                   dist + r, cnt + r, kw + r * P, kpos, P, rw + r * Q, rel, Q, topv + r * kk,
-                                   topi + r * kk, kk, acc ? acc + r * dv : NULL, dv);
+                    const int64_t r = r0 + i;
+                    FN(stats_row_)(t + i * w, w, q0 + i + pos_off, k0, online, masked, lse2 ? lse2 + r : NULL, mx + r,
+                                   tot + r, ent + r, dist + r, cnt + r, kw + r * P, kpos, P, rw + r * Q, rel, Q,
+                                   topv + r * kk, topi + r * kk, kk, acc ? acc + r * dv : NULL, dv);
                 }
                 if (acc && dv > 0) /* t now holds p̃: acc += p̃ · v */
-                    FN(gemm_rm_)(gemm, 0, (int)n, (int)dv, (int)w, t, (int)w, vb + k0 * dv, (int)dv, 1, acc + r0 * dv,
-                                 (int)dv);
+                    FN(gemm_rm_)(gemm, 0, 0, n, dv, w, t, w, vb + k0 * dv, dv, 1, acc + r0 * dv, dv);
             }
         }
         free(t);

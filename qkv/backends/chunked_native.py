@@ -1,0 +1,109 @@
+"""The ``chunked`` backend's tile loops in C (``qkv/csrc/flash.c``), for CPU calls with gradients.
+
+Same tiles, same units and the same precision measures as the torch formulation in
+:mod:`.chunked` (the shift ``m`` is the largest raw product ``q·kᵀ`` a row saw, kept apart from
+its sum ``l``; the dominant key's ``dS`` recomputed from ``v_j - O_i``), but each thread scores
+a ``block_q × block_k`` tile with one call to torch's own BLAS gemm into a buffer that stays
+in its cache, runs the exponentials and ``dS`` over it in C, and multiplies on with gemms again:
+no tile of every head written to memory and read back, and no Python per tile.
+
+Used for float32/float64 on CPUs when the native kernels are built and torch exports its BLAS
+(:func:`qkv.backends.native.gemm`), for the causal/window band and key padding; a call with an
+``attn_mask`` keeps the torch formulation. Each function returns None where it does not apply.
+The forward and the backward make the same choice for the same call, so the backward recomputes
+exactly the products whose maximum the forward kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..masks import MaskTiles
+from . import native
+
+LOG2E = 1.4426950408889634
+
+
+def _kernel(q: torch.Tensor, tiles: MaskTiles, which: str) -> Optional[tuple[Any, int]]:
+    """(C function, gemm address) for this call, or None."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or tiles.attn is not None:
+        return None
+    lib, gemm = native.library(), native.gemm(q.dtype)
+    if lib is None or gemm is None:
+        return None
+    return getattr(lib, f"qkv_flash_{which}_{'float' if q.dtype == torch.float32 else 'double'}"), gemm
+
+
+def _mask_args(tiles: MaskTiles, hk: int, nk: int) -> tuple[list[Any], list[torch.Tensor]]:
+    """The kernels' band and key-padding arguments, and the tensors they point into (keep them alive)."""
+    lo, hi = tiles.positional.band()
+    args: list[Any] = [lo or 0, hi or 0, int(lo is not None), int(hi is not None)]
+    pad = tiles.padding  # (B|1, 1, 1, 1, Nk) bool
+    if pad is None:
+        return [*args, None, 0, hk, None], []
+    kp = pad.reshape(pad.shape[0], nk)
+    kpad = kp.to(torch.uint8).contiguous()
+    # keys past the last real one are skipped tile by tile (ragged batches)
+    klen = (kp * torch.arange(1, nk + 1)).amax(-1).contiguous()  # (B|1,)
+    rows = 0 if pad.shape[0] == 1 else pad.shape[0]
+    return [*args, native.ptr(kpad), rows, hk, native.ptr(klen)], [kpad, klen]
+
+
+def _sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[tuple[int, ...]]:
+    b, hk, g, nq, d = q.shape
+    nk, dv = k.shape[3], v.shape[-1]
+    return None if b * hk * g * nq == 0 or nk == 0 else (b * hk, g, nq, nk, d, dv)
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, bq: int, bk: int
+) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """out ``(B, Hk, G, Nq, Dv)``, m and l ``(B, Hk, G, Nq)`` as :func:`.chunked.chunked_forward`
+    gives them, for q ``(B, Hk, G, Nq, D)`` and k/v ``(B, Hk, 1, Nk, ·)``; or None."""
+    found, sizes = _kernel(q, tiles, "fwd"), _sizes(q, k, v)
+    if found is None or sizes is None:
+        return None
+    fn, gemm = found
+    j, g, nq, nk, d, dv = sizes
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    out = q.new_empty(*q.shape[:4], dv)
+    m, l = q.new_empty(q.shape[:4]), q.new_empty(q.shape[:4])
+    mask, _keep = _mask_args(tiles, q.shape[1], nk)
+    ptr = native.ptr
+    rc = fn(ptr(qc), ptr(kc), ptr(vc), j, g, nq, nk, d, dv, *mask, scale * LOG2E, ptr(out), ptr(m), ptr(l), bq, bk, gemm,
+            torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise MemoryError(f"qkv: could not allocate a {bq} x {bk} score tile per thread")
+    return out, m, l
+
+
+def backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: dict[str, torch.Tensor],
+    tiles: MaskTiles, scale: float, bq: int, bk: int,
+) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """dq, dk, dv without the scale, as :func:`.chunked.chunked_backward` accumulates them;
+    ``rows`` as there (m, dout, delta, dlse, half_l); or None."""
+    found, sizes = _kernel(q, tiles, "bwd"), _sizes(q, k, v)
+    if found is None or sizes is None:
+        return None
+    fn, gemm = found
+    j, g, nq, nk, d, dv = sizes
+    c = {n: t.contiguous() for n, t in rows.items()}
+    qc, kc, vc, oc = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous()
+    b, hk = q.shape[:2]
+    dq = torch.zeros_like(qc)
+    dk = q.new_zeros(b, hk, g, nk, d)  # one slice per query head: summed over G below
+    dvv = q.new_zeros(b, hk, g, nk, dv)
+    mask, _keep = _mask_args(tiles, hk, nk)
+    ptr = native.ptr
+    rc = fn(
+        ptr(qc), ptr(kc), ptr(vc), ptr(oc), ptr(c["dout"]), ptr(c["delta"]), ptr(c["dlse"]), ptr(c["half_l"]), ptr(c["m"]),
+        j, g, nq, nk, d, dv, *mask, scale * LOG2E, ptr(dq), ptr(dk), ptr(dvv), bq, bk, gemm, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError(f"qkv: could not allocate two {bq} x {bk} tiles per thread")
+    if g > 1:
+        dk, dvv = dk.sum(2, keepdim=True), dvv.sum(2, keepdim=True)
+    return dq, dk, dvv

@@ -1,0 +1,150 @@
+/* Exact attention forward (with the row shift m and sum l its backward needs) and backward, for
+ * one element type: included by flash.c with T, SUFFIX and EXP2 defined, after the row helpers
+ * row_max_SUFFIX, row_exp_SUFFIX and row_ds_SUFFIX. */
+#define CAT2(a, b) a##b
+#define CAT(a, b) CAT2(a, b)
+#define FN(name) CAT(name, SUFFIX)
+
+#include "tile_impl.h"
+
+/* The per-thread tile buffers of a kernel; NULL (and *failed set) when memory ran out. */
+static inline T *FN(buffers_)(int64_t count, int *failed) {
+    T *t = (T *)malloc(sizeof(T) * (count > 0 ? count : 1));
+    if (!t) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return t;
+}
+
+/* Forward. q: (J, G, nq, d); k: (J, nk, d); v: (J, nk, dv): query head (j, g) attends with
+ * key/value head j; scores are q·kᵀ, and c = scale·log2 e turns their differences into log2
+ * units. Masks as in qkv_attention_stats_ (band, kpad with kpad_rows / heads_per_pad; klen: NULL
+ * or, per kpad row, how many leading keys can be real). Writes out (J, G, nq, dv): the output;
+ * m (J, G, nq): each row's shift, the largest score q·kᵀ it saw (−inf when none; NaN when a score
+ * was NaN); l (J, G, nq): Σ 2^((s − m)·c) (0 when none). Returns 0, or −1 when out of memory. */
+int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d,
+                       int64_t dv, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
+                       int64_t heads_per_pad, const int64_t *klen, T c, T *out, T *m, T *l, int64_t br, int64_t bc,
+                       void *gemm_fn, int nthreads) {
+    FN(gemm_t_) gemm = (FN(gemm_t_))gemm_fn;
+    const band_t bd = {lo, hi, has_lo, has_hi};
+    const int64_t row_blocks = (nq + br - 1) / br, jobs = J * G * row_blocks;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        T *t = FN(buffers_)(br * bc, &failed);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < jobs; job++) {
+            if (!t) continue;
+            const int64_t jg = job / row_blocks, q0 = (job % row_blocks) * br, j = jg / G;
+            const int64_t q1 = q0 + br < nq ? q0 + br : nq, n = q1 - q0, r0 = jg * nq + q0;
+            const int64_t prow = kpad_rows ? j / heads_per_pad : 0;
+            const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
+            const T *qb = q + r0 * d, *kb = k + j * nk * d, *vb = v + j * nk * dv;
+            T *acc = out + r0 * dv;
+            for (int64_t i = 0; i < n; i++) {
+                m[r0 + i] = -INFINITY;
+                l[r0 + i] = 0;
+            }
+            for (int64_t i = 0; i < n * dv; i++) acc[i] = 0;
+            int64_t klo, khi;
+            band_keys(&bd, q0, q1, klen && klen[prow] < nk ? klen[prow] : nk, &klo, &khi);
+            for (int64_t k0 = klo; k0 < khi; k0 += bc) {
+                const int64_t w = khi - k0 < bc ? khi - k0 : bc;
+                FN(gemm_rm_)(gemm, 0, 1, n, w, d, qb, d, kb + k0 * d, d, 0, t, w);
+                FN(mask_tile_)(t, n, w, q0, k0, &bd, pad);
+                for (int64_t i = 0; i < n; i++) {
+                    T *row = t + i * w, *ai = acc + i * dv;
+                    const int64_t r = r0 + i;
+                    int64_t nans;
+                    const T tmax = FN(row_max_)(row, w, &nans), old = m[r];
+                    const T mn = (nans || old != old) ? (T)NAN : (old > tmax ? old : tmax);
+                    const T shift = mn == -INFINITY ? 0 : mn;
+                    if (old != mn) { /* the maximum grew: rescale the running sums (by 0 if none yet) */
+                        const T alpha = old == -INFINITY ? 0 : EXP2((old - shift) * c);
+                        l[r] *= alpha;
+                        for (int64_t e = 0; e < dv; e++) ai[e] *= alpha;
+                    }
+                    m[r] = mn;
+                    l[r] += FN(row_exp_)(row, w, shift, c);
+                }
+                FN(gemm_rm_)(gemm, 0, 0, n, dv, w, t, w, vb + k0 * dv, dv, 1, acc, dv);
+            }
+            for (int64_t i = 0; i < n; i++) {
+                const T li = l[r0 + i], inv = li > 0 ? 1 / li : 0;
+                for (int64_t e = 0; e < dv; e++) acc[i * dv + e] = li > 0 ? acc[i * dv + e] * inv : (li == 0 ? 0 : acc[i * dv + e]);
+            }
+        }
+        free(t);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Backward by tile recomputation, from the forward's m (its shift: q·kᵀ − m is exact at the
+ * maximum, as the same gemm recomputes the same products) and, per row (J, G, nq):
+ * dos = dO / l (·, dv), delta = (rowsum(dO ∘ O) − dlse) / l, dlse = dlse / l, half_l = l / 2
+ * (inf for an empty row). out is the forward's output. With P̃ = 2^((s − m)·c):
+ *     dV += P̃ᵀ·dos,   dS = P̃ ∘ (dos·Vᵀ − delta),   dQ += dS·K,   dK += dSᵀ·Q
+ * (dQ and dK without the scale). Where P̃ > l/2 (one key holds most of the row) dS is
+ * P̃·(dos·(v_j − O_i) + dlse): the subtraction dos·vⱼ − delta cancels there. Each query head
+ * writes its own dk, dv slices (J, G, nk, ·): the caller sums them over G. One job per query
+ * head, so no two threads write the same rows. Returns 0, or −1 when out of memory. */
+int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const T *out, const T *dos, const T *delta, const T *dlse,
+                       const T *half_l, const T *m, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d, int64_t dv,
+                       int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
+                       int64_t heads_per_pad, const int64_t *klen, T c, T *dq, T *dk, T *dvv, int64_t br, int64_t bc,
+                       void *gemm_fn, int nthreads) {
+    FN(gemm_t_) gemm = (FN(gemm_t_))gemm_fn;
+    const band_t bd = {lo, hi, has_lo, has_hi};
+    const int64_t jobs = J * G;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        T *t = FN(buffers_)(2 * br * bc, &failed);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t jg = 0; jg < jobs; jg++) {
+            if (!t) continue;
+            T *u = t + br * bc;
+            const int64_t j = jg / G, prow = kpad_rows ? j / heads_per_pad : 0;
+            const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
+            const T *kb = k + j * nk * d, *vb = v + j * nk * dv;
+            T *dkb = dk + jg * nk * d, *dvb = dvv + jg * nk * dv;
+            for (int64_t q0 = 0; q0 < nq; q0 += br) {
+                const int64_t q1 = q0 + br < nq ? q0 + br : nq, n = q1 - q0, r0 = jg * nq + q0;
+                const T *qb = q + r0 * d, *dob = dos + r0 * dv;
+                int64_t klo, khi;
+                band_keys(&bd, q0, q1, klen && klen[prow] < nk ? klen[prow] : nk, &klo, &khi);
+                for (int64_t k0 = klo; k0 < khi; k0 += bc) {
+                    const int64_t w = khi - k0 < bc ? khi - k0 : bc;
+                    FN(gemm_rm_)(gemm, 0, 1, n, w, d, qb, d, kb + k0 * d, d, 0, t, w); /* S */
+                    FN(mask_tile_)(t, n, w, q0, k0, &bd, pad);
+                    FN(gemm_rm_)(gemm, 0, 1, n, w, dv, dob, dv, vb + k0 * dv, dv, 0, u, w); /* dos·Vᵀ */
+                    for (int64_t i = 0; i < n; i++) {
+                        const int64_t r = r0 + i;
+                        T *p = t + i * w, *ds = u + i * w;
+                        FN(row_exp_)(p, w, m[r] == -INFINITY ? 0 : m[r], c); /* P̃ */
+                        FN(row_ds_)(ds, p, w, delta[r]);
+                        if (half_l[r] < 1) /* P̃ ≤ 1, so only such rows can hold P̃ > l/2 */
+                            for (int64_t x = 0; x < w; x++)
+                                if (p[x] > half_l[r]) {
+                                    const T *vj = vb + (k0 + x) * dv, *oi = out + r * dv, *gi = dos + r * dv;
+                                    T s = 0;
+                                    for (int64_t e = 0; e < dv; e++) s += gi[e] * (vj[e] - oi[e]);
+                                    ds[x] = p[x] * (s + dlse[r]);
+                                }
+                    }
+                    FN(gemm_rm_)(gemm, 1, 0, w, dv, n, t, w, dob, dv, 1, dvb + k0 * dv, dv); /* dV += P̃ᵀ·dos */
+                    FN(gemm_rm_)(gemm, 0, 0, n, d, w, u, w, kb + k0 * d, d, 1, dq + r0 * d, d); /* dQ += dS·K */
+                    FN(gemm_rm_)(gemm, 1, 0, w, d, n, u, w, qb, d, 1, dkb + k0 * d, d);       /* dK += dSᵀ·Q */
+                }
+            }
+        }
+        free(t);
+    }
+    return failed ? -1 : 0;
+}
+
+#undef FN
+#undef CAT
+#undef CAT2

@@ -1,0 +1,70 @@
+/* What the tiled C kernels share, for one element type T (FN names the function for it):
+ * BLAS gemm calls on row-major tiles, and the causal/window band and key padding applied to a
+ * tile of scores. Included by stats_tile_impl.h and flash_impl.h. */
+#ifndef QKV_BAND_DEFINED
+#define QKV_BAND_DEFINED
+#include <stdint.h>
+
+/* Key j is allowed for query row i iff lo ≤ j − i ≤ hi (a missing bound: has_lo/has_hi = 0), key
+ * j is not padding (pad == NULL, or pad[j] nonzero) and j < klen (the row's sequence length). */
+typedef struct {
+    int64_t lo, hi;
+    int has_lo, has_hi;
+} band_t;
+
+/* Keys [*k_lo, *k_hi) that some row of [q0, q1) may see (empty when *k_lo >= *k_hi). */
+static inline void band_keys(const band_t *b, int64_t q0, int64_t q1, int64_t nk, int64_t *k_lo, int64_t *k_hi) {
+    int64_t a = b->has_lo ? q0 + b->lo : 0, z = b->has_hi ? q1 - 1 + b->hi + 1 : nk;
+    *k_lo = a < 0 ? 0 : a;
+    *k_hi = z > nk ? nk : z;
+}
+
+/* Does the band mask some pair of rows [q0, q1) × keys [k0, k1)? */
+static inline int band_cuts(const band_t *b, int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
+    return (b->has_lo && k0 - (q1 - 1) < b->lo) || (b->has_hi && k1 - 1 - q0 > b->hi);
+}
+#endif
+
+/* BLAS ?gemm_ (Fortran interface, column-major), passed in by the caller: torch's own. */
+typedef void (*FN(gemm_t_))(const char *, const char *, const int *, const int *, const int *, const T *, const T *,
+                            const int *, const T *, const int *, const T *, T *, const int *);
+
+/* Row-major c (m × n, row stride ldc) = beta·c + op(a)·op(b): a is stored m × kd (kd × m when
+ * ta), b kd × n (n × kd when tb), row strides lda and ldb. */
+static inline void FN(gemm_rm_)(FN(gemm_t_) gemm, int ta, int tb, int64_t m, int64_t n, int64_t kd, const T *a,
+                                int64_t lda, const T *b, int64_t ldb, T beta, T *c, int64_t ldc) {
+    const T one = 1;
+    const int im = (int)m, in = (int)n, ik = (int)kd, ia = (int)lda, ib = (int)ldb, ic = (int)ldc;
+    if (m == 0 || n == 0) return;
+    if (kd == 0) { /* BLAS leaves c alone or scales it; either way: beta·c */
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < n; j++) c[i * ldc + j] = beta == 0 ? 0 : beta * c[i * ldc + j];
+        return;
+    }
+    /* row-major c = op(a)·op(b) is column-major cᵀ = op(b)ᵀ·op(a)ᵀ */
+    gemm(tb ? "T" : "N", ta ? "T" : "N", &in, &im, &ik, &one, b, &ib, a, &ia, &beta, c, &ic);
+}
+
+/* Set the disallowed scores of tile t (rows [q0, q0 + n) × keys [k0, k0 + w), row-major) to −inf;
+ * return whether any mask applies to the tile. pad: the batch entry's key padding or NULL. */
+static inline int FN(mask_tile_)(T *t, int64_t n, int64_t w, int64_t q0, int64_t k0, const band_t *b,
+                                 const uint8_t *pad) {
+    const int band = band_cuts(b, q0, q0 + n, k0, k0 + w);
+    int padded = 0;
+    if (pad)
+        for (int64_t c = 0; c < w && !padded; c++) padded = !pad[k0 + c];
+    if (band)
+        for (int64_t i = 0; i < n; i++) {
+            T *row = t + i * w;
+            int64_t a = b->has_lo ? q0 + i + b->lo - k0 : 0, z = b->has_hi ? q0 + i + b->hi + 1 - k0 : w;
+            a = a < 0 ? 0 : (a > w ? w : a);
+            z = z < a ? a : (z > w ? w : z);
+            for (int64_t c = 0; c < a; c++) row[c] = -INFINITY;
+            for (int64_t c = z; c < w; c++) row[c] = -INFINITY;
+        }
+    if (padded)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t c = 0; c < w; c++)
+                if (!pad[k0 + c]) t[i * w + c] = -INFINITY;
+    return band || padded;
+}
