@@ -36,8 +36,9 @@ def _kernel(q: torch.Tensor, tiles: MaskTiles, which: str) -> Optional[tuple[Any
     return getattr(lib, f"qkv_flash_{which}_{'float' if q.dtype == torch.float32 else 'double'}"), gemm
 
 
-def _mask_args(tiles: MaskTiles, hk: int, nk: int) -> tuple[list[Any], list[torch.Tensor]]:
-    """The kernels' band and key-padding arguments, and the tensors they point into (keep them alive)."""
+def mask_args(tiles: MaskTiles, hk: int, nk: int) -> tuple[list[Any], list[torch.Tensor]]:
+    """The C kernels' band, key-padding and key-length arguments (see csrc/tile_impl.h), and the
+    tensors they point into (keep them alive until the call returns)."""
     lo, hi = tiles.positional.band()
     args: list[Any] = [lo or 0, hi or 0, int(lo is not None), int(hi is not None)]
     pad = tiles.padding  # (B|1, 1, 1, 1, Nk) bool
@@ -70,7 +71,7 @@ def forward(
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
     out = q.new_empty(*q.shape[:4], dv)
     m, l = q.new_empty(q.shape[:4]), q.new_empty(q.shape[:4])
-    mask, _keep = _mask_args(tiles, q.shape[1], nk)
+    mask, _keep = mask_args(tiles, q.shape[1], nk)
     ptr = native.ptr
     rc = fn(ptr(qc), ptr(kc), ptr(vc), j, g, nq, nk, d, dv, *mask, scale * LOG2E, ptr(out), ptr(m), ptr(l), bq, bk, gemm,
             torch.get_num_threads())  # fmt: skip
@@ -96,7 +97,7 @@ def backward(
     dq = torch.zeros_like(qc)
     dk = q.new_zeros(b, hk, g, nk, d)  # one slice per query head: summed over G below
     dvv = q.new_zeros(b, hk, g, nk, dv)
-    mask, _keep = _mask_args(tiles, hk, nk)
+    mask, _keep = mask_args(tiles, hk, nk)
     ptr = native.ptr
     rc = fn(
         ptr(qc), ptr(kc), ptr(vc), ptr(oc), ptr(c["dout"]), ptr(c["delta"]), ptr(c["dlse"]), ptr(c["half_l"]), ptr(c["m"]),

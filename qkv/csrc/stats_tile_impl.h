@@ -117,12 +117,13 @@ void FN(qkv_stats_tile_)(T *t, int64_t R, int64_t w, int64_t n, int64_t pos0, in
  * q: (J, G, nq, d), the scores' factor s·log2e folded in; k: (J, nk, d); v: (J, nk, dv) or NULL;
  * query head (j, g) attends with key/value head j. Row arrays are (J, G, nq[, ·]), contiguous,
  * initialised as for qkv_stats_tile_; query row i sits at key position i + pos_off. Key j is allowed for query i iff lo ≤ j − i ≤ hi (has_lo,
- * has_hi: the bound exists) and kpad (NULL, or (J / hk_per_pad, nk) bytes with kpad_rows = 0 for
- * one row shared by all) is nonzero. lse2: (J, G, nq) or NULL (online). Returns 0, or −1 when a
+ * has_hi: the bound exists) and kpad (NULL, or (J / heads_per_pad, nk) bytes with kpad_rows = 0
+ * for one row shared by all) is nonzero; klen (NULL, or per kpad row) bounds the keys visited. lse2: (J, G, nq) or NULL (online). Returns 0, or −1 when a
  * buffer could not be allocated. */
 int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d,
                              int64_t dv, int64_t pos_off, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad,
-                             int64_t kpad_rows, int64_t heads_per_pad, const T *lse2, T *mx, T *tot, T *ent, T *dist,
+                             int64_t kpad_rows, int64_t heads_per_pad, const int64_t *klen, const T *lse2, T *mx, T *tot,
+                             T *ent, T *dist,
                              int64_t *cnt, T *kw, const int64_t *kpos, int64_t P, T *rw, const int64_t *rel, int64_t Q,
                              T *topv, int64_t *topi, int64_t kk, T *acc, int64_t br, int64_t bc, void *gemm_fn,
                              int nthreads) {
@@ -146,9 +147,10 @@ int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, int64_t J, int6
             const int64_t q1 = q0 + br < nq ? q0 + br : nq, n = q1 - q0;
             const int64_t r0 = jg * nq + q0; /* first row in the (J, G, nq) row arrays */
             const T *qb = q + r0 * d, *kb = k + j * nk * d, *vb = v ? v + j * nk * dv : NULL;
-            const uint8_t *pad = kpad ? kpad + (kpad_rows ? j / heads_per_pad : 0) * nk : NULL;
+            const int64_t prow = kpad_rows ? j / heads_per_pad : 0;
+            const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
             int64_t klo, khi;
-            band_keys(&bd, q0, q1, nk, &klo, &khi);
+            band_keys(&bd, q0, q1, klen && klen[prow] < nk ? klen[prow] : nk, &klo, &khi);
             for (int64_t k0 = klo; k0 < khi; k0 += bc) {
                 const int64_t w = khi - k0 < bc ? khi - k0 : bc;
                 FN(gemm_rm_)(gemm, 0, 1, n, w, d, qb, d, kb + k0 * d, d, 0, t, w); /* s·log2e */

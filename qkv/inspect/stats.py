@@ -525,7 +525,7 @@ def _fused_native(
     """
     if tiles.attn is not None or _native_kernel(q) is None:
         return False
-    from ..backends import native
+    from ..backends import chunked_native, native
 
     gemm = native.gemm(q.dtype)
     if gemm is None:
@@ -536,16 +536,12 @@ def _fused_native(
     qa = (q * (call.scale * LOG2E)).contiguous()  # (B, Hk, G, Nq, D): qa·kᵀ = s·log2e
     kc = k.contiguous()
     vc = None if v is None else v.contiguous()
-    lo, hi = tiles.positional.band()
-    pad = tiles.padding  # (B|1, 1, 1, 1, Nk) bool
-    pad_b = None if pad is None else pad.reshape(pad.shape[0], nk).to(torch.uint8).contiguous()
+    mask, _keep = chunked_native.mask_args(tiles, hk, nk)
     lse2 = None if lse_g is None else (lse_g.to(q.dtype) * LOG2E).contiguous()
     kp, rp = torch.tensor(kpos, dtype=torch.long), torch.tensor(rel, dtype=torch.long)
     ptr = native.ptr
     rc = kernel(
-        ptr(qa), ptr(kc), ptr(vc), b * hk, g, nq, nk, d, dv, tiles.positional.offset, lo or 0, hi or 0,
-        int(lo is not None), int(hi is not None), ptr(pad_b), 0 if pad is None or pad.shape[0] == 1 else pad.shape[0], hk,
-        ptr(lse2), ptr(res["max_weight"]), ptr(res["total"]), ptr(res["entropy"]), ptr(res["mean_distance"]),
+        ptr(qa), ptr(kc), ptr(vc), b * hk, g, nq, nk, d, dv, tiles.positional.offset, *mask, ptr(lse2), ptr(res["max_weight"]), ptr(res["total"]), ptr(res["entropy"]), ptr(res["mean_distance"]),
         ptr(res["n_keys"]), ptr(res["key_weights"]), ptr(kp), len(kpos), ptr(res["relative_weights"]), ptr(rp), len(rel),
         ptr(res["topk_weights"]), ptr(res["topk_indices"]), res["topk_indices"].shape[-1], ptr(out_g),
         block_q, block_k, gemm, torch.get_num_threads(),
