@@ -197,6 +197,7 @@ def write_report(meta: dict, rows: list[dict], path: Path) -> None:
         "",
         f"{meta['date']} · {meta['cpu']} ({meta['cores']} cores) · torch {meta['torch']} · Python {meta['python']}",
         "",
+        *([meta["note"], ""] if meta.get("note") else []),
         f"Times in ms, best of {meta['rounds']} interleaved rounds; B = {B} (2 for key padding), H = {H}, D = {D}. "
         "`auto ÷ best` is qkv auto's time over the faster of SDPA and compiled Flex (below 1: qkv is faster); "
         "`chunked ÷ sdpa` compares the path that never holds N × N with SDPA. `—`: the contender cannot run the call "
@@ -209,7 +210,8 @@ def write_report(meta: dict, rows: list[dict], path: Path) -> None:
         "| kind | N | dtype | pass | threads | sdpa | flex | qkv auto | qkv chunked | auto ÷ best | chunked ÷ sdpa |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    order = lambda r: (r["threads"], r["dtype"] != "float32", r["n"], r["pass"], KINDS.index(r["kind"]))  # noqa: E731
+    for r in sorted(rows, key=order):
         ab = r.get("auto_vs_best_peer")
         cs = r.get("chunked_vs_sdpa")
         lines.append(
@@ -232,6 +234,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "attention_matrix"), help="path without suffix for .md and .json")
     ap.add_argument("--append", action="store_true", help="add to (or replace cells of) the rows already in OUT.json")
+    ap.add_argument("--note", default="", help="a line for the report's header (what was re-measured when, and why)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     rows: list[dict] = json.loads(out.with_suffix(".json").read_text())["rows"] if args.append and out.with_suffix(".json").exists() else []
@@ -251,6 +254,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "rounds": args.rounds,
+        "note": args.note,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
