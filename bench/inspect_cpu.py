@@ -226,11 +226,13 @@ def write_report(meta: dict, times: dict, mem: dict, model: dict, path: Path) ->
                 lines.append(f"| {label} | {_mib(b)} | {100 * b / scores:.3f}% |")
     lines += [
         "",
-        "Per tile the statistics cost one score matmul (the forward pass: two, inside torch's fused kernel) and one "
-        "pass of qkv's C kernel (`qkv/csrc/stats_tile.c`, " + meta["native"] + "): per row, the maximum, then the "
-        "exponentials with every running sum (entropy, distance, weights on chosen keys) and the top-k in the same "
-        "visit, entries under a bound from the row's lane maxima skipped. The top-k costs most on a row block's first "
-        "tiles, where every entry above that bound enters.",
+        "The statistics pass is one C call per attention call (`qkv/csrc/stats_tile_impl.h`; native kernels: "
+        + meta["native"] + "): per thread, a tile of 128 query rows × 512 keys is scored with one gemm (torch's own "
+        "BLAS) into a buffer that stays in cache, then each row gets its maximum, the exponentials with every running "
+        "sum (entropy, distance, weights on chosen keys) and the top-k in one visit, entries under a bound from the "
+        "row's lane maxima skipped; with the output, a second gemm adds P·V. So per tile the statistics cost one score "
+        "matmul where the forward pass costs two. The top-k costs most on a row block's first tiles, where every entry "
+        "above that bound enters.",
         "",
         f"Machine load while measuring: {meta['load']} (1/5/15-minute load averages on {meta['cores']} cores).",
     ]

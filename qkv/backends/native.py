@@ -122,16 +122,25 @@ def library() -> Optional[ctypes.CDLL]:
             fn = getattr(lib, f"qkv_flash_{name}_{dt}")  # (attribute access caches the function object)
             fn.argtypes, fn.restype = args, _int
     lib.qkv_exp2_float.argtypes, lib.qkv_exp2_float.restype = [_ptr, _ptr, _i64], None
+    for dt in ("float", "double"):
+        fn = getattr(lib, f"qkv_gemm_check_{dt}")
+        fn.argtypes, fn.restype = [_ptr], _int
     return lib
 
 
-@lru_cache(maxsize=None)
 def gemm(dtype: torch.dtype) -> Optional[int]:
-    """The address of the BLAS ``sgemm_``/``dgemm_`` that torch itself links (MKL on x86-64
-    wheels), for kernels that multiply tiles small enough to stay in cache; None when torch
-    exports none (then those kernels are not used)."""
+    """The address of the BLAS ``sgemm_``/``dgemm_`` that torch itself links, for kernels that
+    multiply tiles small enough to stay in cache; None unless torch's BLAS is MKL (whose Fortran
+    interface takes 32-bit integers; other BLAS builds may take 64-bit ones) and a small product
+    through it comes out right. Without it those kernels are not used."""
+    lib = library()
+    return None if lib is None else _checked_gemm(dtype, lib)
+
+
+@lru_cache(maxsize=None)
+def _checked_gemm(dtype: torch.dtype, lib: ctypes.CDLL) -> Optional[int]:
     name = {torch.float32: "sgemm_", torch.float64: "dgemm_"}.get(dtype)
-    if name is None:
+    if name is None or not torch.backends.mkl.is_available():
         return None
     libdir = Path(torch.__file__).resolve().parent / "lib"
     for path in [*sorted(libdir.glob("libtorch_cpu*")), None]:  # None: every library already loaded
@@ -139,7 +148,9 @@ def gemm(dtype: torch.dtype) -> Optional[int]:
             fn = getattr(ctypes.CDLL(None if path is None else str(path)), name)
         except (OSError, AttributeError):
             continue
-        return ctypes.cast(fn, ctypes.c_void_p).value
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+        check = getattr(lib, "qkv_gemm_check_float" if dtype == torch.float32 else "qkv_gemm_check_double")
+        return address if check(address) == 1 else None
     return None
 
 
@@ -157,7 +168,10 @@ def exp2(x: torch.Tensor) -> torch.Tensor:
 def status() -> str:
     """One line for ``qkv info``: where the kernels come from, or why they are not used."""
     lib = library()
-    return f"built ({lib._name})" if lib is not None else f"not used: {_reason}"
+    if lib is None:
+        return f"not used: {_reason}"
+    blas = "torch's MKL" if gemm(torch.float32) is not None else "none found (tile loops in torch operations)"
+    return f"built ({lib._name}); BLAS for cache-sized tiles: {blas}"
 
 
 def ptr(t: Optional[torch.Tensor]) -> Optional[int]:

@@ -96,3 +96,19 @@ static inline double exp2_f64(double x) { return exp2(x); }
 #undef T
 #undef SUFFIX
 #undef EXP2
+
+/* 1 when gemm_fn computes a small row-major product correctly through gemm_rm_ (qkv checks
+ * torch's BLAS once before using it). */
+int qkv_gemm_check_float(void *gemm_fn) {
+    const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, -1, 2, 0, 0.5f, 3}; /* (2 × 3)·(3 × 2) */
+    float c[4] = {0};
+    gemm_rm_float((gemm_t_float)gemm_fn, 0, 0, 2, 2, 3, a, 3, b, 2, 0, c, 2);
+    return c[0] == 6.5f && c[1] == 8 && c[2] == 17 && c[3] == 14;
+}
+
+int qkv_gemm_check_double(void *gemm_fn) {
+    const double a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, -1, 2, 0, 0.5, 3};
+    double c[4] = {0};
+    gemm_rm_double((gemm_t_double)gemm_fn, 0, 0, 2, 2, 3, a, 3, b, 2, 0, c, 2);
+    return c[0] == 6.5 && c[1] == 8 && c[2] == 17 && c[3] == 14;
+}
