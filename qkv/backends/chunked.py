@@ -44,7 +44,8 @@ flash kernel instead, dispatched block by block under the same rules (:mod:`.fla
 the same tiles skipped, at the speed of torch's vectorised kernel. Calls with gradients on a
 CPU (no ``attn_mask``) run the forward and backward below as C loops over cache-sized tiles
 with torch's own BLAS (:mod:`.chunked_native`): the same tiles, units and precision measures;
-the torch formulation here stays their reference. The loops here are torch custom ops, so ``torch.compile`` keeps a call in one graph without tracing into them.
+the torch formulation here stays their reference. The loops here are torch custom ops, so
+``torch.compile`` keeps a call in one graph without tracing into them.
 
 The autograd functions follow ``torch.func``'s protocol (``setup_context`` and a ``vmap``
 rule), so ``jacrev``, ``vmap`` and ``grad`` work; batched cotangents from the autograd engine

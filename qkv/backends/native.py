@@ -8,6 +8,9 @@ OpenMP, which links to the OpenMP runtime torch has already loaded, so the kerne
 torch's threads (``torch.get_num_threads()``). Builds are cached under
 ``$QKV_CACHE_DIR`` (default ``~/.cache/qkv``), keyed by the sources, flags, compiler and CPU.
 
+Kernels that multiply cache-sized tiles call torch's own BLAS gemm (:func:`gemm`: MKL's
+``sgemm_``/``dgemm_`` in libtorch_cpu), so qkv links no BLAS of its own.
+
 Without a compiler, or with ``QKV_NATIVE=0``, :func:`library` returns None and callers use
 their torch formulation; :func:`status` says why (``qkv info`` prints it).
 """
@@ -121,10 +124,9 @@ def library() -> Optional[ctypes.CDLL]:
         for name, args in (("fwd", _FWD_ARGS(c)), ("bwd", _BWD_ARGS(c))):
             fn = getattr(lib, f"qkv_flash_{name}_{dt}")  # (attribute access caches the function object)
             fn.argtypes, fn.restype = args, _int
-    lib.qkv_exp2_float.argtypes, lib.qkv_exp2_float.restype = [_ptr, _ptr, _i64], None
-    for dt in ("float", "double"):
         fn = getattr(lib, f"qkv_gemm_check_{dt}")
         fn.argtypes, fn.restype = [_ptr], _int
+    lib.qkv_exp2_float.argtypes, lib.qkv_exp2_float.restype = [_ptr, _ptr, _i64], None
     return lib
 
 
