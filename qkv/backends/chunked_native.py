@@ -7,7 +7,7 @@ a ``block_q × block_k`` tile with one call to torch's own BLAS gemm into a buff
 in its cache, runs the exponentials and ``dS`` over it in C, and multiplies on with gemms again:
 no tile of every head written to memory and read back, and no Python per tile.
 
-Used for float32/float64 on CPUs when the native kernels are built and torch exports its BLAS
+Used for float32/float64 on CPUs when the native kernels are built and torch's BLAS is MKL
 (:func:`qkv.backends.native.gemm`), for the causal/window band and key padding; a call with an
 ``attn_mask`` keeps the torch formulation. Each function returns None where it does not apply.
 The forward and the backward make the same choice for the same call, so the backward recomputes

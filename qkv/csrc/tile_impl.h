@@ -5,8 +5,9 @@
 #define QKV_BAND_DEFINED
 #include <stdint.h>
 
-/* Key j is allowed for query row i iff lo ≤ j − i ≤ hi (a missing bound: has_lo/has_hi = 0), key
- * j is not padding (pad == NULL, or pad[j] nonzero) and j < klen (the row's sequence length). */
+/* Key j is allowed for query row i iff lo ≤ j − i ≤ hi (a missing bound: has_lo/has_hi = 0) and
+ * key j is not padding (pad == NULL, or pad[j] nonzero). The kernels also stop at a batch entry's
+ * klen (one past its last real key), passed to band_keys as the key count. */
 typedef struct {
     int64_t lo, hi;
     int has_lo, has_hi;

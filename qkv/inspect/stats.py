@@ -56,8 +56,8 @@ STATS_BLOCK_K = 512
 NATIVE_TILE_BUDGET = 1 << 21
 # Query rows per tile of the fused native pass (_fused_native): 128 rows × 512 keys of float32 is
 # 256 KiB, which stays in a core's L2 cache between the score gemm, the statistics and P·V, and
-# gives the gemms rows enough (attention_with_stats at N = 8192, 4 heads, 2 threads: 429 ms with
-# 128 rows, 439 with 64, 484 with 32; 256 rows no better than 128).
+# gives the gemms rows enough (attention_with_stats at N = 8192, 4 heads, 2 threads, one noisy run:
+# 429 ms with 128 rows, 439 with 64, 484 with 32, 426 with 256, whose tile no longer fits L2).
 FUSED_BLOCK_Q = 128
 # Keys per chunk in the running top-k's search (see _merge_tile): 16 float32 = one cache line.
 TOPK_CHUNK = 16
