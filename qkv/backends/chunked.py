@@ -82,8 +82,30 @@ LAZY_LIMIT = float(2**24)
 _NEG_INF = float("-inf")
 
 
-def plan_tiles(b: int, hk: int, g: int, nq: int, nk: int, block_q: Optional[int] = None, block_k: Optional[int] = None) -> tuple[int, int, int]:
-    """(block_q, block_k, heads per group) for q ``(B, Hk, G, Nq, D)`` and keys of length Nk."""
+def band_rows(span: int) -> int:
+    """Query rows per tile for a call whose rows see at most ``span`` consecutive keys (a causal
+    or sliding-window band): a power of two near ``span / 8``, between 32 and 128.
+
+    A block of ``r`` rows scores ``span + r`` keys per row where each row needs ``span``, so
+    narrow bands want short blocks. Measured on the C loops, 1 thread, forward + backward at
+    N = 4096: window 128 takes 103 ms in 32-row blocks vs 244 ms in 256-row ones; window 512,
+    303 vs 390 ms in 64-row blocks; causal, 994 vs 1028 ms in 128-row blocks. Short blocks make
+    small gemms, so rows without a band keep 256 (118 vs 126–136 ms in shorter ones, N = 1024).
+    The torch formulation (the fallback) measured neutral on windows, and on causal calls from
+    0.87× (N = 256) to 1.15× (N = 512) its time in 256-row blocks."""
+    rows = 1 << max(0, (span // 8).bit_length() - 1)
+    return max(32, min(128, rows))
+
+
+def plan_tiles(
+    b: int, hk: int, g: int, nq: int, nk: int, block_q: Optional[int] = None, block_k: Optional[int] = None,
+    span: Optional[int] = None,
+) -> tuple[int, int, int]:  # fmt: skip
+    """(block_q, block_k, heads per group) for q ``(B, Hk, G, Nq, D)`` and keys of length Nk;
+    ``span``: how many consecutive keys a row can see at most when a band limits them
+    (:func:`band_rows`), used where ``block_q`` is not given."""
+    if block_q is None and span is not None:
+        block_q = band_rows(span)
     bq = max(1, min(block_q or BLOCK_Q, nq))
     bk = max(1, min(block_k or BLOCK_K, nk))
     return bq, bk, max(1, TILE_BUDGET // (g * bq * bk))
@@ -517,6 +539,11 @@ class ChunkedBackend(Backend):
             return fused_attention(call)  # no gradient: torch's fused kernel, block by block
         query, scale = call.positive_scale()  # the row maximum of q·kᵀ must be the largest score
         q, k, v = call.grouped_qkv(query)
-        plan = plan_tiles(*q.shape[:3], call.nq, call.nk, self.block_q, self.block_k)
-        out, lse, _, _ = _ChunkedAttention.apply(q, k, v, MaskTiles.from_call(call), scale, plan)
+        tiles = MaskTiles.from_call(call)
+        lo, hi = tiles.positional.band()
+        span = None  # how many consecutive keys a row can see at most, where a band limits them
+        if q.device.type == "cpu" and (lo is not None or hi is not None):  # measured on CPUs only
+            span = hi - lo + 1 if lo is not None and hi is not None else call.nk
+        plan = plan_tiles(*q.shape[:3], call.nq, call.nk, self.block_q, self.block_k, span)
+        out, lse, _, _ = _ChunkedAttention.apply(q, k, v, tiles, scale, plan)
         return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)

@@ -122,3 +122,27 @@ def test_nan_input_matches_the_torch_formulation(monkeypatch):
         for a, b in zip(fast, slow):
             assert torch.equal(a.isnan(), b.isnan())
             assert max_err(a.nan_to_num(), b.nan_to_num()) < 1e-12
+
+
+def test_band_calls_plan_short_row_tiles(monkeypatch):
+    """Rows that see a narrow band of keys get short row tiles (less of each tile masked);
+    rows without a band keep 256; an explicit ``block_q`` wins. Results stay exact either way."""
+    from qkv.backends import BACKENDS
+
+    assert [chunked_mod.band_rows(s) for s in (1, 129, 513, 600, 1024, 16384)] == [32, 32, 64, 64, 128, 128]
+    planned: list = []
+    real = chunked_native.forward
+    monkeypatch.setattr(chunked_native, "forward", lambda *a: planned.append(a[5]) or real(*a))
+    q, k, v = make_qkv(1, 2, 2, 600, 600, 16, dtype=torch.float64)
+    cases = [({"is_causal": True, "window": (128, 0)}, 32), ({"is_causal": True}, 64), ({"window": (100, 200)}, 32), ({}, 256)]
+    for kw, rows in cases:
+        planned.clear()
+        got = _run(q, k, v, kw, native_on=True, monkeypatch=monkeypatch, taken=[])
+        want = _run(q, k, v, kw, native_on=False, monkeypatch=monkeypatch, taken=[])
+        assert planned == [rows], kw
+        for a, e in zip(got, want):
+            assert max_err(a, e) < 1e-12, kw
+    monkeypatch.setitem(BACKENDS, "chunked", chunked_mod.ChunkedBackend(block_q=100))
+    planned.clear()
+    _run(q, k, v, {"is_causal": True, "window": (128, 0)}, native_on=True, monkeypatch=monkeypatch, taken=[])
+    assert planned == [100]
