@@ -374,8 +374,7 @@ def chunked_backward(
     }
     native = chunked_native.backward(q, k, v, out, rows, tiles, scale, bq, bk)
     if native is not None:
-        dq, dk, dv = native
-        return dq.mul_(scale), dk.mul_(scale), dv
+        return native
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for e, te in _entries(tiles):
         qe, ke, ve, oe, dqe, dke, dve = q[e], k[e], v[e], out[e], dq[e], dk[e], dv[e]

@@ -84,8 +84,8 @@ def backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: dict[str, torch.Tensor],
     tiles: MaskTiles, scale: float, bq: int, bk: int,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """dq, dk, dv without the scale, as :func:`.chunked.chunked_backward` accumulates them;
-    ``rows`` as there (m, dout, delta, dlse, half_l); or None."""
+    """dq, dk, dv as :func:`.chunked.chunked_backward` returns them; ``rows`` as there (m, dout,
+    delta, dlse, half_l); or None."""
     found, sizes = _kernel(q, tiles, "bwd"), _sizes(q, k, v)
     if found is None or sizes is None:
         return None
@@ -94,14 +94,14 @@ def backward(
     c = {n: t.contiguous() for n, t in rows.items()}
     qc, kc, vc, oc = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous()
     b, hk = q.shape[:2]
-    dq = torch.zeros_like(qc)
-    dk = q.new_zeros(b, hk, g, nk, d)  # one slice per query head: summed over G below
-    dvv = q.new_zeros(b, hk, g, nk, dv)
+    dq = torch.empty_like(qc)  # the C jobs zero their own rows
+    dk = q.new_empty(b, hk, g, nk, d)  # one slice per query head: summed over G below
+    dvv = q.new_empty(b, hk, g, nk, dv)
     mask, _keep = mask_args(tiles, hk, nk)
     ptr = native.ptr
     rc = fn(
         ptr(qc), ptr(kc), ptr(vc), ptr(oc), ptr(c["dout"]), ptr(c["delta"]), ptr(c["dlse"]), ptr(c["half_l"]), ptr(c["m"]),
-        j, g, nq, nk, d, dv, *mask, scale * LOG2E, ptr(dq), ptr(dk), ptr(dvv), bq, bk, gemm, torch.get_num_threads(),
+        j, g, nq, nk, d, dv, *mask, scale * LOG2E, scale, ptr(dq), ptr(dk), ptr(dvv), bq, bk, gemm, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"qkv: could not allocate two {bq} x {bk} tiles per thread")

@@ -48,10 +48,10 @@ _STATS_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _int, _int, _ptr, _ptr, _ptr,
 _FUSED_ARGS = [_ptr, _ptr, _ptr, *[_i64] * 6, _i64, _i64, _i64, _int, _int, _ptr, _i64, _i64, *[_ptr] * 9, _i64, _ptr,
                _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int]  # fmt: skip
 # qkv_flash_fwd_<float|double> and qkv_flash_bwd_<…> (see csrc/flash_impl.h); the scale factor c
-# is the element type
+# (and the backward's scale) are the element type
 _MASK_ARGS = [_i64, _i64, _int, _int, _ptr, _i64, _i64, _ptr]  # band, key padding, key lengths
 _FWD_ARGS = lambda c: [*[_ptr] * 3, *[_i64] * 6, *_MASK_ARGS, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
-_BWD_ARGS = lambda c: [*[_ptr] * 9, *[_i64] * 6, *_MASK_ARGS, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
+_BWD_ARGS = lambda c: [*[_ptr] * 9, *[_i64] * 6, *_MASK_ARGS, c, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
 
 
 def _cpu_id() -> str:

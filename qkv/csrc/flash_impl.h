@@ -85,16 +85,18 @@ int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, int64_t J, int64_t G,
  * maximum, as the same gemm recomputes the same products) and, per row (J, G, nq):
  * dos = dO / l (·, dv), delta = (rowsum(dO ∘ O) − dlse) / l, dlse = dlse / l, half_l = l / 2
  * (inf for an empty row). out is the forward's output. With P̃ = 2^((s − m)·c):
- *     dV += P̃ᵀ·dos,   dS = P̃ ∘ (dos·Vᵀ − delta),   dQ += dS·K,   dK += dSᵀ·Q
- * (dQ and dK without the scale). Where P̃ > l/2 (one key holds most of the row) dS is
+ *     dV += P̃ᵀ·dos,   dS = P̃ ∘ (dos·Vᵀ − delta),   dQ += scale·dS·K,   dK += scale·dSᵀ·Q.
+ * Where P̃ > l/2 (one key holds most of the row) dS is
  * P̃·(dos·(v_j − O_i) + dlse): the subtraction dos·vⱼ − delta cancels there. Each query head
  * writes its own dk, dv slices (J, G, nk, ·): the caller sums them over G. One job per query
- * head, so no two threads write the same rows. Returns 0, or −1 when out of memory. */
+ * head, so no two threads write the same rows; each job zeroes its own rows of dq, dk, dv
+ * first (they need no initial value) and multiplies dQ and dK by `scale` in their gemms.
+ * Returns 0, or −1 when out of memory. */
 int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const T *out, const T *dos, const T *delta, const T *dlse,
                        const T *half_l, const T *m, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d, int64_t dv,
                        int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
-                       int64_t heads_per_pad, const int64_t *klen, T c, T *dq, T *dk, T *dvv, int64_t br, int64_t bc,
-                       void *gemm_fn, int nthreads) {
+                       int64_t heads_per_pad, const int64_t *klen, T c, T scale, T *dq, T *dk, T *dvv, int64_t br,
+                       int64_t bc, void *gemm_fn, int nthreads) {
     FN(gemm_t_) gemm = (FN(gemm_t_))gemm_fn;
     const band_t bd = {lo, hi, has_lo, has_hi};
     const int64_t jobs = J * G;
@@ -110,6 +112,9 @@ int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const T *out, const T
             const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
             const T *kb = k + j * nk * d, *vb = v + j * nk * dv;
             T *dkb = dk + jg * nk * d, *dvb = dvv + jg * nk * dv;
+            memset(dq + jg * nq * d, 0, sizeof(T) * nq * d);
+            memset(dkb, 0, sizeof(T) * nk * d);
+            memset(dvb, 0, sizeof(T) * nk * dv);
             for (int64_t q0 = 0; q0 < nq; q0 += br) {
                 const int64_t q1 = q0 + br < nq ? q0 + br : nq, n = q1 - q0, r0 = jg * nq + q0;
                 const T *qb = q + r0 * d, *dob = dos + r0 * dv;
@@ -135,8 +140,8 @@ int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const T *out, const T
                                 }
                     }
                     FN(gemm_rm_)(gemm, 1, 0, w, dv, n, t, w, dob, dv, 1, dvb + k0 * dv, dv); /* dV += P̃ᵀ·dos */
-                    FN(gemm_rm_)(gemm, 0, 0, n, d, w, u, w, kb + k0 * d, d, 1, dq + r0 * d, d); /* dQ += dS·K */
-                    FN(gemm_rm_)(gemm, 1, 0, w, d, n, u, w, qb, d, 1, dkb + k0 * d, d);       /* dK += dSᵀ·Q */
+                    FN(gemm_rm_alpha_)(gemm, 0, 0, n, d, w, scale, u, w, kb + k0 * d, d, 1, dq + r0 * d, d); /* dQ */
+                    FN(gemm_rm_alpha_)(gemm, 1, 0, w, d, n, scale, u, w, qb, d, 1, dkb + k0 * d, d);       /* dK */
                 }
             }
         }

@@ -30,11 +30,10 @@ static inline int band_cuts(const band_t *b, int64_t q0, int64_t q1, int64_t k0,
 typedef void (*FN(gemm_t_))(const char *, const char *, const int *, const int *, const int *, const T *, const T *,
                             const int *, const T *, const int *, const T *, T *, const int *);
 
-/* Row-major c (m × n, row stride ldc) = beta·c + op(a)·op(b): a is stored m × kd (kd × m when
- * ta), b kd × n (n × kd when tb), row strides lda and ldb. */
-static inline void FN(gemm_rm_)(FN(gemm_t_) gemm, int ta, int tb, int64_t m, int64_t n, int64_t kd, const T *a,
-                                int64_t lda, const T *b, int64_t ldb, T beta, T *c, int64_t ldc) {
-    const T one = 1;
+/* Row-major c (m × n, row stride ldc) = beta·c + alpha·op(a)·op(b): a is stored m × kd (kd × m
+ * when ta), b kd × n (n × kd when tb), row strides lda and ldb. */
+static inline void FN(gemm_rm_alpha_)(FN(gemm_t_) gemm, int ta, int tb, int64_t m, int64_t n, int64_t kd, T alpha,
+                                      const T *a, int64_t lda, const T *b, int64_t ldb, T beta, T *c, int64_t ldc) {
     const int im = (int)m, in = (int)n, ik = (int)kd, ia = (int)lda, ib = (int)ldb, ic = (int)ldc;
     if (m == 0 || n == 0) return;
     if (kd == 0) { /* BLAS leaves c alone or scales it; either way: beta·c */
@@ -43,7 +42,13 @@ static inline void FN(gemm_rm_)(FN(gemm_t_) gemm, int ta, int tb, int64_t m, int
         return;
     }
     /* row-major c = op(a)·op(b) is column-major cᵀ = op(b)ᵀ·op(a)ᵀ */
-    gemm(tb ? "T" : "N", ta ? "T" : "N", &in, &im, &ik, &one, b, &ib, a, &ia, &beta, c, &ic);
+    gemm(tb ? "T" : "N", ta ? "T" : "N", &in, &im, &ik, &alpha, b, &ib, a, &ia, &beta, c, &ic);
+}
+
+/* The same with alpha = 1. */
+static inline void FN(gemm_rm_)(FN(gemm_t_) gemm, int ta, int tb, int64_t m, int64_t n, int64_t kd, const T *a,
+                                int64_t lda, const T *b, int64_t ldb, T beta, T *c, int64_t ldc) {
+    FN(gemm_rm_alpha_)(gemm, ta, tb, m, n, kd, 1, a, lda, b, ldb, beta, c, ldc);
 }
 
 /* Set the disallowed scores of tile t (rows [q0, q0 + n) × keys [k0, k0 + w), row-major) to −inf;

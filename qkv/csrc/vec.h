@@ -19,30 +19,43 @@ static inline void v_storeu(float *p, v8f v) { *(v8f_unaligned *)p = v; }
 static inline v8f v_set(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 static inline v8f v_select(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
-/* 2^x, 8 lanes: x = n + f with f in [−1/2, 1/2] (n by the 1.5·2^23 rounding trick, whose low
- * mantissa bits then hold n), 2^f by its Taylor series to degree 7 (truncation below 6e-9
- * relative), 2^n by building exponent bits. Relative error below 1.2·2^−24 (measured over
- * [−126, 128)); results below 2^−126 flush to 0, which makes 2^−inf = 0;
- * 2^x overflows to inf from x = 128; NaN propagates. */
+/* Lane-wise max(x, lo) and min(x, hi); where x is NaN the bound comes out (vmaxps/vminps
+ * semantics; callers put NaN back). */
+static inline v8f v_max(v8f x, v8f lo) {
+#if defined(__AVX__)
+    return __builtin_ia32_maxps256(x, lo);
+#else
+    return v_select(x > lo, x, lo);
+#endif
+}
+static inline v8f v_min(v8f x, v8f hi) {
+#if defined(__AVX__)
+    return __builtin_ia32_minps256(x, hi);
+#else
+    return v_select(x < hi, x, hi);
+#endif
+}
+
+/* 2^x, 8 lanes, for softmax weights: x = (s − max)·c ≤ 0, though anything up to 127 is exact.
+ * x is clamped to [−127, 127] (one max, one min) and split as n + f with f in [−1/2, 1/2] (n by
+ * the 1.5·2^23 rounding trick, whose low mantissa bits then hold n); 2^f comes from a degree-6
+ * minimax polynomial (1.9e-9 relative) and 2^n from one exponent field, which is 0 for
+ * n = −127. So 2^−inf = 0, results below 2^−126.5 flush to 0, x above 127 gives 2^127, and
+ * NaN propagates. Relative error below 1.3·2^−24 over [−126, 127] (tests measure it). */
 static inline v8f v_exp2(v8f x) {
     const v8f magic = v_set(12582912.0f);
-    v8f xc = v_select(x < v_set(-127.0f), v_set(-127.0f), x);
-    xc = v_select(xc > v_set(129.0f), v_set(129.0f), xc);
-    xc = v_select(x != x, v_set(0.0f), xc);
+    v8f xc = v_min(v_max(x, v_set(-127.0f)), v_set(127.0f));
     v8f t = xc + magic;
     v8f f = xc - (t - magic);
-    v8f p = v_set(1.5252733804059841e-05f);  /* ln2^7 / 7! */
-    p = p * f + v_set(1.5403530393381606e-04f); /* ln2^6 / 6! */
-    p = p * f + v_set(1.3333558146428443e-03f); /* ln2^5 / 5! */
-    p = p * f + v_set(9.6181291076284772e-03f); /* ln2^4 / 4! */
-    p = p * f + v_set(5.5504108664821580e-02f); /* ln2^3 / 3! */
-    p = p * f + v_set(2.4022650695910071e-01f); /* ln2^2 / 2! */
-    p = p * f + v_set(6.9314718055994531e-01f); /* ln2 */
+    v8f p = v_set(1.534580223960802e-04f);
+    p = p * f + v_set(1.3399927411228418e-03f);
+    p = p * f + v_set(9.618489071726799e-03f);
+    p = p * f + v_set(5.550328642129898e-02f);
+    p = p * f + v_set(2.4022646248340607e-01f);
+    p = p * f + v_set(6.931471824645996e-01f);
     p = p * f + v_set(1.0f);
     v8i n = (v8i)t - (v8i)magic;
-    v8i h = n >> 1; /* 2^n = 2^h · 2^(n − h): both factors normal for n in [−127, 129] */
-    v8f r = (p * (v8f)((h + 127) << 23)) * (v8f)((n - h + 127) << 23);
-    r = v_select(x < v_set(-126.0f), v_set(0.0f), r);
+    v8f r = p * (v8f)((n + 127) << 23);
     return v_select(x != x, x, r);
 }
 
