@@ -41,10 +41,13 @@ import qkv  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ["plain", "causal", "causal_bottom_right", "window_128", "window_512", "key_padding", "gqa_8_2", "block_sparse_10", "lse_grad"]
-# any causal window width is a kind too (``--kinds window_256``); the default grid has two
+CONTENDERS = ["sdpa", "flex", "auto", "chunked"]
+B, H, D = 1, 8, 64
+BLOCK = 128  # block size of the block-sparse layout (FlexAttention's default block)
 
 
 def _kind(name: str) -> str:
+    """A kind for ``--kinds``: one of KINDS, or ``window_W`` for a causal window of any width W."""
     if name in KINDS or (name.startswith("window_") and name[7:].isdigit() and int(name[7:]) > 0):
         return name
     raise argparse.ArgumentTypeError(f"unknown kind {name!r}: choose from {KINDS} or window_W for another width W")
@@ -55,9 +58,7 @@ def _kind_order(kind: str) -> tuple[int, int]:
     if kind.startswith("window_"):
         return KINDS.index("window_128"), int(kind[7:])
     return KINDS.index(kind), 0
-CONTENDERS = ["sdpa", "flex", "auto", "chunked"]
-B, H, D = 1, 8, 64
-BLOCK = 128  # block size of the block-sparse layout (FlexAttention's default block)
+
 
 torch._dynamo.config.cache_size_limit = 512  # one compiled FlexAttention per shape and mask
 _flex = torch.compile(flex_attention, dynamic=False)
