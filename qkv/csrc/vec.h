@@ -36,7 +36,7 @@ static inline v8f v_min(v8f x, v8f hi) {
 #endif
 }
 
-/* 2^x, 8 lanes, for softmax weights: x = (s − max)·c ≤ 0, though anything up to 127 is exact.
+/* 2^x, 8 lanes, for softmax weights: x = (s − max)·c ≤ 0, though it is accurate up to x = 127.
  * x is clamped to [−127, 127] (one max, one min) and split as n + f with f in [−1/2, 1/2] (n by
  * the 1.5·2^23 rounding trick, whose low mantissa bits then hold n); 2^f comes from a degree-6
  * minimax polynomial (1.9e-9 relative) and 2^n from one exponent field, which is 0 for
