@@ -44,6 +44,7 @@ KINDS = ["plain", "causal", "causal_bottom_right", "window_128", "window_512", "
 CONTENDERS = ["sdpa", "flex", "auto", "chunked"]
 B, H, D = 1, 8, 64
 BLOCK = 128  # block size of the block-sparse layout (FlexAttention's default block)
+SLOW_CALL_S = 5.0  # a warm-up call longer than this counts as the first timed round (see time_cell)
 
 
 def _kind(name: str) -> str:
@@ -161,11 +162,17 @@ class Cell:
         return fwd_bwd
 
 
-def time_cell(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Best of ``rounds`` interleaved timings per contender (each already called once: see run_cell)."""
-    best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
+def time_cell(fns: dict[str, Callable[[], object]], rounds: int, warm: Optional[dict[str, float]] = None) -> dict[str, float]:
+    """Best of ``rounds`` interleaved timings per contender (each already called once: see run_cell).
+
+    ``warm`` holds warm-up times that count as a first round: a call that takes seconds has
+    nothing left to warm up, and at N = 16384 a bfloat16 backward takes minutes on some CPUs."""
+    warm = warm or {}
+    best = {name: warm.get(name, float("inf")) for name in fns}
+    for r in range(rounds):
         for name, fn in fns.items():
+            if r == 0 and name in warm:
+                continue
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
@@ -177,6 +184,7 @@ def run_cell(kind: str, n: int, dtype: torch.dtype, grad: bool, threads: int, ro
     cell = Cell(kind, n, dtype, grad)
     row: dict = {"kind": kind, "n": n, "nq": cell.nq, "dtype": str(dtype).replace("torch.", ""), "pass": "fwd+bwd" if grad else "fwd", "threads": threads}
     fns: dict[str, Callable[[], object]] = {}
+    warm: dict[str, float] = {}
     for name in CONTENDERS:
         fn = cell.fn(name)
         if fn is None:
@@ -185,13 +193,18 @@ def run_cell(kind: str, n: int, dtype: torch.dtype, grad: bool, threads: int, ro
         try:
             t0 = time.perf_counter()
             fn()  # the warm-up call; flex compiles here
+            first = time.perf_counter() - t0
             if name == "flex":
-                row["flex_first_call_s"] = time.perf_counter() - t0
+                row["flex_first_call_s"] = first
+            elif first > SLOW_CALL_S:
+                warm[name] = first
             fns[name] = fn
         except Exception as e:  # e.g. FlexAttention has no CPU backward
             row[name] = None
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    row.update(time_cell(fns, rounds))
+    row.update(time_cell(fns, rounds, warm))
+    if warm:
+        row["warm_up_timed"] = sorted(warm)
     peers = [row[p] for p in ("sdpa", "flex") if row.get(p)]
     if peers and row.get("auto"):
         row["auto_vs_best_peer"] = row["auto"] / min(peers)
@@ -211,7 +224,7 @@ def write_report(meta: dict, rows: list[dict], path: Path) -> None:
         f"{meta['date']} · {meta['cpu']} ({meta['cores']} cores) · torch {meta['torch']} · Python {meta['python']}",
         "",
         *([meta["note"], ""] if meta.get("note") else []),
-        f"Times in ms, best of {meta['rounds']} interleaved rounds; B = {B} (2 for key padding), H = {H}, D = {D}. "
+        f"Times in ms, best of {meta['rounds']} interleaved rounds after a warm-up call (a warm-up call over {SLOW_CALL_S:g} s counts as the first round); B = {B} (2 for key padding), H = {H}, D = {D}. "
         "`auto ÷ best` is qkv auto's time over the faster of SDPA and compiled Flex (below 1: qkv is faster); "
         "`chunked ÷ sdpa` compares the path that never holds N × N with SDPA. `—`: the contender cannot run the call "
         "(SDPA has no differentiable lse; FlexAttention has no CPU backward).",
@@ -250,13 +263,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--note", default="", help="a line for the report's header (what was re-measured when, and why)")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    rows: list[dict] = json.loads(out.with_suffix(".json").read_text())["rows"] if args.append and out.with_suffix(".json").exists() else []
+    old = json.loads(out.with_suffix(".json").read_text()) if args.append and out.with_suffix(".json").exists() else {}
+    rows: list[dict] = old.get("rows", [])
     for threads in dict.fromkeys(args.threads):
         for dtype in args.dtypes:
             for n in args.n:
                 for p in args.passes:
                     for kind in args.kinds:
                         row = run_cell(kind, n, getattr(torch, dtype), p == "fwd+bwd", threads, args.rounds)
+                        row["rounds"] = args.rounds
                         same = ("kind", "n", "dtype", "pass", "threads")
                         rows = [r for r in rows if any(r[f] != row[f] for f in same)] + [row]  # a rerun replaces its cell
                         print(json.dumps(row), flush=True)
@@ -266,8 +281,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         "cores": torch.get_num_threads() if not args.threads else max(args.threads),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "rounds": args.rounds,
-        "note": args.note,
+        # An appended run keeps the report's header (edit it with --note) and its rounds wording,
+        # which then covers cells measured with different round counts; each row keeps its own.
+        "rounds": old.get("meta", {}).get("rounds", args.rounds),
+        "note": args.note or old.get("meta", {}).get("note", ""),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

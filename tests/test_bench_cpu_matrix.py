@@ -1,0 +1,104 @@
+"""The CPU benchmark matrix's logic (`bench/attention_matrix.py`): every contender of a cell
+computes the same attention, rounds are counted as documented, and `--append` replaces cells
+and keeps the report's header. Nothing here measures anything."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "attention_matrix.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("attention_matrix", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["attention_matrix"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("kind", bench.KINDS + ["window_64"])
+def test_every_contender_of_a_cell_computes_the_same_attention(kind):
+    """SDPA's mask form, FlexAttention's block mask and qkv's arguments must describe one call,
+    or the matrix compares different work (N = 256 so that windows, the bottom-right offset and
+    128-blocks all bite)."""
+    cell = bench.Cell(kind, 256, torch.float64, grad=False)
+    out_auto = cell.fn("auto")()
+    out_auto = out_auto[0] if isinstance(out_auto, tuple) else out_auto
+    assert out_auto.shape == cell.q.shape and torch.isfinite(out_auto).all()
+    out_chunked = cell.fn("chunked")()
+    out_chunked = out_chunked[0] if isinstance(out_chunked, tuple) else out_chunked
+    torch.testing.assert_close(out_chunked, out_auto, rtol=1e-10, atol=1e-10)
+    sdpa = cell.fn("sdpa")
+    if kind == "lse_grad":
+        assert sdpa is None  # SDPA has no differentiable lse
+    else:
+        torch.testing.assert_close(sdpa(), out_auto, rtol=1e-10, atol=1e-10)
+    # FlexAttention eagerly (the benchmark compiles it) with the cell's own block mask.
+    flex = flex_attention(cell.q, cell.k, cell.v, block_mask=cell.block_mask, enable_gqa=kind == "gqa_8_2")
+    torch.testing.assert_close(flex, out_auto, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["causal", "lse_grad", "key_padding"])
+def test_a_gradient_cell_runs_forward_and_backward(kind):
+    cell = bench.Cell(kind, 128, torch.float32, grad=True)
+    cell.fn("auto")()
+    grads = [t.grad.clone() for t in (cell.q, cell.k, cell.v)]
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+    cell.fn("chunked")()  # each call starts from cleared gradients, so a rerun gives the same
+    for t, g in zip((cell.q, cell.k, cell.v), grads):
+        torch.testing.assert_close(t.grad, g, rtol=1e-5, atol=1e-6)
+
+
+def test_rounds_count_a_slow_warm_up_as_the_first():
+    calls: list[str] = []
+    best = bench.time_cell({"slow": lambda: calls.append("slow"), "fast": lambda: calls.append("fast")}, 2, {"slow": 7.0})
+    assert calls == ["fast", "slow", "fast"]  # the slow one is timed once more, interleaved
+    assert best["slow"] < 7.0 and best["fast"] < 7.0
+    assert bench.time_cell({"slow": lambda: None}, 1, {"slow": 7.0}) == {"slow": 7.0}
+
+
+def test_run_cell_reports_ratios_and_refusals(monkeypatch):
+    monkeypatch.setattr(bench, "CONTENDERS", ["sdpa", "auto", "chunked"])  # no compile in the suite
+    threads = torch.get_num_threads()
+    try:
+        row = bench.run_cell("lse_grad", 128, torch.float32, True, 1, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert row["sdpa"] is None and row["auto"] > 0 and row["chunked"] > 0
+    assert "auto_vs_best_peer" not in row  # no peer can run it
+    row = bench.run_cell("causal", 128, torch.float32, False, threads, 2)
+    assert row["auto_vs_best_peer"] == pytest.approx(row["auto"] / row["sdpa"])
+    assert row["chunked_vs_sdpa"] == pytest.approx(row["chunked"] / row["sdpa"])
+    assert "warm_up_timed" not in row
+
+
+def test_append_replaces_cells_and_keeps_the_header(tmp_path, monkeypatch):
+    def fake_cell(kind, n, dtype, grad, threads, rounds):
+        return {"kind": kind, "n": n, "nq": n, "dtype": str(dtype)[6:], "pass": "fwd+bwd" if grad else "fwd",
+                "threads": threads, "sdpa": 2.0, "flex": None, "auto": 1.0 + n / 1e4, "chunked": 1.0}
+
+    monkeypatch.setattr(bench, "run_cell", fake_cell)
+    out = tmp_path / "m"
+    common = ["--dtypes", "float32", "--passes", "fwd", "--threads", "1", "--out", str(out)]
+    bench.main(["--n", "64", "128", "--kinds", "plain", "causal", "--rounds", "3", "--note", "first grid", *common])
+    first = json.loads(out.with_suffix(".json").read_text())
+    assert len(first["rows"]) == 4 and first["meta"]["rounds"] == 3 and first["meta"]["note"] == "first grid"
+    bench.main(["--n", "128", "256", "--kinds", "causal", "--rounds", "1", "--append", *common])
+    second = json.loads(out.with_suffix(".json").read_text())
+    cells = sorted((r["kind"], r["n"], r["rounds"]) for r in second["rows"])
+    assert cells == [("causal", 64, 3), ("causal", 128, 1), ("causal", 256, 1), ("plain", 64, 3), ("plain", 128, 3)]
+    assert second["meta"]["note"] == "first grid" and second["meta"]["rounds"] == 3
+    md = out.with_suffix(".md").read_text()
+    assert "first grid" in md and "best of 3 interleaved rounds" in md
