@@ -63,10 +63,8 @@ from ..masks import MaskTiles
 from ..reference.masks import PositionalMask
 from . import chunked_native
 from .base import Backend, half_to_float
+from .chunked_native import LOG2E
 from .flash_cpu import can_fuse, fused_attention
-
-LOG2E = 1.4426950408889634  # exp(x) = 2 ** (x · log2 e)
-LN2 = 0.6931471805599453  # log(x) = log2(x) · ln 2
 
 # Tile shape and cache budget, measured on a 2-core x86 CPU (bench/attention_cpu.py): the two
 # matmuls stay efficient at 256 × 256 while one elementwise pass over the tile (2 MiB of

@@ -41,7 +41,9 @@ static inline v8f v_min(v8f x, v8f hi) {
  * the 1.5·2^23 rounding trick, whose low mantissa bits then hold n); 2^f comes from a degree-6
  * minimax polynomial (1.9e-9 relative) and 2^n from one exponent field, which is 0 for
  * n = −127. So 2^−inf = 0, results below 2^−126.5 flush to 0, x above 127 gives 2^127, and
- * NaN propagates. Relative error below 1.3·2^−24 over [−126, 127] (tests measure it). */
+ * NaN propagates. Relative error at most 1.34·2^−24 over [−126, 127]: every float32 in
+ * [−2, −1), whose fractions cover [−1/2, 1/2] at 2^−22 spacing, measures at most 1.337 (near
+ * f = ±0.5002); tests check it. */
 static inline v8f v_exp2(v8f x) {
     const v8f magic = v_set(12582912.0f);
     v8f xc = v_min(v_max(x, v_set(-127.0f)), v_set(127.0f));

@@ -35,7 +35,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..backends.base import half_to_float
-from ..backends.chunked import LN2, LOG2E, _augment, _head_groups, _key_blocks, plan_tiles
+from ..backends.chunked import _augment, _head_groups, _key_blocks, plan_tiles
+from ..backends.chunked_native import LN2, LOG2E
 from ..masks import MaskTiles
 from ..nonfinite import guard
 from ..call import validate, validate_qk
