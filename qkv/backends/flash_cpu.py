@@ -240,11 +240,12 @@ def _open_left(
     rule is the kernel's own top-left causality. The two halves merge through their lse."""
     out_a, lse_a = _kernel(q, k[:, :, :hi], v[:, :, :hi], False, None, scale)
     out_b, lse_b = _kernel(q, k[:, :, hi:], v[:, :, hi:], True, None, scale)  # every row sees key hi
-    top = torch.maximum(lse_a, lse_b)
-    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)  # (B, H, Nq), the larger one is 1
-    total = w_a + w_b
-    acc = out_a.to(lse_a.dtype) * (w_a / total).unsqueeze(-1) + out_b.to(lse_a.dtype) * (w_b / total).unsqueeze(-1)
-    return acc.to(q.dtype), top + torch.log(total)
+    # Both halves are non-empty, so both lse are finite: the first half's share of the row's
+    # weight is sigmoid(lse_a - lse_b), and one lerp merges the outputs (three small ops
+    # instead of eight: at Nq = 256 the merge was a tenth of the call).
+    share_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)  # (B, H, Nq, 1)
+    acc = torch.lerp(out_b.to(lse_a.dtype), out_a.to(lse_a.dtype), share_a)
+    return acc.to(q.dtype), torch.logaddexp(lse_a, lse_b)
 
 
 # Block-sparse dispatch of a bool attn_mask: rows are taken SPARSE_ROWS at a time, and each row
