@@ -169,10 +169,14 @@ def time_cell(fns: dict[str, Callable[[], object]], rounds: int, warm: Optional[
     nothing left to warm up, and at N = 16384 a bfloat16 backward takes minutes on some CPUs."""
     warm = warm or {}
     best = {name: warm.get(name, float("inf")) for name in fns}
+    names = list(fns)
     for r in range(rounds):
-        for name, fn in fns.items():
+        # Each round starts one contender later, so that no contender always runs right after
+        # the same other one (whose caches, threads and allocations it would inherit).
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             if r == 0 and name in warm:
                 continue
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)

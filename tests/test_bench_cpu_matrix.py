@@ -64,9 +64,18 @@ def test_a_gradient_cell_runs_forward_and_backward(kind):
 def test_rounds_count_a_slow_warm_up_as_the_first():
     calls: list[str] = []
     best = bench.time_cell({"slow": lambda: calls.append("slow"), "fast": lambda: calls.append("fast")}, 2, {"slow": 7.0})
-    assert calls == ["fast", "slow", "fast"]  # the slow one is timed once more, interleaved
+    assert calls == ["fast", "fast", "slow"]  # the slow one is timed once more, in the second round
     assert best["slow"] < 7.0 and best["fast"] < 7.0
     assert bench.time_cell({"slow": lambda: None}, 1, {"slow": 7.0}) == {"slow": 7.0}
+
+
+def test_rounds_rotate_which_contender_goes_first():
+    """No contender always runs right after the same other one: the order turns each round."""
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    bench.time_cell(fns, 3)
+    rounds = [calls[i : i + 3] for i in range(0, 9, 3)]
+    assert rounds == [list("abc"), list("bca"), list("cab")]
 
 
 def test_run_cell_reports_ratios_and_refusals(monkeypatch):

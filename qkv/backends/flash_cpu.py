@@ -167,6 +167,10 @@ def empty_rows(pm: PositionalMask, nq: int, padding: Optional[torch.Tensor], dev
     ``[i + lo, i + hi]``, counted by a prefix sum of the padding."""
     lo, hi = pm.band()
     nk = pm.nk
+    if padding is None and nk > 0 and (lo is None or hi is None):
+        # A one-sided band leaves a row empty only at its far end: no ~10 small ops for that.
+        if (lo is None and (hi is None or hi >= 0)) or (hi is None and nq - 1 + lo < nk):
+            return None
     i = torch.arange(nq, device=device)
     first = (i + lo).clamp(0, nk) if lo is not None else torch.zeros_like(i)
     last = (i + hi + 1).clamp(0, nk) if hi is not None else torch.full_like(i, nk)

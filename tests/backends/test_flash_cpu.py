@@ -108,6 +108,22 @@ def test_empty_rows_found_without_the_full_matrix():
         assert torch.equal(empty_rows(call.positional, nq, kp, kp.device), (w.sum(-1) == 0)[:, 0])
 
 
+@pytest.mark.parametrize(
+    "nq, nk, causal, window",
+    [(50, 30, "bottom_right", None), (30, 50, "bottom_right", None), (30, 50, True, None), (50, 30, True, None),
+     (20, 20, False, (0, None)), (20, 20, False, (None, 0)), (20, 10, False, (12, None)), (40, 10, False, (5, None)),
+     (60, 20, "bottom_right", (None, 0)), (30, 50, True, (5, 5)), (20, 20, False, None)],
+)  # fmt: skip
+def test_empty_rows_without_padding(nq, nk, causal, window):
+    """Without padding, one-sided bands are decided without building row vectors (None: no row
+    is empty); every answer agrees with the weights."""
+    call = validate(torch.zeros(1, 1, nq, 4), torch.zeros(1, 1, nk, 4), torch.zeros(1, 1, nk, 4), is_causal=causal, window=window)
+    w = qkv.attention_weights(torch.zeros(1, 1, nq, 4), torch.zeros(1, 1, nk, 4), is_causal=causal, window=window)
+    want = (w.sum(-1) == 0)[:, 0]  # (1, Nq)
+    got = empty_rows(call.positional, nq, None, torch.device("cpu"))
+    assert torch.equal(got, want) if got is not None else not want.any()
+
+
 def test_auto_prefers_the_fused_path_for_rules_sdpa_lacks():
     q, k, v = make_qkv(2, 2, 2, 256, 256, 8)
     mask = torch.rand(128, 256) > 0.5
