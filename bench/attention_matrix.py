@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import sys
 import time
@@ -228,7 +229,7 @@ def write_report(meta: dict, rows: list[dict], path: Path) -> None:
         f"{meta['date']} · {meta['cpu']} ({meta['cores']} cores) · torch {meta['torch']} · Python {meta['python']}",
         "",
         *([meta["note"], ""] if meta.get("note") else []),
-        f"Times in ms, best of {meta['rounds']} interleaved rounds after a warm-up call (a warm-up call over {SLOW_CALL_S:g} s counts as the first round); B = {B} (2 for key padding), H = {H}, D = {D}. "
+        f"Times in ms, best of each row's interleaved rounds after a warm-up call (a warm-up call over {SLOW_CALL_S:g} s counts as the first round); B = {B} (2 for key padding), H = {H}, D = {D}. "
         "`auto ÷ best` is qkv auto's time over the faster of SDPA and compiled Flex (below 1: qkv is faster); "
         "`chunked ÷ sdpa` compares the path that never holds N × N with SDPA. `—`: the contender cannot run the call "
         "(SDPA has no differentiable lse; FlexAttention has no CPU backward).",
@@ -237,15 +238,15 @@ def write_report(meta: dict, rows: list[dict], path: Path) -> None:
         "(B = 2, lengths N and 0.4 N); gqa_8_2 (causal, 8 query heads on 2 key/value heads); block_sparse_10 "
         "(bool mask of 128 × 128 blocks at 10% density); lse_grad (causal with return_lse and gradients through it).",
         "",
-        "| kind | N | dtype | pass | threads | sdpa | flex | qkv auto | qkv chunked | auto ÷ best | chunked ÷ sdpa |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| kind | N | dtype | pass | threads | rounds | sdpa | flex | qkv auto | qkv chunked | auto ÷ best | chunked ÷ sdpa |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     order = lambda r: (r["threads"], r["dtype"] != "float32", r["n"], r["pass"], _kind_order(r["kind"]))  # noqa: E731
     for r in sorted(rows, key=order):
         ab = r.get("auto_vs_best_peer")
         cs = r.get("chunked_vs_sdpa")
         lines.append(
-            f"| {r['kind']} | {r['n']} | {r['dtype']} | {r['pass']} | {r['threads']} | {_fmt(r.get('sdpa'))} | {_fmt(r.get('flex'))} | "
+            f"| {r['kind']} | {r['n']} | {r['dtype']} | {r['pass']} | {r['threads']} | {r.get('rounds', meta['rounds'])} | {_fmt(r.get('sdpa'))} | {_fmt(r.get('flex'))} | "
             f"{_fmt(r.get('auto'))} | {_fmt(r.get('chunked'))} | {'—' if ab is None else f'{ab:.2f}'} | {'—' if cs is None else f'{cs:.2f}'} |"
         )
     firsts = [r["flex_first_call_s"] for r in rows if "flex_first_call_s" in r]
@@ -282,7 +283,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     meta = {
         "date": dt.date.today().isoformat(),
         "cpu": cpu_name(),
-        "cores": torch.get_num_threads() if not args.threads else max(args.threads),
+        "cores": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         # An appended run keeps the report's header (edit it with --note) and its rounds wording,
