@@ -42,7 +42,7 @@ static inline v8f v_min(v8f x, v8f hi) {
  * minimax polynomial (1.9e-9 relative) and 2^n from one exponent field, which is 0 for
  * n = −127. So 2^−inf = 0, results below 2^−126.5 flush to 0, x above 127 gives 2^127, and
  * NaN propagates. Relative error at most 1.34·2^−24 over [−126, 127]: every float32 in
- * [−2, −1), whose fractions cover [−1/2, 1/2] at 2^−22 spacing, measures at most 1.337 (near
+ * [−2, −1), whose fractions cover [−1/2, 1/2] at 2^−23 spacing, measures at most 1.337 (near
  * f = ±0.5002); tests check it. */
 static inline v8f v_exp2(v8f x) {
     const v8f magic = v_set(12582912.0f);

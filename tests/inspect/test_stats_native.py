@@ -143,7 +143,7 @@ def test_nan_rows_and_empty_rows_match_the_torch_formulation(monkeypatch):
 def test_exp2_within_a_rounding_of_float64():
     """The kernels' exponential (made for softmax weights, 2^x with x <= 0) over its whole range."""
     # Every float32 in [-2, -1) (its fractions relative to the nearest integer cover [-0.5, 0.5]
-    # at 2^-22 spacing: the worst case, 1.337 · 2^-24 near ±0.5002, is among them), a grid over
+    # at 2^-23 spacing: the worst case, 1.337 · 2^-24 near ±0.5002, is among them), a grid over
     # the whole range and random points.
     binade = torch.arange(2**23, dtype=torch.int32).add_(torch.tensor(1.0).view(torch.int32)).view(torch.float32).neg_()
     x = torch.cat([binade, torch.linspace(-126, 127, 200_001), torch.rand(100_000) * 2 - 1, (torch.randn(10_003) * 30).clamp(-126, 127)])
