@@ -37,7 +37,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import cpu_name  # noqa: E402
+from bench.common import cpu_name, time_cell  # noqa: E402
 import qkv  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -161,27 +161,6 @@ class Cell:
             self._loss(call()).backward()
 
         return fwd_bwd
-
-
-def time_cell(fns: dict[str, Callable[[], object]], rounds: int, warm: Optional[dict[str, float]] = None) -> dict[str, float]:
-    """Best of ``rounds`` interleaved timings per contender (each already called once: see run_cell).
-
-    ``warm`` holds warm-up times that count as a first round: a call that takes seconds has
-    nothing left to warm up, and at N = 16384 a bfloat16 backward takes minutes on some CPUs."""
-    warm = warm or {}
-    best = {name: warm.get(name, float("inf")) for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        # Each round starts one contender later, so that no contender always runs right after
-        # the same other one (whose caches, threads and allocations it would inherit).
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            if r == 0 and name in warm:
-                continue
-            fn = fns[name]
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def run_cell(kind: str, n: int, dtype: torch.dtype, grad: bool, threads: int, rounds: int) -> dict:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import platform
+import time
 from pathlib import Path
+from typing import Callable, Optional
 
 
 def proc_status_kib(field: str) -> int:
@@ -23,3 +25,24 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def time_cell(fns: dict[str, Callable[[], object]], rounds: int, warm: Optional[dict[str, float]] = None) -> dict[str, float]:
+    """Best of ``rounds`` interleaved timings per contender (each already called once).
+
+    ``warm`` holds warm-up times that count as a first round: a call that takes seconds has
+    nothing left to warm up, and at N = 16384 a bfloat16 backward takes minutes on some CPUs."""
+    warm = warm or {}
+    best = {name: warm.get(name, float("inf")) for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        # Each round starts one contender later, so that no contender always runs right after
+        # the same other one (whose caches, threads and allocations it would inherit).
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if r == 0 and name in warm:
+                continue
+            fn = fns[name]
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import random
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 # Triton's kernels run on the CPU through its interpreter in these tests. The variable must be
@@ -18,6 +22,19 @@ import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one thread per worker: xdist already runs one worker per core
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench_script(name: str) -> ModuleType:
+    """``bench/<name>.py`` as a module, registered under ``name`` (dataclasses look their
+    module up by name); the scripts are run as files, not imported as a package."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
 
 # Absolute error floors per dtype: what rounding alone may cost on outputs of size ~1.
 FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}

@@ -4,27 +4,16 @@ and keeps the report's header. Nothing here measures anything."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "attention_matrix.py"
+from .conftest import load_bench_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("attention_matrix", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["attention_matrix"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
+bench = load_bench_script("attention_matrix")
+overhead = load_bench_script("auto_overhead")
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -113,3 +102,21 @@ def test_append_replaces_cells_and_keeps_the_header(tmp_path, monkeypatch):
     assert "first grid" in md
     rounds_of = {(r[0], r[1]): r[5] for r in ([c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| causal |"))}
     assert rounds_of == {("causal", "64"): "3", ("causal", "128"): "1", ("causal", "256"): "1"}
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "bottom_right"])
+def test_overhead_parts_run_the_call_qkv_runs(kind):
+    """bench/auto_overhead.py: its "kernel calls" compute what qkv.attention and SDPA compute,
+    and a row reports every part."""
+    fns = overhead.parts(kind, 256, torch.float64)
+    want = fns["sdpa"]()
+    torch.testing.assert_close(fns["auto"](), want, rtol=1e-12, atol=1e-12)
+    got = fns["kernel_calls"]()
+    torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, want, rtol=1e-12, atol=1e-12)
+    threads = torch.get_num_threads()
+    try:
+        row = overhead.run(kind, 256, torch.float32, 1, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(row[f] >= 0 for f in ("sdpa", "auto", "validate", "select", "guard", "guard_cold", "kernel_calls"))
+    assert row["auto_vs_sdpa"] == pytest.approx(row["auto"] / row["sdpa"])

@@ -4,31 +4,21 @@ qkv's chunked backend standing in for triton; nothing here measures anything."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import qkv
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "attention_gpu.py"
+from .conftest import BENCH, load_bench_script
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("attention_gpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["attention_gpu"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
+SCRIPT = BENCH / "attention_gpu.py"
+bench = load_bench_script("attention_gpu")
 
 
 def tables(md: str) -> list[tuple[str, list[str], list[list[str]]]]:
