@@ -7,7 +7,12 @@ PY := $(VENV)/bin/python
 # override on a GPU host, e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+# The GPU check, for a GPU host's short window: that host's own python3 (torch, triton, pytest
+# already installed; no network) with qkv from this tree. Nothing is installed, no venv made.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+
+.PHONY: setup demo test bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +38,9 @@ test: setup
 
 bench: setup
 	$(PY) bench/attention_cpu.py
+
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -7,6 +7,7 @@ in the same run and quoted against the device's own measured matmul ceiling.
     python bench/attention_gpu.py --headdims 128 --seqlens 2048,4096        # one slice of the grid
     python bench/attention_gpu.py --kinds window,gqa --only 'n16384'        # extras; regex on case ids
     python bench/attention_gpu.py --list                                    # the selected case ids, no run
+    python bench/attention_gpu.py --quick --order size --max-seconds 240    # breadth first under a budget
     python bench/attention_gpu.py --merge a.json b.json --out all.md        # one report from split runs (CPU)
     python bench/attention_gpu.py --dry-run --qkv-backend chunked --out /tmp/r.md   # CPU, tiny shapes
 
@@ -36,6 +37,11 @@ under its own guard: a refusal becomes "n/a" with the reason, an out-of-memory b
 memory is freed, and the run goes on. Results are flushed to Markdown and JSON after every
 cell, so a run stopped by a time limit (or SIGTERM) leaves a partial report; ``--max-seconds``
 stops starting new cells when the budget is nearly spent.
+
+``--order size`` runs the cases from the smallest sequence length up (every kind at N = 1k, then
+4k, ...), so a budget cut drops the largest cases rather than whole kinds; ``grid`` (the
+default) keeps the grid's order. The report lists the kernel configurations (tile sizes, warps,
+stages) qkv's triton backend launched for each head dim, the starting point for tuning.
 
 ``--dry-run`` runs the same code on CPU with tiny shapes and a wall-clock timer, skipping the
 CUDA-only peers (cuDNN, memory-efficient, FlexAttention) so the case generation, FLOP counting,
@@ -174,6 +180,14 @@ def build_cases(grid: Grid, headdims=None, seqlens=None, kinds=KINDS, only: Opti
     if only:
         cases = [c for c in cases if re.search(only, c.id)]
     return cases
+
+
+ORDERS = ("grid", "size")
+
+
+def order_cases(cases: list[Case], order: str) -> list[Case]:
+    """``grid``: as built; ``size``: by sequence length, then grid order (a stable sort)."""
+    return sorted(cases, key=lambda c: c.n) if order == "size" else list(cases)
 
 
 # ---- implementations ----------------------------------------------------------------------
@@ -562,7 +576,8 @@ def qkv_guard(case: Case, cell: dict, rec: Recorder) -> None:
 # ---- report -------------------------------------------------------------------------------
 
 
-def _num(x: float) -> str:
+def fmt_num(x: float) -> str:
+    """A rate for a table: whole numbers from 100, one decimal from 10, else 3 significant digits."""
     return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.3g}"
 
 
@@ -590,7 +605,7 @@ def cell_text(res: Optional[dict], mode: str, ceiling: float, impl: str, reasons
         wrong = "" if res["check"]["ok"] else " ✗"  # any implementation's output that fails the guard
         res = res["modes"][mode]
         if res["status"] == "ok":
-            return f"{_num(res['tflops'])} ({res['tflops'] / ceiling:.0%}){wrong}"
+            return f"{fmt_num(res['tflops'])} ({res['tflops'] / ceiling:.0%}){wrong}"
     if res["status"] == "oom":
         return "OOM"
     if res["status"] == "nan":
@@ -609,7 +624,8 @@ def check_text(res: Optional[dict]) -> str:
     return f"✓ {c['err']:.1e}" if c["ok"] else f"✗ {c['err']:.1e} > {c['bound']:.1e}"
 
 
-def _tflops(res: Optional[dict], mode: str) -> Optional[float]:
+def cell_tflops(res: Optional[dict], mode: str) -> Optional[float]:
+    """TFLOP/s of one implementation's result in ``mode``, or None when it has no time."""
     if res and res["status"] == "ok" and res["modes"][mode]["status"] == "ok":
         return res["modes"][mode]["tflops"]
     return None
@@ -653,8 +669,8 @@ def render_section(kind: str, cases: list[dict], runs: list[dict], qkv_backend: 
             ceiling = runs[c["run"]]["ceilings"].get("matmul_tflops") or math.nan
             cells = [str(f(c)) for _, f in rows] + [_gflop(c["flops"][mode])]
             cells += [cell_text(c["results"].get(n), mode, ceiling, n, reasons) for n in impls]
-            ours = _tflops(c["results"].get("qkv"), mode)
-            best = max((t for t in (_tflops(c["results"].get(n), mode) for n in baseline) if t is not None), default=None)
+            ours = cell_tflops(c["results"].get("qkv"), mode)
+            best = max((t for t in (cell_tflops(c["results"].get(n), mode) for n in baseline) if t is not None), default=None)
             cells.append(f"{ours / best:.2f}×" if ours is not None and best else "—")
             if mode == "fwd":
                 cells.append(check_text(c["results"].get("qkv")))
@@ -677,8 +693,8 @@ def render_report(data: dict) -> str:
         lines.append("")
         if ce:
             lines.append(
-                f"Ceilings measured in this run: bf16 matmul {ce['matmul_n']}³ **{_num(ce['matmul_tflops'])} TFLOP/s**; "
-                f"device-to-device copy of {ce['copy_bytes'] / 2**20:.0f} MiB **{_num(ce['copy_gbps'])} GB/s** (read + write)."
+                f"Ceilings measured in this run: bf16 matmul {ce['matmul_n']}³ **{fmt_num(ce['matmul_tflops'])} TFLOP/s**; "
+                f"device-to-device copy of {ce['copy_bytes'] / 2**20:.0f} MiB **{fmt_num(ce['copy_gbps'])} GB/s** (read + write)."
             )
             lines.append("")
     if len({r["meta"]["device"] for r in runs}) > 1:
@@ -705,6 +721,13 @@ def render_report(data: dict) -> str:
         kind = KINDS[kind_i]
         lines += ["", f"## {section_title(kind, d, hq, group[0]['batch'] * group[0]['n'])}"]
         lines += render_section(kind, group, runs, meta["qkv_backend"], reasons)
+    configs = meta.get("kernel_configs") or {}
+    if configs:
+        lines += ["", f"## Kernel configurations (qkv triton, {DTYPE_NAME}; fixed per head dim, not autotuned)", "",
+                  "| head dim | kernel | BLOCK_M | BLOCK_N | warps | stages |", "|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+        for d, kinds in configs.items():
+            for kind, c in kinds.items():
+                lines.append(f"| {d} | {kind} | {c['BLOCK_M']} | {c['BLOCK_N']} | {c['num_warps']} | {c['num_stages']} |")
     if reasons.index:
         lines += ["", "## Reasons", ""] + reasons.lines()
     if data["not_run"]:
@@ -763,6 +786,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kinds", default=",".join(KINDS), help="any of dense,window,gqa")
     ap.add_argument("--only", help="regex searched in case ids, e.g. 'd128-n(2048|4096)-causal'")
     ap.add_argument("--impls", default=",".join(PEERS), help=f"implementations to run, of {','.join(PEERS)}")
+    ap.add_argument("--order", choices=ORDERS, default="grid", help="grid order, or smallest N first (breadth first under a budget)")
     ap.add_argument("--math-max-seqlen", type=int, help="largest N for SDPA's math backend")
     ap.add_argument("--max-seconds", type=float, default=540.0, help="stop starting cells near this budget; 0 = none")
     ap.add_argument("--list", action="store_true", help="print the selected case ids and exit")
@@ -774,12 +798,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _git_rev() -> str:
+def git_rev() -> str:
+    """The commit measured: ``QKV_GIT_REV`` where the tree travelled without its .git (the GPU
+    host), else git's answer."""
+    if os.environ.get("QKV_GIT_REV"):
+        return os.environ["QKV_GIT_REV"]
     try:
         res = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5)
         return res.stdout.strip() or "?"
     except (OSError, subprocess.SubprocessError):
         return "?"
+
+
+def kernel_configs(ctx: Context, headdims) -> dict:
+    """Tile sizes, warps and stages qkv's triton backend launches per head dim ({} for other backends)."""
+    if ctx.qkv_backend != "triton":
+        return {}
+    try:
+        from qkv.backends.triton.backend import launch_config
+    except Exception:  # noqa: BLE001 — no triton: the qkv column already says why
+        return {}
+    item = torch.tensor([], dtype=DTYPE).element_size()
+    return {str(d): {kind: launch_config(kind, d, d, item) for kind in ("fwd", "bwd")} for d in headdims}
 
 
 def collect_meta(args: argparse.Namespace, ctx: Context) -> dict:
@@ -799,11 +839,12 @@ def collect_meta(args: argparse.Namespace, ctx: Context) -> dict:
         "cudnn": (torch.backends.cudnn.version() if cuda else None) or "none",
         "triton": triton_version,
         "python": platform.python_version(),
-        "git": _git_rev(),
+        "git": git_rev(),
         "qkv_backend": ctx.qkv_backend,
         "dtype": DTYPE_NAME,
         "dry_run": ctx.dry_run,
         "command": " ".join(["python", "bench/attention_gpu.py", *sys.argv[1:]]),
+        "kernel_configs": kernel_configs(ctx, args.headdims or GRIDS["dry" if ctx.dry_run else "quick" if args.quick else "full"].headdims),
     }
 
 
@@ -817,7 +858,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}")
         return 0
     grid = GRIDS["dry" if args.dry_run else "quick" if args.quick else "full"]
-    cases = build_cases(grid, args.headdims, args.seqlens, args.kinds.split(","), args.only)
+    cases = order_cases(build_cases(grid, args.headdims, args.seqlens, args.kinds.split(","), args.only), args.order)
     if args.list:
         print("\n".join(c.id for c in cases))
         return 0

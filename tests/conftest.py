@@ -11,10 +11,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-# Triton's kernels run on the CPU through its interpreter in these tests. The variable must be
-# set before triton is first imported (torch can import it indirectly), so it is set here,
-# before anything else, unless the environment chose otherwise.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# The device tests run on CUDA when there is a GPU, else through Triton's CPU interpreter;
+# tests/device.py decides and sets TRITON_INTERPRET, which must happen before triton is first
+# imported, so it is imported before anything else.
+from .device import DEVICE, INTERPRETED  # noqa: I001
 
 import numpy as np
 import pytest
@@ -81,6 +81,45 @@ def make_qkv(b=2, hq=4, hk=None, nq=33, nk=None, d=16, dv=None, dtype=torch.floa
     k = torch.randn(b, hk, nk, d, generator=g, dtype=torch.float64).to(dtype)
     v = torch.randn(b, hk, nk, dv, generator=g, dtype=torch.float64).to(dtype)
     return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"device: runs its kernels on the test device (here {DEVICE}; see tests/device.py); `pytest -m device` selects them"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test parametrized with ``backend="triton"`` runs the kernels: it is a device test too."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("backend") == "triton":
+            item.add_marker(pytest.mark.device)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    how = "Triton's CPU interpreter" if INTERPRETED else torch.cuda.get_device_name()
+    return f"qkv test device: {DEVICE} ({how}; QKV_TEST_DEVICE=cpu|cuda chooses)"
+
+
+def on_device(x: Any) -> Any:
+    """``x`` on the test device: a tensor, or the tensors inside a dict, list or tuple."""
+    if isinstance(x, torch.Tensor):
+        return x.to(DEVICE)
+    if isinstance(x, dict):
+        return {k: on_device(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(on_device(v) for v in x)
+    return x
+
+
+def on_cpu(x: Any) -> Any:
+    """``x`` (a tensor, or tensors in a tuple or list) back on the CPU, for the judges."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(on_cpu(v) for v in x)
+    return x
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,10 @@ Their API, mapped onto qkv (FlashAttention's layout is ``(B, N, H, D)``, qkv's `
 
 FlashAttention aligns causal and local masks bottom-right (query i sits at key i + Nk - Nq); a
 window side of -1 is unbounded. Each test runs on qkv's ``auto``, ``chunked`` and ``math``
-backends in float16, bfloat16 and float32, the backward pass included wherever theirs has one.
+backends in float16, bfloat16 and float32, the backward pass included wherever theirs has one;
+with a CUDA device (tests/device.py) every test but the KV-cache one also runs qkv's ``triton``
+kernels there, the tensors copied to the GPU inside :func:`flash_attn_func` (differentiably, so
+the CPU-side references and gradients are unchanged).
 ALiBi has no varlen form here (``attention_varlen`` takes no ``attn_mask``).
 
 Ported tests (ours ↔ theirs):
@@ -73,7 +76,7 @@ from qkv.backends import BACKENDS
 from qkv.backends.chunked import ChunkedBackend
 from qkv.nn import KVCache
 
-from .conftest import FLOOR, max_err, param_grid
+from .conftest import DEVICE, FLOOR, max_err, on_cpu, on_device, param_grid
 from .flash_ref import (
     attention_ref,
     attn_bias_from_alibi_slopes,
@@ -82,6 +85,8 @@ from .flash_ref import (
 )
 
 BACKEND_NAMES = ["auto", "chunked", "math"]
+# + the fused kernels where they run at GPU speed (the interpreter is far too slow for these grids)
+KERNEL_BACKENDS = BACKEND_NAMES + (["triton"] if DEVICE == "cuda" else [])
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 MHA_TYPES = ["mha", "mqa", "gqa"]
 # FlashAttention's local=True draws window_size = randint(0, seqlen_k, (2,)); we add one side -1
@@ -138,11 +143,14 @@ def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), attn_bias=None,
     kw = {"window": tuple(int(w) for w in window_size)}
     if window_alignment is not None and any(w >= 0 for w in kw["window"]):
         kw["window_alignment"] = window_alignment
+    if backend == "triton":
+        q, k, v, attn_bias = on_device((q, k, v, attn_bias))
     res = qkv.attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, H, N, D)
         attn_mask=attn_bias, is_causal="bottom_right" if causal else False,
         enable_gqa=q.shape[2] != k.shape[2], return_lse=return_lse, backend=backend, **kw,
     )  # fmt: skip
+    res = on_cpu(res)
     if return_lse:
         return res[0].transpose(1, 2), res[1]  # (B, Nq, H, Dv), lse (B, H, Nq)
     return res.transpose(1, 2)
@@ -151,11 +159,13 @@ def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), attn_bias=None,
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            causal=False, window_size=(-1, -1), backend="auto"):  # fmt: skip
     """FlashAttention's ``flash_attn_varlen_func`` on qkv: q ``(Tq, H, D)``, k/v ``(Tk, Hk, D)``."""
-    return qkv.attention_varlen(
+    if backend == "triton":
+        q, k, v, cu_seqlens_q, cu_seqlens_k = on_device((q, k, v, cu_seqlens_q, cu_seqlens_k))
+    return on_cpu(qkv.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         is_causal=causal, window=tuple(int(w) for w in window_size),
         enable_gqa=q.shape[1] != k.shape[1], backend=backend,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def _heads_k(nheads: int, mha_type: str, gqa: int) -> int:
@@ -299,7 +309,7 @@ def _fix_packing(row):
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
     *_grid(
-        {"backend": BACKEND_NAMES, "dtype": DTYPES, "causal": [False, True], "local": LOCAL, "mha_type": MHA_TYPES},
+        {"backend": KERNEL_BACKENDS, "dtype": DTYPES, "causal": [False, True], "local": LOCAL, "mha_type": MHA_TYPES},
         {"seqlens": OUTPUT_SEQLENS, "d": OUTPUT_D, "packing": ["none", "kv", "qkv"], "alibi": [False, True]},
         fix=_fix_packing,
     )
@@ -328,7 +338,7 @@ VARLEN_SEQLENS = [(1, 37), *OUTPUT_SEQLENS]  # theirs add (1, 147)
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
     *_grid(
-        {"backend": BACKEND_NAMES, "dtype": DTYPES, "causal": [False, True], "local": LOCAL, "mha_type": MHA_TYPES},
+        {"backend": KERNEL_BACKENDS, "dtype": DTYPES, "causal": [False, True], "local": LOCAL, "mha_type": MHA_TYPES},
         {"seqlens": VARLEN_SEQLENS, "d": OUTPUT_D, "packing": ["none", "kv", "qkv"],
          "padding": ["random", "third", "empty_q", "empty_k", "full"]},  # fmt: skip
         fix=_fix_packing,
@@ -360,7 +370,7 @@ CAUSAL_SEQLENS = [(1, 239), (3, 799), (31, 128), (31, 129), (29, 51), (32, 54), 
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
     *_grid(
-        {"backend": BACKEND_NAMES, "dtype": DTYPES, "local": LOCAL, "swap_sq_sk": [False, True]},
+        {"backend": KERNEL_BACKENDS, "dtype": DTYPES, "local": LOCAL, "swap_sq_sk": [False, True]},
         {"seqlens": CAUSAL_SEQLENS, "d": D_ALL},
     )
 )
@@ -378,7 +388,7 @@ def test_flash_attn_causal(backend, dtype, local, swap_sq_sk, seqlens, d):
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
     *_grid(
-        {"backend": BACKEND_NAMES, "dtype": DTYPES, "local": LOCAL, "swap_sq_sk": [False, True]},
+        {"backend": KERNEL_BACKENDS, "dtype": DTYPES, "local": LOCAL, "swap_sq_sk": [False, True]},
         {"seqlens": CAUSAL_SEQLENS, "d": D_ALL},
     )
 )
@@ -404,7 +414,7 @@ SPLITKV_SEQLENS = [(3, 1024), (1, 339), (64, 800), (3, 799), (64, 2048), (16, 20
 
 @pytest.mark.parametrize(
     *_grid(
-        {"backend": BACKEND_NAMES, "dtype": DTYPES, "causal": [False, True], "local": ["global", "local"], "swap_sq_sk": [False, True]},
+        {"backend": KERNEL_BACKENDS, "dtype": DTYPES, "causal": [False, True], "local": ["global", "local"], "swap_sq_sk": [False, True]},
         {"seqlens": SPLITKV_SEQLENS, "d": D_ALL, "alibi": [False, True]},
     )
 )
@@ -544,7 +554,7 @@ REPEATS = 3  # theirs: 250 (race), 50 (deterministic); qkv on a CPU has no atomi
 
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
-    *_grid({"backend": BACKEND_NAMES, "causal": [False, True], "dtype": DTYPES}, {"seqlens": RACE_SEQLENS, "d": D_ALL})
+    *_grid({"backend": KERNEL_BACKENDS, "causal": [False, True], "dtype": DTYPES}, {"seqlens": RACE_SEQLENS, "d": D_ALL})
 )
 def test_flash_attn_race_condition(backend, causal, dtype, seqlens, d):
     seqlen_q, seqlen_k = seqlens
@@ -566,7 +576,7 @@ def test_flash_attn_race_condition(backend, causal, dtype, seqlens, d):
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
     *_grid(
-        {"backend": BACKEND_NAMES, "causal": [False, True], "local": ["global", "local"]},
+        {"backend": KERNEL_BACKENDS, "causal": [False, True], "local": ["global", "local"]},
         {"dtype": DTYPES, "swap_sq_sk": [False, True], "seqlens": CAUSAL_SEQLENS, "d": D_ALL},
     )
 )
@@ -587,7 +597,7 @@ def test_flash_attn_deterministic(backend, causal, local, dtype, swap_sq_sk, seq
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
     *_grid(
-        {"backend": BACKEND_NAMES, "causal": [False, True], "local": ["global", "local"]},
+        {"backend": KERNEL_BACKENDS, "causal": [False, True], "local": ["global", "local"]},
         {"dtype": DTYPES, "swap_sq_sk": [False, True], "seqlens": CAUSAL_SEQLENS, "d": D_ALL},
     )
 )
@@ -615,7 +625,7 @@ def test_flash_attn_varlen_deterministic(backend, causal, local, dtype, swap_sq_
 
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
-    *_grid({"backend": BACKEND_NAMES, "causal": [False, True], "d": [16, 32, 64], "seqlen": [1, 2, 5, 17, 128]}, {"dtype": DTYPES})
+    *_grid({"backend": KERNEL_BACKENDS, "causal": [False, True], "d": [16, 32, 64], "seqlen": [1, 2, 5, 17, 128]}, {"dtype": DTYPES})
 )
 def test_flash_attn_bwd_overflow(backend, causal, d, seqlen, dtype):
     """Large scores (q·5, k·3) and lengths off the tile size must not put NaN in dQ."""
@@ -634,7 +644,7 @@ def test_flash_attn_bwd_overflow(backend, causal, d, seqlen, dtype):
 
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
-    *_grid({"backend": BACKEND_NAMES, "causal": [False, True], "d": [64, 128], "seqlen": [97, 128, 200, 256]}, {"dtype": DTYPES})
+    *_grid({"backend": KERNEL_BACKENDS, "causal": [False, True], "d": [64, 128], "seqlen": [97, 128, 200, 256]}, {"dtype": DTYPES})
 )
 def test_flash_attn_bwd_transpose(backend, causal, d, seqlen, dtype):
     """A non-contiguous output gradient (theirs: the wrong strides of dout were read once)."""
@@ -647,7 +657,7 @@ def test_flash_attn_bwd_transpose(backend, causal, d, seqlen, dtype):
 
 
 @pytest.mark.usefixtures("small_tiles")
-@pytest.mark.parametrize(*_grid({"backend": BACKEND_NAMES, "causal": [False, True], "d": [16, 32, 64]}, {"dtype": DTYPES}))
+@pytest.mark.parametrize(*_grid({"backend": KERNEL_BACKENDS, "causal": [False, True], "d": [16, 32, 64]}, {"dtype": DTYPES}))
 def test_flash_attn_bwd_varlen_overflow(backend, causal, d, dtype):
     """Key sequences of one row against long query sequences: no NaN, and the right values."""
     nheads = 5

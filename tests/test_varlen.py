@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import os
+import importlib.util
+import itertools
 
-os.environ["TRITON_INTERPRET"] = "1"  # the triton path runs on the CPU through the interpreter
+import pytest
+import torch
 
-import importlib.util  # noqa: E402
-import itertools  # noqa: E402
+import qkv
+from qkv.reference import attention_ref
+from qkv.varlen import attention_varlen
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import qkv  # noqa: E402
-from qkv.reference import attention_ref  # noqa: E402
-from qkv.varlen import attention_varlen  # noqa: E402
-
-from .conftest import FLOOR, assert_within_rule, max_err  # noqa: E402
-from .rounding_baseline import rounded_attention  # noqa: E402
+from .conftest import DEVICE, FLOOR, assert_within_rule, max_err, on_cpu, on_device
+from .rounding_baseline import rounded_attention
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Triton 3.6's interpreter indexes with 1-element arrays, which NumPy 2 deprecates (harmless)
@@ -85,22 +81,25 @@ def test_fallback_matches_reference(backend, kw):
         assert max_err(lse[:, a:b], rl) < 1e-5
 
 
+@pytest.mark.device
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("kw,dtype", list(zip(KINDS, itertools.cycle([torch.float16, torch.bfloat16, torch.float32]))), ids=str)
 def test_triton_kernel_matches_per_sequence_attention(kw, dtype):
     q64, k64, v64, cq, ck = _packed([5, 0, 17, 1, 33], [9, 3, 17, 20, 2], hq=3, hk=1, d=24, dv=8, dtype=torch.float64)
     q, k, v = (t.to(dtype).requires_grad_(True) for t in (q64, k64, v64))
 
-    def run(fn, q, k, v):
-        q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-        out, lse = fn(q, k, v)
+    def run(fn, q, k, v, device="cpu"):
+        q, k, v = (t.detach().clone().to(device).requires_grad_(True) for t in (q, k, v))
+        out, lse = on_cpu(fn(q, k, v))  # differentiable: gradients flow back to the device
         g = torch.Generator().manual_seed(3)
         w = torch.randn(out.shape, generator=g, dtype=torch.float64)
         wl = torch.randn(lse.shape, generator=g, dtype=torch.float64)
         ((out.double() * w).sum() + (torch.where(torch.isfinite(lse), lse, 0).double() * wl).sum()).backward()
-        return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+        return out.detach(), lse.detach(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()
 
-    got = run(lambda q, k, v: attention_varlen(q, k, v, cq, ck, enable_gqa=True, return_lse=True, backend="triton", **kw), q, k, v)
+    cqd, ckd = on_device((cq, ck))
+    triton = lambda q, k, v: attention_varlen(q, k, v, cqd, ckd, enable_gqa=True, return_lse=True, backend="triton", **kw)  # noqa: E731
+    got = run(triton, q, k, v, DEVICE)
     # the kernels round P and dS to 16 bits: so does the baseline (FlashAttention's rule)
     baseline = rounded_attention if dtype != torch.float32 else "math"
     base = run(lambda q, k, v: _per_sequence(q, k, v, cq, ck, baseline, **kw), q, k, v)
@@ -113,10 +112,11 @@ def test_triton_kernel_matches_per_sequence_attention(kw, dtype):
         assert_within_rule(c, b, r, dtype, factor=f, what=f"{name} {kw}")
 
 
+@pytest.mark.device
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_varlen_explicit_max_seqlen_and_no_lse():
     q, k, v, cq, ck = _packed([3, 20], [20, 3], hq=2, hk=2)
-    out = attention_varlen(q, k, v, cq, ck, 32, 32, is_causal="bottom_right", backend="triton")
+    out = attention_varlen(*on_device((q, k, v, cq, ck)), 32, 32, is_causal="bottom_right", backend="triton").cpu()
     want, _ = _per_sequence(q, k, v, cq, ck, "math", is_causal="bottom_right")
     assert max_err(out, want) < 1e-5 + FLOOR[torch.float32]
 

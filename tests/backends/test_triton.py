@@ -1,18 +1,20 @@
-"""The triton backend through Triton's CPU interpreter, against the float64 oracle and ``math``.
+"""The triton backend on the test device, against the float64 oracle and ``math``.
 
-Shapes are tiny on purpose: the interpreter runs every tile as NumPy work, and the launch
-code picks 16×16 tiles when interpreting, so 17/33/70-long sequences still span several tiles.
+On a CPU machine the kernels run through Triton's interpreter (``tests/device.py``), which
+picks 16×16 tiles, so the tiny shapes here (17/33/70-long sequences) still span several
+tiles; with a CUDA device they run on the GPU with its real tile sizes. The oracle and the
+same-dtype baselines always run on the CPU.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (qkv imports it lazily)
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from ..conftest import DEVICE, FLOOR, assert_within_rule, make_qkv, mask_kwargs, max_err, on_cpu, on_device
 
 pytest.importorskip("triton")
 
@@ -21,12 +23,11 @@ from qkv.backends import BACKENDS, BackendError, auto_order, select  # noqa: E40
 from qkv.call import AttentionCall, validate  # noqa: E402
 from qkv.reference import attention_ref  # noqa: E402
 
-from ..conftest import FLOOR, assert_within_rule, make_qkv, mask_kwargs, max_err  # noqa: E402
 from ..rounding_baseline import rounded_attention  # noqa: E402
 
 TRITON = BACKENDS["triton"]
 # Triton 3.6's interpreter indexes with 1-element arrays, which NumPy 2 deprecates (harmless)
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+pytestmark = [pytest.mark.device, pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")]
 
 
 def _ref(q, k, v, **kw):
@@ -34,23 +35,34 @@ def _ref(q, k, v, **kw):
     return attention_ref(q, k, v, return_lse=True, **kw)
 
 
-def _run(q, k, v, backend, kw, grad=True):
-    """out, lse and (with ``grad``) dq, dk, dv of a loss that reaches both out and lse.
+def _leaves(*tensors, grad=False):
+    """Copies of CPU tensors as leaves on the test device."""
+    return tuple(t.detach().clone().to(DEVICE).requires_grad_(grad) for t in tensors)
 
-    ``backend`` names a qkv backend, or is a function like :func:`rounded_attention`."""
-    q, k, v = (t.detach().clone().requires_grad_(grad) for t in (q, k, v))
+
+def _run(q, k, v, backend, kw, grad=True):
+    """out, lse and (with ``grad``) dq, dk, dv of a loss that reaches both out and lse, on the CPU.
+
+    ``backend`` names a qkv backend, or is a function like :func:`rounded_attention`; triton
+    runs on the test device, everything else on the CPU."""
+    if backend == "triton":
+        q, k, v = _leaves(q, k, v, grad=grad)
+        kw = on_device(kw)
+    else:
+        q, k, v = (t.detach().clone().requires_grad_(grad) for t in (q, k, v))
     if callable(backend):
         out, lse = backend(q, k, v, enable_gqa=True, **kw)
     else:
         out, lse = qkv.attention(q, k, v, enable_gqa=True, backend=backend, return_lse=True, **kw)
     if not grad:
-        return out, lse
+        return on_cpu((out, lse))
     g = torch.Generator().manual_seed(1)
     w_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
     w_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
-    loss = (out.double() * w_out).sum() + (torch.where(torch.isfinite(lse), lse, 0).double() * w_lse).sum()
+    out_c, lse_c = out.cpu(), lse.cpu()  # differentiable: the gradient flows back to the device
+    loss = (out_c.double() * w_out).sum() + (torch.where(torch.isfinite(lse_c), lse_c, 0).double() * w_lse).sum()
     loss.backward()
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+    return on_cpu((out.detach(), lse.detach(), q.grad, k.grad, v.grad))
 
 
 def _kw(kind: str, b: int, hq: int, nq: int, nk: int, dtype) -> dict:
@@ -103,16 +115,16 @@ def test_forward_backward_within_rule(case):
 @pytest.mark.parametrize("d", [16, 80, 96, 256])
 def test_head_dims_forward(d):
     q, k, v = make_qkv(1, 1, 1, 17, 20, d, dtype=torch.float32)
-    out, lse = qkv.attention(q, k, v, is_causal="bottom_right", return_lse=True, backend="triton")
+    out, lse = on_cpu(qkv.attention(*_leaves(q, k, v), is_causal="bottom_right", return_lse=True, backend="triton"))
     ref_out, ref_lse = attention_ref(q, k, v, is_causal="bottom_right", return_lse=True)
     assert max_err(out, ref_out) < 1e-5 and max_err(lse, ref_lse) < 1e-5
 
 
 def test_fully_masked_rows_give_zero_and_minus_inf():
-    q, k, v = make_qkv(2, 2, 1, 17, 33, 16, dtype=torch.float16, requires_grad=True)
-    mask = torch.rand(2, 2, 17, 33) > 0.5
+    q, k, v = _leaves(*make_qkv(2, 2, 1, 17, 33, 16, dtype=torch.float16), grad=True)
+    mask = torch.rand(2, 2, 17, 33, device=DEVICE) > 0.5
     mask[:, :, 3] = False  # row 3 sees nothing
-    kp = torch.ones(2, 33, dtype=torch.bool)
+    kp = torch.ones(2, 33, dtype=torch.bool, device=DEVICE)
     kp[1] = False  # sequence 1 is all padding
     out, lse = qkv.attention(q, k, v, attn_mask=mask, key_padding_mask=kp, enable_gqa=True, return_lse=True, backend="triton")
     assert not torch.isnan(out).any()
@@ -125,7 +137,7 @@ def test_fully_masked_rows_give_zero_and_minus_inf():
 
 
 def test_no_keys_at_all():
-    q, k, v = make_qkv(1, 2, 2, 5, 0, 16, requires_grad=True)
+    q, k, v = _leaves(*make_qkv(1, 2, 2, 5, 0, 16), grad=True)
     out, lse = qkv.attention(q, k, v, return_lse=True, backend="triton")
     assert (out == 0).all() and torch.isneginf(lse).all()
     out.sum().backward()
@@ -174,23 +186,36 @@ def test_backward_is_deterministic():
 
 
 def test_non_contiguous_and_broadcast_inputs():
+    """Views reach the kernels as they are (a copy would make them contiguous): the bases are
+    leaves on the test device, the views are taken there."""
     b, h, n, d = 2, 2, 19, 16
-    q = torch.randn(b, n, h, d).transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) buffer
-    k = torch.randn(1, h, d, 23).transpose(-1, -2).expand(b, h, 23, d)  # batch stride 0
-    v = torch.randn(b, h, 23, 2 * d)[..., ::2]  # strided last dim
+    bases = _leaves(torch.randn(b, n, h, d), torch.randn(1, h, d, 23), torch.randn(b, h, 23, 2 * d), grad=True)
+
+    def views(qb, kb, vb):
+        q = qb.transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) buffer
+        k = kb.transpose(-1, -2).expand(b, h, 23, d)  # batch stride 0
+        v = vb[..., ::2]  # strided last dim
+        return q, k, v
+
     mask = (torch.rand(1, 1, n, 23) > 0.3).expand(b, h, n, 23)
-    kw = {"attn_mask": mask, "is_causal": "bottom_right"}
-    assert not q.is_contiguous() and not v.is_contiguous()
-    got, want = _run(q, k, v, "triton", kw), _run(q, k, v, "math", kw)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and max_err(g, w) < 1e-5
+    q, k, v = views(*bases)
+    assert not q.is_contiguous() and k.stride(0) == 0 and v.stride(-1) == 2
+    out = qkv.attention(q, k, v, attn_mask=mask.to(DEVICE), is_causal="bottom_right", backend="triton")
+    (out.cpu().double() * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape)).sum().backward()
+    cpu_bases = tuple(t.detach().cpu().requires_grad_(True) for t in bases)
+    want = qkv.attention(*views(*cpu_bases), attn_mask=mask, is_causal="bottom_right", backend="math")
+    (want.double() * torch.linspace(-1, 1, want.numel(), dtype=torch.float64).view(want.shape)).sum().backward()
+    assert max_err(out, want) < 1e-5
+    for got, ref in zip(bases, cpu_bases):
+        assert max_err(got.grad, ref.grad) < 1e-5
 
 
 def test_custom_scale_and_no_mask_gradient():
     q, k, v = make_qkv(1, 2, 2, 17, 17, 16)
-    out = qkv.attention(q, k, v, scale=0.9, backend="triton")
+    out = qkv.attention(*_leaves(q, k, v), scale=0.9, backend="triton")
     assert max_err(out, attention_ref(q, k, v, scale=0.9)) < 1e-5
-    bias = torch.randn(17, 17, requires_grad=True)
+    q, k, v = _leaves(q, k, v)
+    bias = torch.randn(17, 17, device=DEVICE, requires_grad=True)
     with pytest.raises(BackendError, match="float attn_mask"):
         qkv.attention(q, k, v, attn_mask=bias, backend="triton")
     with torch.no_grad():
@@ -202,7 +227,7 @@ def test_custom_scale_and_no_mask_gradient():
 
 def test_reasons(monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 4, 4, 8)
-    assert TRITON.not_supported_reasons(validate(q, k, v)) == []
+    assert TRITON.not_supported_reasons(validate(*_leaves(q, k, v))) == []
     reasons = TRITON.not_supported_reasons(validate(q.double(), k.double(), v.double(), dropout_p=0.1))
     assert any("float64" in r for r in reasons) and any("dropout" in r for r in reasons)
     big = torch.randn(1, 1, 2, 300)
@@ -242,6 +267,57 @@ def test_auto_order():
     assert auto_order(_as_cuda(validate(q, k, v, is_causal=True, return_lse=True)))[0] is TRITON
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_auto_order_on_a_real_gpu():
+    q, k, v = _leaves(*make_qkv(1, 2, 2, 16, 24, 8, dtype=torch.bfloat16))
+    assert [b.NAME for b in auto_order(validate(q, k, v, is_causal=True))][:2] == ["sdpa", "triton"]
+    assert select(validate(q, k, v, window=(4, 0))) is TRITON
+    out = qkv.attention(q, k, v, window=(4, 0))
+    want = qkv.attention(q.cpu(), k.cpu(), v.cpu(), window=(4, 0), backend="math")
+    assert out.device.type == "cuda" and max_err(out, want) < 2e-2
+
+
+def test_fp32_dot_follows_torch_matmul_precision(monkeypatch):
+    from qkv.backends.triton.backend import fp32_dot
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("QKV_TRITON_FP32_DOT", raising=False)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert fp32_dot() == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert fp32_dot() == "tf32"
+        monkeypatch.setenv("QKV_TRITON_FP32_DOT", "ieee")
+        assert fp32_dot() == "ieee"
+        monkeypatch.setenv("QKV_TRITON_FP32_DOT", "fast")
+        with pytest.raises(ValueError, match="QKV_TRITON_FP32_DOT='fast'"):
+            fp32_dot()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fp32_dot() == "ieee"  # the interpreter always computes in fp32
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="TF32 exists only on a GPU")
+def test_tf32_within_rule_of_torch_tf32():
+    """Under torch's "high" precision both triton and torch's own matmuls use TF32: the
+    same-precision baseline is ``math`` on the GPU with that setting."""
+    q64, k64, v64 = make_qkv(2, 4, 2, 70, 97, 64, dtype=torch.float64)
+    ref = attention_ref(q64, k64, v64, is_causal=True, enable_gqa=True)
+    q, k, v = _leaves(q64, k64, v64)
+    q, k, v = q.float(), k.float(), v.float()
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        got = qkv.attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
+        base = qkv.attention(q, k, v, is_causal=True, enable_gqa=True, backend="math")
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert max_err(base, ref) > 1e-5, "the baseline should show TF32 rounding"
+    assert_within_rule(got, base, torch.as_tensor(ref), torch.float32, what="tf32 out")
+
+
 # ---- torch custom ops ----------------------------------------------------------------------------
 
 
@@ -250,10 +326,8 @@ def test_custom_op_opcheck_and_fake_shapes():
 
     from qkv.backends.triton.backend import attention_bwd_op, attention_fwd_op
 
-    q = torch.randn(1, 2, 2, 17, 16)
-    k = torch.randn(1, 2, 1, 20, 16)
-    v = torch.randn(1, 2, 1, 20, 24)
-    kp = torch.rand(1, 20) > 0.2
+    q, k, v = _leaves(torch.randn(1, 2, 2, 17, 16), torch.randn(1, 2, 1, 20, 16), torch.randn(1, 2, 1, 20, 24))
+    kp = torch.rand(1, 20, device=DEVICE) > 0.2
     torch.library.opcheck(attention_fwd_op, (q, k, v, None, kp, None, None, 0, 0, 0.25, None, 0, True))
     out, lse = attention_fwd_op(q, k, v, None, kp, None, None, 0, 0, 0.25, None, 0, True)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
@@ -265,7 +339,7 @@ def test_custom_op_opcheck_and_fake_shapes():
 
 
 def test_torch_func_transforms():
-    q, k, v = make_qkv(1, 2, 1, 5, 7, 16, dtype=torch.float32)
+    q, k, v = _leaves(*make_qkv(1, 2, 1, 5, 7, 16, dtype=torch.float32))
     f = lambda q, k, v: qkv.attention(q, k, v, is_causal="bottom_right", enable_gqa=True, backend="triton")  # noqa: E731
     g = lambda q, k, v: qkv.attention(q, k, v, is_causal="bottom_right", enable_gqa=True, backend="math")  # noqa: E731
     for got, want in zip(torch.func.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(q, k, v), torch.func.grad(lambda *a: g(*a).sum(), argnums=(0, 1, 2))(q, k, v)):
@@ -277,7 +351,7 @@ def test_torch_func_transforms():
 
 
 def test_torch_compile_keeps_one_graph():
-    q, k, v = make_qkv(1, 2, 2, 17, 17, 16, requires_grad=True)
+    q, k, v = _leaves(*make_qkv(1, 2, 2, 17, 17, 16), grad=True)
     fn = torch.compile(lambda q, k, v: qkv.attention(q, k, v, window=(3, 0), backend="triton"), fullgraph=True, backend="aot_eager")
     out = fn(q, k, v)
     out.sum().backward()

@@ -5,20 +5,19 @@
     python -m tests.fuzz --seed S --case I    # replay case I ("I" or "tI") of seed S, verbosely
 
 Prints a progress line, then the summary of :func:`.report.summary`. Exits 1 if any call failed.
-TRITON_INTERPRET=1 is set for this process (before triton is imported): the triton slice
-runs the kernels through Triton's CPU interpreter.
+The triton slice runs on the test device of tests/device.py: the GPU when there is one,
+else Triton's CPU interpreter (``QKV_TEST_DEVICE`` chooses).
 """
 
 from __future__ import annotations
 
+from ..device import DEVICE  # noqa: I001  (before triton is imported: it sets TRITON_INTERPRET)
+
+import argparse
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (qkv imports it lazily)
-
-import argparse  # noqa: E402
-import sys  # noqa: E402
-
-from .runner import quiet, run_many, triton_available  # noqa: E402
+from .runner import quiet, run_many, triton_available
 
 CI_CASES, CI_TRITON = 3000, 16
 LONG_CASES, LONG_TRITON = 20_000, 200
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print("[fuzz] triton is not importable: skipping the triton slice", file=sys.stderr)
         nt = 0
     cases = [str(i) for i in range(n)] + [f"t{i}" for i in range(nt)]
-    print(f"[fuzz] base seed {seed}: {n} calls + {nt} triton calls on {args.processes} process(es)", file=sys.stderr)
+    print(f"[fuzz] base seed {seed}: {n} calls + {nt} triton calls (on {DEVICE}) on {args.processes} process(es)", file=sys.stderr)
     results, seconds = run_many(seed, cases, args.processes)
     results.sort(key=lambda r: (r.case.startswith("t"), int(r.case.lstrip("t"))))
     print(summary(results, seed=seed, seconds=seconds, processes=args.processes))

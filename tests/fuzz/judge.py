@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.reference import attention_ref
 
+from ..device import DEVICE
 from .calls import DTYPES, Inputs, Spec, build, draw
 from .ref64 import attention64, flash_like, truncate_bf16
 
@@ -147,15 +148,20 @@ def lse_dtype(spec: Spec) -> torch.dtype:
 def call_qkv(inputs: Inputs, backend: str, return_lse: bool, grad: bool) -> Outcome:
     """Run ``qkv.attention`` for the case on ``backend``; with ``grad``, differentiate the loss
     ``Σ out·w + Σ lse·w'`` (lse term when the spec returns lse) with respect to the spec's
-    leaves, by ``loss.backward()`` or by ``torch.func.grad`` as the spec says."""
+    leaves, by ``loss.backward()`` or by ``torch.func.grad`` as the spec says.
+
+    triton runs on the test device (tests/device.py): the CPU leaves are copied there, inside
+    the differentiated function, before the spec's views are taken, so the kernels see the
+    same strides, offsets and broadcasts; what comes back is on the CPU."""
     spec = inputs.spec
     res = Outcome()
+    run_on = DEVICE if backend == "triton" else "cpu"
     names = [n for n in inputs.base if grad and n in spec.grad]
     out_shape, lse_shape = expected_shapes(spec)
     w_out, w_lse = _loss_weights(spec, out_shape, lse_shape)
 
     def forward(leaves: dict[str, torch.Tensor], snapshot: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        args = {name: inputs.view(name, t) for name, t in leaves.items()}
+        args = {name: inputs.view(name, t.to(run_on)) for name, t in leaves.items()}
         mask = args.get("mask", inputs.causal_bias)
         positional: tuple[Any, ...] = ()
         kwargs: dict[str, Any] = {}
@@ -202,10 +208,14 @@ def call_qkv(inputs: Inputs, backend: str, return_lse: bool, grad: bool) -> Outc
         return got, None
 
     def loss_of(out: torch.Tensor, lse: Optional[torch.Tensor]) -> torch.Tensor:
-        loss = (out.double() * torch.from_numpy(w_out)).sum()
+        loss = (out.cpu().double() * torch.from_numpy(w_out)).sum()
         if spec.return_lse and lse is not None:
+            lse = lse.cpu()
             loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * torch.from_numpy(w_lse)).sum()
         return loss
+
+    def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t.detach().cpu()
 
     leaves = {n: b.clone() for n, b in inputs.base.items()}
     if grad and spec.grad_api == "func":
@@ -216,14 +226,15 @@ def call_qkv(inputs: Inputs, backend: str, return_lse: bool, grad: bool) -> Outc
 
         try:
             grads, aux = torch.func.grad(f, argnums=tuple(range(len(names))), has_aux=True)(*(leaves[n] for n in names))
-            res.out, res.lse = aux[0], (aux[1] if len(aux) > 1 else None)
+            res.out, res.lse = _cpu(aux[0]), (_cpu(aux[1]) if len(aux) > 1 else None)
             res.grads = dict(zip(names, grads))
         except qkv.BackendError as e:  # a refusal, as with loss.backward()
             res.error, res.trace = e, traceback.format_exc()
         except Exception as e:  # noqa: BLE001
             try:  # a forward that fails is reported as such; else it is the gradient that fails
                 with torch.no_grad():
-                    res.out, res.lse = forward(leaves)
+                    out, lse = forward(leaves)
+                res.out, res.lse = _cpu(out), _cpu(lse)
                 res.backward_error, res.trace = e, traceback.format_exc()
             except Exception as e2:  # noqa: BLE001
                 res.error, res.trace = e2, traceback.format_exc()
@@ -237,19 +248,16 @@ def call_qkv(inputs: Inputs, backend: str, return_lse: bool, grad: bool) -> Outc
     except Exception as e:  # noqa: BLE001 - every exception is data for the judge
         res.error, res.trace = e, traceback.format_exc()
         return res
-    if not grad:
-        return res
-    if tuple(res.out.shape) != out_shape or (spec.return_lse and (res.lse is None or tuple(res.lse.shape) != lse_shape)):
-        return res  # the shape checks report it
-    try:
-        if not res.out.requires_grad:
-            raise RuntimeError("the output does not require grad although an input does")
-        loss_of(res.out, res.lse).backward()
-        res.grads = {n: leaves[n].grad for n in names}
-    except Exception as e:  # noqa: BLE001
-        res.backward_error, res.trace = e, traceback.format_exc()
-    res.out = res.out.detach()
-    res.lse = None if res.lse is None else res.lse.detach()
+    shapes_ok = tuple(res.out.shape) == out_shape and not (spec.return_lse and (res.lse is None or tuple(res.lse.shape) != lse_shape))
+    if grad and shapes_ok:  # (wrong shapes: the shape checks report them)
+        try:
+            if not res.out.requires_grad:
+                raise RuntimeError("the output does not require grad although an input does")
+            loss_of(res.out, res.lse).backward()
+            res.grads = {n: leaves[n].grad for n in names}
+        except Exception as e:  # noqa: BLE001
+            res.backward_error, res.trace = e, traceback.format_exc()
+    res.out, res.lse = _cpu(res.out), _cpu(res.lse)
     return res
 
 

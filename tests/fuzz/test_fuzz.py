@@ -9,26 +9,26 @@ shared by the xdist workers; a failure prints it with one reproducer line per ca
     python -m tests.fuzz --seed 123 --case 456    # one case, verbosely
     python -m tests.fuzz --long                   # 20,000 calls with a grouped summary
 
-The triton slice runs a few small cases through Triton's CPU interpreter (slow), with
-TRITON_INTERPRET=1 set for the test process as tests/backends/test_triton.py does.
+The triton slice runs on the test device (tests/device.py): a few small cases through
+Triton's CPU interpreter (slow) on a CPU machine, more on a GPU (``QKV_FUZZ_TRITON_CASES``).
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (qkv imports it lazily)
+import pytest
 
-import pytest  # noqa: E402
-
-from .judge import run  # noqa: E402
-from .report import CASES_ENV, base_seed, failure_message  # noqa: E402
-from .runner import quiet  # noqa: E402
+from ..device import DEVICE
+from .judge import run
+from .report import CASES_ENV, base_seed, failure_message
+from .runner import quiet
 
 SEED = base_seed()
 CASES = int(os.environ.get(CASES_ENV, 3000))
 CHUNK = 125
-TRITON_CASES, TRITON_CHUNK = 16, 4
+TRITON_CASES = int(os.environ.get("QKV_FUZZ_TRITON_CASES", 16 if DEVICE == "cpu" else 400))
+TRITON_CHUNK = 4 if DEVICE == "cpu" else 50
 
 quiet()
 # torch warns that causal_lower_right with Nq > Nk leaves rows with nothing to attend to: the point
@@ -49,8 +49,11 @@ def test_fuzz(chunk: int) -> None:
     _check([str(i) for i in range(chunk * CHUNK, min(CASES, (chunk + 1) * CHUNK))])
 
 
+@pytest.mark.device
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
-@pytest.mark.parametrize("chunk", range(TRITON_CASES // TRITON_CHUNK), ids=lambda c: f"t{c * TRITON_CHUNK}-t{(c + 1) * TRITON_CHUNK - 1}")
+@pytest.mark.parametrize(
+    "chunk", range(-(-TRITON_CASES // TRITON_CHUNK)), ids=lambda c: f"t{c * TRITON_CHUNK}-t{min(TRITON_CASES, (c + 1) * TRITON_CHUNK) - 1}"
+)
 def test_fuzz_triton(chunk: int) -> None:
     pytest.importorskip("triton")
-    _check([f"t{i}" for i in range(chunk * TRITON_CHUNK, (chunk + 1) * TRITON_CHUNK)])
+    _check([f"t{i}" for i in range(chunk * TRITON_CHUNK, min(TRITON_CASES, (chunk + 1) * TRITON_CHUNK))])

@@ -1,22 +1,19 @@
-"""The triton statistics kernel through Triton's CPU interpreter, against the torch pass (float64
-inputs are not taken by the kernels, so float32 and the accuracy of float32 sums)."""
+"""The triton statistics kernel on the test device (the GPU, or Triton's CPU interpreter; see
+tests/device.py), against the torch pass on the CPU (float64 inputs are not taken by the
+kernels, so float32 and the accuracy of float32 sums)."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (qkv imports it lazily)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from ..conftest import make_qkv, on_device
 
 pytest.importorskip("triton")
 
 from qkv.inspect import attention_stats  # noqa: E402
 
-from ..conftest import make_qkv  # noqa: E402
-
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+pytestmark = [pytest.mark.device, pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")]
 FIELDS = ("entropy", "max_weight", "topk_weights", "mean_distance", "key_weights", "relative_weights", "lse")
 
 
@@ -46,21 +43,21 @@ def test_triton_stats_match_the_torch_pass(case):
     q, k, _ = make_qkv(b, hq, hk, nq, nk, d, dtype=torch.float32)
     q = q * 2
     args = dict(topk=3, key_positions=(0, -1), relative_positions=(-1, 0, 2), **kw)
-    got = attention_stats(q, k, backend="triton", **args)
+    got = attention_stats(on_device(q), on_device(k), backend="triton", **on_device(args))
     want = attention_stats(q.double(), k.double(), **{n: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                                                      for n, v in args.items()})
     assert got.meta.get("backend") == "triton"
-    assert torch.equal(got.n_keys, want.n_keys)
-    assert torch.equal(torch.isneginf(got.lse), torch.isneginf(want.lse))
+    assert torch.equal(got.n_keys.cpu(), want.n_keys)
+    assert torch.equal(torch.isneginf(got.lse.cpu()), torch.isneginf(want.lse))
     for f in FIELDS:
-        a, c = getattr(got, f).double(), getattr(want, f).double()
+        a, c = getattr(got, f).double().cpu(), getattr(want, f).double()
         a, c = a.nan_to_num(neginf=0.0), c.nan_to_num(neginf=0.0)
         err = (a - c).abs().max().item() if a.numel() else 0.0
         print(f"{case:>20} {f:>17} max err {err:.2e}")
         assert err < 2e-4 * max(1.0, c.abs().max().item()), (case, f, err)
     # indices: equal wherever the weights are not (numerically) tied
     gap = (want.topk_weights[..., :-1] - want.topk_weights[..., 1:]).abs().min(-1).values > 1e-4
-    assert torch.equal(got.topk_indices[gap], want.topk_indices[gap])
+    assert torch.equal(got.topk_indices.cpu()[gap], want.topk_indices[gap])
 
 
 def test_triton_stats_refuse_what_they_cannot_run():

@@ -20,10 +20,12 @@ import triton
 from ...call import AttentionCall
 from . import kernels as K
 
-# fp32 inputs: tl.dot precision on a GPU. "tf32" runs on tensor cores (10-bit mantissa
-# products, fp32 sums), as torch does with allow_tf32; set QKV_TRITON_FP32_DOT=ieee for full
-# fp32 products (slower). The interpreter always computes in fp32.
-FP32_DOT = os.environ.get("QKV_TRITON_FP32_DOT", "tf32")
+# fp32 inputs: tl.dot precision on a GPU. By default it follows torch's own float32 matmul
+# setting, as SDPA's math path does: full fp32 products ("ieee") under the default
+# torch.set_float32_matmul_precision("highest"), tensor-core "tf32" (10-bit mantissa products,
+# fp32 sums) under "high" or "medium". QKV_TRITON_FP32_DOT=ieee|tf32 overrides it. The
+# interpreter always computes in fp32.
+FP32_DOT_CHOICES = ("ieee", "tf32")
 
 
 def interpreting() -> bool:
@@ -55,8 +57,16 @@ def launch_config(kind: str, d: int, dv: int, itemsize: int = 2) -> dict:
     return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
 
 
-def _fp32_dot() -> str:
-    return "ieee" if interpreting() else FP32_DOT
+def fp32_dot() -> str:
+    """The ``tl.dot`` precision for fp32 inputs on this call (see ``FP32_DOT_CHOICES``)."""
+    if interpreting():
+        return "ieee"
+    chosen = os.environ.get("QKV_TRITON_FP32_DOT", "").strip().lower()
+    if chosen:
+        if chosen not in FP32_DOT_CHOICES:
+            raise ValueError(f"QKV_TRITON_FP32_DOT={chosen!r}: choose one of {', '.join(FP32_DOT_CHOICES)} (or unset it to follow torch)")
+        return chosen
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def _mask_args(mask: Optional[torch.Tensor], dummy: torch.Tensor):
@@ -90,7 +100,7 @@ def _common(q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right):
     kpt, kp_strides, has_kp = _kp_args(kp, q)
     meta = dict(
         BOTTOM_RIGHT=bool(bottom_right), HAS_LO=lo is not None, HAS_HI=hi is not None,
-        HAS_KP=has_kp, HAS_MASK=has_mask, MASK_BOOL=mask_bool, VARLEN=varlen, FP32_DOT=_fp32_dot(),
+        HAS_KP=has_kp, HAS_MASK=has_mask, MASK_BOOL=mask_bool, VARLEN=varlen, FP32_DOT=fp32_dot(),
         UPCAST=interpreting() and q.dtype == torch.bfloat16,  # see kernels._dot
     )
     cuq = cu_q if varlen else q

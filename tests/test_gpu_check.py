@@ -1,0 +1,213 @@
+"""The GPU check (``make gpu-check``, ``bench/gpu_check.py``) and the device selection of the
+tests, on a CPU: everything but the GPU itself is exercised here, so that a GPU window is spent
+measuring. ``--dry-run`` runs every step with the CPU standing in."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import device
+from .conftest import BENCH, load_bench_script
+
+check = load_bench_script("gpu_check")
+ROOT = BENCH.parent
+
+
+# ---- which device the tests run on ----------------------------------------------------------
+
+
+def _never() -> bool:
+    raise AssertionError("asked whether CUDA is there although the answer cannot depend on it")
+
+
+@pytest.mark.parametrize(
+    "env,cuda,want",
+    [
+        ({}, True, "cuda"),
+        ({}, False, "cpu"),
+        ({"QKV_TEST_DEVICE": "auto"}, True, "cuda"),
+        ({"QKV_TEST_DEVICE": " CUDA "}, True, "cuda"),
+        ({"QKV_TEST_DEVICE": "cpu"}, None, "cpu"),  # None: must not even ask
+        ({"TRITON_INTERPRET": "1"}, None, "cpu"),  # the interpreter asked for explicitly
+        ({"TRITON_INTERPRET": "0"}, True, "cuda"),
+        ({"TRITON_INTERPRET": ""}, False, "cpu"),
+    ],
+)
+def test_device_choice(env, cuda, want):
+    assert device.choose(env, _never if cuda is None else (lambda: cuda)) == want
+
+
+def test_device_choice_refuses_what_cannot_be_honoured():
+    with pytest.raises(RuntimeError, match="QKV_TEST_DEVICE=cuda but torch sees no CUDA device"):
+        device.choose({"QKV_TEST_DEVICE": "cuda"}, lambda: False)
+    with pytest.raises(ValueError, match="unset TRITON_INTERPRET"):
+        device.choose({"QKV_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "1"}, lambda: True)
+    with pytest.raises(ValueError, match="choose one of auto, cpu, cuda"):
+        device.choose({"QKV_TEST_DEVICE": "gpu"}, lambda: True)
+
+
+def test_configure_sets_the_interpreter_to_match(monkeypatch):
+    env = {"QKV_TEST_DEVICE": "cpu"}
+    assert device.configure(env) == "cpu" and env["TRITON_INTERPRET"] == "1"
+    monkeypatch.setattr(device, "_torch_sees_cuda", lambda: True)
+    env = {"TRITON_INTERPRET": "0"}
+    assert device.configure(env) == "cuda" and "TRITON_INTERPRET" not in env
+
+
+def test_this_run_uses_the_interpreter_without_a_gpu():
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine")
+    assert device.DEVICE == "cpu" and device.INTERPRETED and os.environ["TRITON_INTERPRET"] == "1"
+
+
+def _device_test_files() -> set[str]:
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "device", "-p", "no:cacheprovider", "-o", "addopts=", "tests"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "QKV_TEST_DEVICE": "cpu"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    return {line.split("::")[0] for line in res.stdout.splitlines() if "::" in line}
+
+
+def test_the_check_collects_every_device_test():
+    files = _device_test_files()
+    assert files, "no test is marked device"
+    assert files <= set(check.DEVICE_TESTS), f"add {sorted(files - set(check.DEVICE_TESTS))} to DEVICE_TESTS in bench/gpu_check.py"
+
+
+# ---- the check, end to end on a CPU ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_check.py"), "--dry-run", "--workers", "1", "--out-dir", str(out / "results"), "--log-dir", str(out / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    print(res.stdout[-3000:], res.stderr[-3000:])
+    return res, out
+
+
+def test_dry_run_passes_and_writes_the_reports(dry_run):
+    res, out = dry_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = (out / "results" / "gpu_check_cpu-dry-run.md").read_text()
+    assert "**Verdict: PASS**" in summary and "dry run on CPU" in summary
+    m = re.search(r"kernel tests\*\*: tests (\d+) in \d+ s \(collected, not run\)", summary)
+    assert m and int(m.group(1)) > 40, summary
+    assert "ported FlashAttention suite**: tests 0 " in summary  # on a CPU its triton cases do not exist
+    data = json.loads((out / "results" / "attention_gpu_cpu-dry-run.json").read_text())
+    ids = [c["id"] for c in data["cases"]]
+    assert ids and [int(i.split("-n")[1].split("-")[0]) for i in ids] == sorted(int(i.split("-n")[1].split("-")[0]) for i in ids)  # --order size
+    for c in data["cases"]:
+        assert f"`{c['id']}`" in summary
+    assert "| case | qkv fwd |" in summary and "✓" in summary and "✗" not in summary
+    assert "--order size" in data["runs"][0]["meta"]["command"]
+    assert (out / "logs" / "gpu_check_bench.log").exists() and (out / "logs" / "gpu_check_kernel-tests.log").exists()
+
+
+def test_without_a_gpu_the_real_check_refuses(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine")
+    assert check.main(["--out-dir", str(tmp_path)]) == 2
+    assert not list(tmp_path.iterdir())
+
+
+# ---- verdicts ------------------------------------------------------------------------------
+
+
+def _bench_data(check_ok=True, status="ok"):
+    mode = {"status": "ok", "ms": 1.0, "tflops": 400.0}
+    qkv = {"status": status, "reason": "NaN or inf in the output"} if status != "ok" else {
+        "status": "ok", "check": {"ok": check_ok, "err": 1e-3 if check_ok else 0.5, "bound": 8e-3, "base_err": 2e-3},
+        "modes": {m: dict(mode) for m in ("fwd", "bwd", "fwd+bwd")}}  # fmt: skip
+    peer = {"status": "ok", "check": {"ok": True, "err": 1e-3, "bound": 8e-3, "base_err": 2e-3},
+            "modes": {m: dict(mode, tflops=500.0) for m in ("fwd", "bwd", "fwd+bwd")}}  # fmt: skip
+    return {
+        "runs": [{"meta": {"kernel_configs": {"64": {"fwd": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}}},
+                  "ceilings": {"matmul_tflops": 800.0, "copy_gbps": 3000.0}}],
+        "cases": [{"id": "dense-d64-n1024-full", "results": {"qkv": qkv, "sdpa-flash": peer}}],
+        "not_run": ["dense-d64-n16384-full"],
+    }  # fmt: skip
+
+
+ENV = check.Environment("NVIDIA H100 80GB HBM3 (132 SMs, 79 GiB)", True, dict(python="3.12", torch="2.11", cuda="13.0", triton="3.6", numpy="2.5", git="abc"))
+
+
+def _tests(**kw):
+    return check.TestResult(**{"name": "kernel tests", "returncode": 0, "counts": {"tests": 10, "passed": 10}, **kw})
+
+
+def test_summary_reads_the_results():
+    tests = [_tests(seconds=50, counts={"tests": 10, "passed": 9, "skipped": 1}), _tests(name="ported", required=False, timed_out=True, returncode=None)]
+    text, ok = check.summary(ENV, tests, check.BenchResult(returncode=0, data=_bench_data()), Path("a.md"), False, 300)
+    print(text)
+    assert ok and "**Verdict: PASS**" in text
+    assert "| `dense-d64-n1024-full` | 400 (50%) | 500 sdpa-flash | 0.80× |" in text
+    assert "Not run (budget): dense-d64-n16384-full" in text and "d64 fwd 128×64 w4 s3" in text
+    assert "- **kernel tests**: tests 10, passed 9, skipped 1 in 50 s" in text
+    assert "- **ported**: tests 10, passed 10 in 0 s — **cut at its time budget**" in text
+
+
+@pytest.mark.parametrize(
+    "tests_kw,bench_kw,problem",
+    [
+        ({"returncode": 1, "counts": {"tests": 3, "failed": 1}, "failures": ["t::x: boom"]}, {}, "kernel tests: 1 failed, 0 errors"),
+        ({"timed_out": True, "returncode": None}, {}, "kernel tests: ran out of time after 10 tests"),
+        ({"timed_out": True, "required": False, "counts": {"tests": 3, "errors": 1}}, {}, "kernel tests: 0 failed, 1 errors"),
+        ({"counts": {"tests": 0}}, {}, "kernel tests: none ran (exit 0)"),
+        ({"returncode": 4}, {}, "kernel tests: pytest exited 4"),
+        ({}, {"data": _bench_data(check_ok=False)}, "qkv wrong on dense-d64-n1024-full: max error 5.000e-01"),
+        ({}, {"data": _bench_data(status="nan")}, "qkv wrong on dense-d64-n1024-full: NaN"),
+        ({}, {"data": {}, "returncode": 1}, "benchmark: no results (exit 1)"),
+        ({}, {"returncode": 1}, "benchmark exited 1"),
+    ],
+)
+def test_summary_fails_on_anything_wrong(tests_kw, bench_kw, problem):
+    bench = check.BenchResult(**{"returncode": 0, "data": _bench_data(), **bench_kw})
+    text, ok = check.summary(ENV, [_tests(**tests_kw)], bench, Path("a.md"), False, 300)
+    assert not ok and "**Verdict: FAIL**" in text and problem in text, text
+
+
+def test_junit_counts_and_failures(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest" tests="4">'
+        '<testcase classname="tests.a" name="test_ok"/>'
+        '<testcase classname="tests.a" name="test_bad"><failure message="assert 1 == 2">trace</failure></testcase>'
+        '<testcase classname="tests.b" name="test_err"><error message="fixture broke"/></testcase>'
+        '<testcase classname="tests.b" name="test_skip"><skipped message="needs a GPU"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    counts, failures = check.parse_junit(xml)
+    assert counts == {"tests": 4, "failed": 1, "errors": 1, "skipped": 1, "passed": 1}
+    assert failures == ["tests.a::test_bad: assert 1 == 2", "tests.b::test_err: fixture broke"]
+    assert check.parse_junit(tmp_path / "missing.xml") == ({}, [])
+
+
+def test_a_step_past_its_deadline_is_stopped_with_its_children(tmp_path):
+    """SIGTERM to the whole process group (the benchmark saves its report on it), then SIGKILL."""
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('started', flush=True); time.sleep(60)"
+    rc, timed_out, tail, seconds = check.run_step([sys.executable, "-c", script], check.step_env({}), 2.0, tmp_path / "log")
+    assert timed_out and rc is None and "started" in tail and seconds < 20
+    rc, timed_out, tail, _ = check.run_step([sys.executable, "-c", "print('hi')"], check.step_env({}), 30.0, tmp_path / "log")
+    assert rc == 0 and not timed_out and tail == "hi\n"
+
+
+def test_device_names_make_file_names():
+    assert check.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert check.slug("NVIDIA H200") == "nvidia-h200"
+    assert check.slug("???") == "device"
