@@ -376,8 +376,10 @@ def summary(env: Environment, tests: list[TestResult], bench: BenchResult, bench
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check (default 450)")
-    ap.add_argument("--kernel-tests-budget", type=float, default=120.0, help="seconds for the kernels' tests (default 120)")
-    ap.add_argument("--bench-budget", type=float, default=210.0, help="seconds for the benchmark (default 210); the ported suite gets the rest")
+    # measured on an H100: the kernels' tests ~160 s with the fuzz slice on 14 workers (mostly
+    # Triton compiling), the benchmark's quick grid 99 s, the ported suite 123 s
+    ap.add_argument("--kernel-tests-budget", type=float, default=170.0, help="seconds for the kernels' tests (default 170)")
+    ap.add_argument("--bench-budget", type=float, default=140.0, help="seconds for the benchmark (default 140); the ported suite gets the rest")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="pytest-xdist workers (Triton compiles on the CPUs)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results", help="where the reports go")
     ap.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "qkv-gpu-check", help="the steps' logs and JUnit XML")
@@ -393,7 +395,7 @@ def main(argv=None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     left = lambda: args.budget - (time.monotonic() - t0)  # noqa: E731
     print(f"GPU check on {env.device}: {json.dumps(env.versions)}; budget {args.budget:.0f} s", flush=True)
-    tests = [run_tests(args, "kernel tests", KERNEL_TESTS, min(args.kernel_tests_budget, 0.4 * left()), required=True)]
+    tests = [run_tests(args, "kernel tests", KERNEL_TESTS, min(args.kernel_tests_budget, 0.45 * left()), required=True)]
     bench_path = args.out_dir / f"attention_gpu_{name}.md"
     bench = run_bench(args, bench_path, min(args.bench_budget, left() - 30))
     tests.append(run_tests(args, "ported FlashAttention suite", PORTED_TESTS, left() - 10, required=False))

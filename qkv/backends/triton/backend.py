@@ -33,8 +33,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))  # tl.dot needs every dim >= 16
+def head_tile(n: int, itemsize: int) -> int:
+    """Tile width for a head dim of ``n``: the next power of two, at least 16 (``tl.dot``'s
+    minimum), and at least 32 for 16-bit tiles on a GPU — measured on an H100 with Triton 3.6,
+    fp16 with head dim 24 and value dim 8 (tiles 32 and 16) came out wrong by ~1 while 32-wide
+    value tiles, and fp32, were exact (bench/results/gpu_check_nvidia-h100-80gb-hbm3.md)."""
+    floor = 16 if interpreting() or itemsize >= 4 else 32
+    return max(floor, triton.next_power_of_2(n))
 
 
 def launch_config(kind: str, d: int, dv: int, itemsize: int = 2) -> dict:
@@ -132,7 +137,7 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
         _batch_stride(lse, varlen), lse.stride(1), lse.stride(2), lse.stride(3),
         *ms, *kps,
         hk, g, nq, nk, d, dv, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi,
-        BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), **meta, **cfg,
+        BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **cfg,
     )  # fmt: skip
     return out, lse
 
@@ -171,7 +176,7 @@ def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_
             k.stride(0), k.stride(1), k.stride(3), k.stride(4),
             *ms, *kps,
             hk, g, nq, nk, d, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, int(pos_offset),
-            BLOCK_D=_pow2(d), K_TOP=k_top, N_KPOS=n_kpos, N_RPOS=n_rpos, **meta, **cfg,
+            BLOCK_D=head_tile(d, q.element_size()), K_TOP=k_top, N_KPOS=n_kpos, N_RPOS=n_rpos, **meta, **cfg,
         )  # fmt: skip
     else:  # no key at all: every row is empty
         for t, v in ((lse, float("-inf")), (ent, 0.0), (maxw, 0.0), (dist, 0.0), (nkeys, 0), (top_v, float("-inf")),
@@ -217,7 +222,7 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
             out, dout, dlse if has_dlse else lse, delta, cuq,
             _batch_stride(out, varlen), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
             *do_strides, *lse_strides, hk, g, nq, dv,
-            HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=bm, BLOCK_DV=_pow2(dv), num_warps=cfg["num_warps"],
+            HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=bm, BLOCK_DV=head_tile(dv, q.element_size()), num_warps=cfg["num_warps"],
         )  # fmt: skip
     qkv_strides = (
         _batch_stride(q, varlen), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
@@ -226,7 +231,7 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
         *do_strides, *lse_strides,
     )
     tail = (hk, g, nq, nk, d, dv, scale, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi)
-    consts = dict(BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), **meta, **cfg)
+    consts = dict(BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **cfg)
     if nk > 0:
         K._bwd_dkdv_kernel[(triton.cdiv(max(nk_grid, 1), bn), b * hk)](
             q, k, v, dout, lse, delta, dk, dvt, m, kpt, cuq, cuk, *qkv_strides,
