@@ -11,6 +11,14 @@ device sync):
 Every other row is computed as usual: heads and rows never mix in attention, so a bad row
 cannot leak into a good one.
 
+Gradients follow from it: a NaN row's loss terms reach its query and every key and value of
+its head, so ``dq`` of a bad row is NaN, and ``dk``/``dv`` of a key/value head are NaN (every
+key) when any row reading it is bad. Kernels that skip masked or padded keys would otherwise
+return zeros there where others return NaN; :func:`gradient_rule` states the answer for all.
+
+Statistics (``qkv.inspect``) of a bad row: every float statistic NaN, no top-k keys (-1), and
+``n_keys`` the number of keys its masks allow (the values never decide it).
+
 Shape legend: ``...`` batch dims, ``Hq``/``Hk`` query and key/value heads, ``Nq`` query rows.
 """
 
@@ -51,21 +59,39 @@ def poison(
     return out, lse
 
 
+def surely_finite(*tensors: torch.Tensor) -> bool:
+    """True when the tensors certainly hold no NaN or infinity, decided cheaply: on a CPU
+    (outside ``torch.compile`` and ``torch.func`` transforms) one sum each — a NaN or infinity
+    anywhere makes it non-finite; a huge but finite sum answers False, to be checked exactly.
+    Elsewhere False, so that nothing is read back from a device."""
+    if not all(t.is_cpu for t in tensors) or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    return math.isfinite(sum(float(t.detach().sum()) for t in tensors))
+
+
 def guard(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Apply the rule to a backend's ``out``/``lse``.
-
-    On a CPU (outside ``torch.compile`` and ``torch.func`` transforms) three sums decide first —
-    a NaN or infinity anywhere makes them non-finite — so finite inputs, the usual case, cost
-    three reductions. Elsewhere the rows are marked without reading anything back, so the call
-    never waits on the device.
-    """
-    if query.is_cpu and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
-        total = float(query.detach().sum()) + float(key.detach().sum()) + float(value.detach().sum())
-        if math.isfinite(total):  # a huge but finite sum lands below, where it is checked exactly
-            return out, lse
+    """Apply the rule to a backend's ``out``/``lse``: finite inputs, the usual case, cost the
+    three reductions of :func:`surely_finite`; otherwise the rows are marked without reading
+    anything back, so the call never waits on a device."""
+    if surely_finite(query, key, value):
+        return out, lse
     return poison(out, lse, nonfinite_rows(query, key, value))
 
 
-__all__ = ["guard", "nonfinite_rows", "poison"]
+def gradient_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rule for gradients (module docstring), in the grouped layout: q ``(B, Hk, G, Nq, D)``,
+    k/v ``(B, Hk, 1, Nk, ·)`` and gradients of the same shapes."""
+    if surely_finite(q, k, v):
+        return dq, dk, dv
+    kv_bad = ~(torch.isfinite(k).flatten(2).all(-1) & torch.isfinite(v).flatten(2).all(-1))  # (B, Hk)
+    rows = ~torch.isfinite(q).all(-1) | kv_bad[:, :, None, None]  # (B, Hk, G, Nq)
+    heads = rows.flatten(2).any(-1)[:, :, None, None, None]  # (B, Hk, 1, 1, 1)
+    nan = float("nan")
+    return dq.masked_fill(rows.unsqueeze(-1), nan), dk.masked_fill(heads, nan), dv.masked_fill(heads, nan)
+
+
+__all__ = ["gradient_rule", "guard", "nonfinite_rows", "poison", "surely_finite"]

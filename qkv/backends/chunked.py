@@ -54,12 +54,15 @@ rule), so ``jacrev``, ``vmap`` and ``grad`` work; batched cotangents from the au
 
 from __future__ import annotations
 
+import numbers
+
 from typing import Any, Iterator, Optional
 
 import torch
 
 from ..call import AttentionCall
 from ..masks import MaskTiles
+from ..nonfinite import gradient_rule
 from ..reference.masks import PositionalMask
 from . import chunked_native
 from .base import Backend, half_to_float
@@ -93,6 +96,17 @@ def band_rows(span: int) -> int:
     0.87× (N = 256) to 1.15× (N = 512) its time in 256-row blocks."""
     rows = 1 << max(0, (span // 8).bit_length() - 1)
     return max(32, min(128, rows))
+
+
+def check_tile_size(name: str, value: Optional[int]) -> Optional[int]:
+    """A tile size a user passed: None (the default) or a positive integer, else ValueError
+    naming the argument. (Sizes larger than the call are fine: they are clamped to it.)"""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r}: a tile size must be a positive integer (query rows or keys per tile); "
+                         "leave it None for the default")  # fmt: skip
+    return int(value)
 
 
 def plan_tiles(
@@ -424,6 +438,7 @@ def chunked_bwd_op(
     cd = qc.dtype
     dlse = None if dlse is None else dlse.to(cd)
     dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout.to(cd), dlse, tiles, scale, (block_q, block_k, per_group))
+    dq, dk, dv = gradient_rule(q, k, v, dq, dk, dv)  # the C loops and the torch formulation skip different keys
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -490,7 +505,7 @@ class _ChunkedAttention(torch.autograd.Function):
         if any(t is not None and _is_batched(t) for t in (dout, dlse)):
             # batched gradients from the autograd engine itself (gradcheck's check_batched_grad,
             # autograd.grad(is_grads_batched=True)) bypass the vmap rule: use plain tensor ops
-            return (*_dense_backward(q, k, v, dout, dlse, ctx.tiles, ctx.scale), None, None, None)
+            return (*gradient_rule(q, k, v, *_dense_backward(q, k, v, dout, dlse, ctx.tiles, ctx.scale)), None, None, None)
         dq, dk, dv = _ChunkedBackward.apply(q, k, v, out, m, l, dout, dlse, ctx.tiles, ctx.scale, ctx.plan)
         return dq, dk, dv, None, None, None
 
@@ -529,7 +544,7 @@ class ChunkedBackend(Backend):
     SUPPORTS_MASK_GRAD = False
 
     def __init__(self, block_q: Optional[int] = None, block_k: Optional[int] = None) -> None:
-        self.block_q, self.block_k = block_q, block_k
+        self.block_q, self.block_k = check_tile_size("block_q", block_q), check_tile_size("block_k", block_k)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.block_q is None and self.block_k is None and can_fuse(call):

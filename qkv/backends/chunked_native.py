@@ -38,11 +38,10 @@ def _kernel(q: torch.Tensor, tiles: MaskTiles, which: str) -> Optional[tuple[Any
     return getattr(lib, f"qkv_flash_{which}_{'float' if q.dtype == torch.float32 else 'double'}"), gemm
 
 
-def mask_args(tiles: MaskTiles, hk: int, nk: int) -> tuple[list[Any], list[torch.Tensor]]:
+def mask_args(tiles: MaskTiles, hk: int, nq: int, nk: int) -> tuple[list[Any], list[torch.Tensor]]:
     """The C kernels' band, key-padding and key-length arguments (see csrc/tile_impl.h), and the
     tensors they point into (keep them alive until the call returns)."""
-    lo, hi = tiles.positional.band()
-    args: list[Any] = [lo or 0, hi or 0, int(lo is not None), int(hi is not None)]
+    args: list[Any] = native.band_args(*tiles.positional.band(), nq, nk)
     pad = tiles.padding  # (B|1, 1, 1, 1, Nk) bool
     if pad is None:
         return [*args, None, 0, hk, None], []
@@ -54,10 +53,24 @@ def mask_args(tiles: MaskTiles, hk: int, nk: int) -> tuple[list[Any], list[torch
     return [*args, native.ptr(kpad), rows, hk, native.ptr(klen)], [kpad, klen]
 
 
-def _sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[tuple[int, ...]]:
+def _sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bq: int, bk: int) -> Optional[tuple[int, ...]]:
+    """(J, G, Nq, Nk, D, Dv, block_q, block_k) for the C call, or None where the torch
+    formulation takes the call: empty sizes, head dims of 0 (nothing to multiply) or past what
+    BLAS's 32-bit integers hold."""
     b, hk, g, nq, d = q.shape
     nk, dv = k.shape[3], v.shape[-1]
-    return None if b * hk * g * nq == 0 or nk == 0 else (b * hk, g, nq, nk, d, dv)
+    if b * hk * g * nq == 0 or nk == 0 or d == 0 or dv == 0 or not native.gemm_fits(d, dv):
+        return None
+    return (b * hk, g, nq, nk, d, dv, *native.tile_sizes(bq, bk, nq, nk))
+
+
+def key_values(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[Optional[int]], list[torch.Tensor]]:
+    """k and v for the C kernels (shared matrices read in place, :func:`native.matrices`), their
+    ``koff, voff`` pointer arguments, and the tensors to keep alive until the call returns."""
+    kc, koff = native.matrices(k)
+    vc, voff = native.matrices(v)
+    keep = [t for t in (koff, voff) if t is not None]
+    return kc, vc, [native.ptr(koff), native.ptr(voff)], keep
 
 
 def forward(
@@ -65,18 +78,19 @@ def forward(
 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """out ``(B, Hk, G, Nq, Dv)``, m and l ``(B, Hk, G, Nq)`` as :func:`.chunked.chunked_forward`
     gives them, for q ``(B, Hk, G, Nq, D)`` and k/v ``(B, Hk, 1, Nk, ·)``; or None."""
-    found, sizes = _kernel(q, tiles, "fwd"), _sizes(q, k, v)
+    found, sizes = _kernel(q, tiles, "fwd"), _sizes(q, k, v, bq, bk)
     if found is None or sizes is None:
         return None
     fn, gemm = found
-    j, g, nq, nk, d, dv = sizes
-    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    j, g, nq, nk, d, dv, bq, bk = sizes
+    qc = q.contiguous()
+    kc, vc, offsets, _keep_kv = key_values(k, v)
     out = q.new_empty(*q.shape[:4], dv)
     m, l = q.new_empty(q.shape[:4]), q.new_empty(q.shape[:4])
-    mask, _keep = mask_args(tiles, q.shape[1], nk)
+    mask, _keep = mask_args(tiles, q.shape[1], nq, nk)
     ptr = native.ptr
-    rc = fn(ptr(qc), ptr(kc), ptr(vc), j, g, nq, nk, d, dv, *mask, scale * LOG2E, ptr(out), ptr(m), ptr(l), bq, bk, gemm,
-            torch.get_num_threads())  # fmt: skip
+    rc = fn(ptr(qc), ptr(kc), ptr(vc), *offsets, j, g, nq, nk, d, dv, *mask, scale * LOG2E, ptr(out), ptr(m), ptr(l), bq, bk,
+            gemm, torch.get_num_threads())  # fmt: skip
     if rc != 0:
         raise MemoryError(f"qkv: could not allocate a {bq} x {bk} score tile per thread")
     return out, m, l
@@ -88,22 +102,24 @@ def backward(
 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
     """dq, dk, dv as :func:`.chunked.chunked_backward` returns them; ``rows`` as there (m, dout,
     delta, dlse, half_l); or None."""
-    found, sizes = _kernel(q, tiles, "bwd"), _sizes(q, k, v)
+    found, sizes = _kernel(q, tiles, "bwd"), _sizes(q, k, v, bq, bk)
     if found is None or sizes is None:
         return None
     fn, gemm = found
-    j, g, nq, nk, d, dv = sizes
+    j, g, nq, nk, d, dv, bq, bk = sizes
     c = {n: t.contiguous() for n, t in rows.items()}
-    qc, kc, vc, oc = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous()
+    qc, oc = q.contiguous(), out.contiguous()
+    kc, vc, offsets, _keep_kv = key_values(k, v)
     b, hk = q.shape[:2]
     dq = torch.empty_like(qc)  # the C jobs zero their own rows
     dk = q.new_empty(b, hk, g, nk, d)  # one slice per query head: summed over G below
     dvv = q.new_empty(b, hk, g, nk, dv)
-    mask, _keep = mask_args(tiles, hk, nk)
+    mask, _keep = mask_args(tiles, hk, nq, nk)
     ptr = native.ptr
     rc = fn(
-        ptr(qc), ptr(kc), ptr(vc), ptr(oc), ptr(c["dout"]), ptr(c["delta"]), ptr(c["dlse"]), ptr(c["half_l"]), ptr(c["m"]),
-        j, g, nq, nk, d, dv, *mask, scale * LOG2E, scale, ptr(dq), ptr(dk), ptr(dvv), bq, bk, gemm, torch.get_num_threads(),
+        ptr(qc), ptr(kc), ptr(vc), *offsets, ptr(oc), ptr(c["dout"]), ptr(c["delta"]), ptr(c["dlse"]), ptr(c["half_l"]),
+        ptr(c["m"]), j, g, nq, nk, d, dv, *mask, scale * LOG2E, scale, ptr(dq), ptr(dk), ptr(dvv), bq, bk, gemm,
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError(f"qkv: could not allocate two {bq} x {bk} tiles per thread")

@@ -6,13 +6,23 @@ are plain C (no torch headers, so a build takes about a second), compiled with t
 compiler (``$CC``, else ``cc``) for the machine it runs on (``-O3 -march=native``) and with
 OpenMP, which links to the OpenMP runtime torch has already loaded, so the kernels share
 torch's threads (``torch.get_num_threads()``). Builds are cached under
-``$QKV_CACHE_DIR`` (default ``~/.cache/qkv``), keyed by the sources, flags, compiler and CPU.
+``$QKV_CACHE_DIR`` (default ``~/.cache/qkv``), keyed by the sources, flags, compiler and CPU;
+``$QKV_NATIVE_CFLAGS`` adds flags (the tests' sanitizer build).
 
 Kernels that multiply cache-sized tiles call torch's own BLAS gemm (:func:`gemm`: MKL's
 ``sgemm_``/``dgemm_`` in libtorch_cpu), so qkv links no BLAS of its own.
 
 Without a compiler, or with ``QKV_NATIVE=0``, :func:`library` returns None and callers use
 their torch formulation; :func:`status` says why (``qkv info`` prints it).
+
+A cached library is loaded only when the SHA-256 written beside it at build time matches its
+bytes, so a truncated copy (a full disk, a killed build) or a foreign file is rebuilt, never
+mapped (a truncated ELF kills the process with SIGBUS); one that lacks a kernel is rebuilt once.
+
+The C code trusts its arguments, so every size, bound and pointer offset is made safe here,
+in Python, before a call: :func:`tile_sizes` (per-thread tile buffers), :func:`band_args`
+(window bounds), :func:`clamp_positions` (relative positions), :func:`gemm_fits` (BLAS takes
+32-bit integers) and :func:`matrices` (shared, broadcast K/V read in place, not copied).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -45,13 +56,13 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _STATS_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int]  # fmt: skip
 # qkv_attention_stats_<float|double> (see csrc/stats_tile_impl.h)
-_FUSED_ARGS = [_ptr, _ptr, _ptr, *[_i64] * 6, _i64, _i64, _i64, _int, _int, _ptr, _i64, _i64, *[_ptr] * 9, _i64, _ptr,
+_FUSED_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 6, _i64, _i64, _i64, _int, _int, _ptr, _i64, _i64, *[_ptr] * 9, _i64, _ptr,
                _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int]  # fmt: skip
 # qkv_flash_fwd_<float|double> and qkv_flash_bwd_<…> (see csrc/flash_impl.h); the scale factor c
 # (and the backward's scale) are the element type
 _MASK_ARGS = [_i64, _i64, _int, _int, _ptr, _i64, _i64, _ptr]  # band, key padding, key lengths
-_FWD_ARGS = lambda c: [*[_ptr] * 3, *[_i64] * 6, *_MASK_ARGS, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
-_BWD_ARGS = lambda c: [*[_ptr] * 9, *[_i64] * 6, *_MASK_ARGS, c, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
+_FWD_ARGS = lambda c: [*[_ptr] * 5, *[_i64] * 6, *_MASK_ARGS, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
+_BWD_ARGS = lambda c: [*[_ptr] * 11, *[_i64] * 6, *_MASK_ARGS, c, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
 
 
 def _cpu_id() -> str:
@@ -69,33 +80,87 @@ def _compiler() -> Optional[str]:
     return shutil.which(cc) or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(cc: str) -> Path:
-    """Compile the sources into the cache (atomically: concurrent builders each write a
-    temporary file and rename it) and return the library's path."""
+def extra_flags() -> tuple[str, ...]:
+    """Compiler flags added from ``$QKV_NATIVE_CFLAGS`` (part of the cache key), e.g. the
+    sanitizers the tests build with: ``-fsanitize=address,undefined``."""
+    return tuple(shlex.split(os.environ.get("QKV_NATIVE_CFLAGS", "")))
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _checksum_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def verified(lib: Path) -> bool:
+    """Does ``lib`` hold exactly the bytes its build recorded beside it?"""
+    try:
+        return _checksum_path(lib).read_text().strip() == _digest(lib)
+    except OSError:
+        return False
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build(cc: str, rebuild: bool = False) -> Path:
+    """The library's path in the cache, compiled first unless a verified build is there
+    (``rebuild``: compile anyway). Atomic: concurrent builders each write a temporary file
+    and rename it; the checksum is written after the library, so a reader that finds the
+    library without it rebuilds rather than trusts it."""
     text = b"".join((CSRC / s).read_bytes() for s in SOURCES + HEADERS)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    all_flags = (*FLAGS, *extra_flags())
+    key = hashlib.sha256(b"\0".join([text, " ".join(all_flags).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("QKV_CACHE_DIR") or Path.home() / ".cache" / "qkv")
     lib = cache / f"qkv_native_{key}.so"
-    if lib.exists():
+    if not rebuild and verified(lib):
         return lib
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
         # without OpenMP (Apple's clang, say) the kernels still build, and run on one thread
-        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):
+        for flags in (all_flags, tuple(f for f in all_flags if f != "-fopenmp")):
             cmd = [cc, *flags, *(str(CSRC / s) for s in SOURCES), "-o", tmp, "-lm"]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if res.returncode == 0:
                 break
         else:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()[-2000:]}")
+        digest = _digest(Path(tmp))
         os.replace(tmp, lib)
+        _write_atomically(_checksum_path(lib), digest.encode())
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    """Declare every kernel's argument and result types (AttributeError if one is missing)."""
+    for dt in ("float", "double"):
+        fn = getattr(lib, f"qkv_stats_tile_{dt}")
+        fn.argtypes, fn.restype = _STATS_ARGS, None
+        fn = getattr(lib, f"qkv_attention_stats_{dt}")
+        fn.argtypes, fn.restype = _FUSED_ARGS, _int
+        c = ctypes.c_float if dt == "float" else ctypes.c_double
+        for name, args in (("fwd", _FWD_ARGS(c)), ("bwd", _BWD_ARGS(c))):
+            fn = getattr(lib, f"qkv_flash_{name}_{dt}")  # (attribute access caches the function object)
+            fn.argtypes, fn.restype = args, _int
+        fn = getattr(lib, f"qkv_gemm_check_{dt}")
+        fn.argtypes, fn.restype = [_ptr], _int
+    lib.qkv_exp2_float.argtypes, lib.qkv_exp2_float.restype = [_ptr, _ptr, _i64], None
 
 
 @lru_cache(maxsize=None)
@@ -109,25 +174,20 @@ def library() -> Optional[ctypes.CDLL]:
     if cc is None:
         _reason = "no C compiler found (set CC, or install gcc)"
         return None
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _reason = f"build failed: {e}"
-        log.warning("qkv: the native CPU kernels could not be built; using torch operations instead (%s)", e)
-        return None
-    for dt in ("float", "double"):
-        fn = getattr(lib, f"qkv_stats_tile_{dt}")
-        fn.argtypes, fn.restype = _STATS_ARGS, None
-        fn = getattr(lib, f"qkv_attention_stats_{dt}")
-        fn.argtypes, fn.restype = _FUSED_ARGS, _int
-        c = ctypes.c_float if dt == "float" else ctypes.c_double
-        for name, args in (("fwd", _FWD_ARGS(c)), ("bwd", _BWD_ARGS(c))):
-            fn = getattr(lib, f"qkv_flash_{name}_{dt}")  # (attribute access caches the function object)
-            fn.argtypes, fn.restype = args, _int
-        fn = getattr(lib, f"qkv_gemm_check_{dt}")
-        fn.argtypes, fn.restype = [_ptr], _int
-    lib.qkv_exp2_float.argtypes, lib.qkv_exp2_float.restype = [_ptr, _ptr, _i64], None
-    return lib
+    problem = ""
+    for rebuild in (False, True):  # a verified file that still fails to load or bind is rebuilt once
+        try:
+            lib = ctypes.CDLL(str(_build(cc, rebuild)))
+            _bind(lib)
+            return lib
+        except (RuntimeError, subprocess.SubprocessError) as e:  # the compiler failed
+            problem = f"build failed: {e}"
+            break
+        except (OSError, AttributeError) as e:  # not a loadable library, or one without every kernel
+            problem = f"the built library does not load ({type(e).__name__}: {e})"
+    _reason = problem
+    log.warning("qkv: the native CPU kernels are not used; using torch operations instead (%s)", problem)
+    return None
 
 
 def gemm(dtype: torch.dtype) -> Optional[int]:
@@ -174,6 +234,65 @@ def status() -> str:
         return f"not used: {_reason}"
     blas = "torch's MKL" if gemm(torch.float32) is not None else "none found (tile loops in torch operations)"
     return f"built ({lib._name}); BLAS for cache-sized tiles: {blas}"
+
+
+# ---- making arguments safe for C -----------------------------------------------------------
+
+INT_MAX = 2**31 - 1  # BLAS (MKL's LP64 interface) takes 32-bit integers
+MAX_TILE = 1 << 24  # elements of one per-thread score tile (64 MiB of float32)
+
+
+def gemm_fits(*dims: int) -> bool:
+    """Can BLAS take these dimensions (and leading dimensions)? Larger ones stay in torch."""
+    return all(0 <= int(x) <= INT_MAX for x in dims)
+
+
+def tile_sizes(rows: int, keys: int, nq: int, nk: int) -> tuple[int, int]:
+    """Tile sizes the kernels can allocate: each at least 1 and at most what there is, and
+    ``rows · keys`` at most :data:`MAX_TILE` (a product that wrapped, or a huge one, would
+    give malloc a tiny or impossible size). User values are checked before (``check_block``)."""
+    rows = max(1, min(int(rows), nq))
+    keys = max(1, min(int(keys), nk))
+    if rows * keys > MAX_TILE:
+        keys = max(1, MAX_TILE // rows)
+        rows = min(rows, MAX_TILE // keys)
+    return rows, keys
+
+
+def band_args(lo: Optional[int], hi: Optional[int], nq: int, nk: int) -> list[int]:
+    """``[lo, hi, has_lo, has_hi]`` for the kernels' band ``lo ≤ j − i ≤ hi`` (offsets resolved),
+    each bound clamped to ``[−nq − 1, nk + 1]``: ``j − i`` only spans ``[−(nq − 1), nk − 1]``, so
+    the band means the same, and C's ``q0 + lo`` cannot overflow (nor ctypes wrap a bound ≥ 2⁶³)."""
+    clamp = lambda x: max(-nq - 1, min(nk + 1, int(x)))  # noqa: E731
+    return [0 if lo is None else clamp(lo), 0 if hi is None else clamp(hi), int(lo is not None), int(hi is not None)]
+
+
+def clamp_positions(offsets: tuple[int, ...], nq: int, nk: int) -> tuple[int, ...]:
+    """Relative key offsets clamped to ``±(nq + nk)``: beyond that no query row has such a key
+    (its weight is 0 either way), and C's ``pos + offset`` cannot overflow."""
+    lim = nq + nk
+    return tuple(max(-lim, min(lim, int(r))) for r in offsets)
+
+
+def matrices(t: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``t (B, H, 1, N, D)`` for the kernels: a tensor holding each distinct ``(N, D)`` matrix
+    once, contiguous, and the element offset of matrix ``j = b·H + h`` in it (int64, ``(B·H,)``),
+    or None when that offset is simply ``j·N·D``. Dimensions broadcast with stride 0 (K/V shared
+    across a batch: a common prefix, beam search) are read in place, not copied to full size."""
+    if t.is_contiguous():
+        return t, None
+    base = t
+    for dim in (0, 1):
+        if t.shape[dim] > 1 and t.stride(dim) == 0:
+            base = base.narrow(dim, 0, 1)
+    base = base.contiguous()
+    if base.numel() == t.numel():
+        return base, None
+    b, h = t.shape[:2]
+    sb = 0 if base.shape[0] == 1 else base.stride(0)
+    sh = 0 if base.shape[1] == 1 else base.stride(1)
+    offsets = (torch.arange(b, dtype=torch.int64)[:, None] * sb + torch.arange(h, dtype=torch.int64)[None, :] * sh).reshape(-1)
+    return base, offsets
 
 
 def ptr(t: Optional[torch.Tensor]) -> Optional[int]:

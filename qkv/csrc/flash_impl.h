@@ -7,6 +7,11 @@
 
 #include "tile_impl.h"
 
+/* p[0 .. n) = 0 (nothing, not even a look at p, when n is 0: an empty tensor's pointer may be NULL). */
+static inline void FN(zero_)(T *p, int64_t n) {
+    if (n > 0) memset(p, 0, sizeof(T) * (size_t)n);
+}
+
 /* The per-thread tile buffers of a kernel; NULL (and *failed set) when memory ran out. */
 static inline T *FN(buffers_)(int64_t count, int *failed) {
     T *t = (T *)malloc(sizeof(T) * (count > 0 ? count : 1));
@@ -18,12 +23,13 @@ static inline T *FN(buffers_)(int64_t count, int *failed) {
 }
 
 /* Forward. q: (J, G, nq, d); k: (J, nk, d); v: (J, nk, dv): query head (j, g) attends with
- * key/value head j; scores are q·kᵀ, and c = scale·log2 e turns their differences into log2
+ * key/value head j, whose matrices start at k + koff[j] and v + voff[j] (koff/voff NULL: at
+ * j·nk·d and j·nk·dv; shared heads may share one matrix); scores are q·kᵀ, and c = scale·log2 e turns their differences into log2
  * units. Masks as in qkv_attention_stats_ (band, kpad with kpad_rows / heads_per_pad; klen: NULL
  * or, per kpad row, how many leading keys can be real). Writes out (J, G, nq, dv): the output;
  * m (J, G, nq): each row's shift, the largest score q·kᵀ it saw (−inf when none; NaN when a score
  * was NaN); l (J, G, nq): Σ 2^((s − m)·c) (0 when none). Returns 0, or −1 when out of memory. */
-int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d,
+int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, const int64_t *koff, const int64_t *voff, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d,
                        int64_t dv, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
                        int64_t heads_per_pad, const int64_t *klen, T c, T *out, T *m, T *l, int64_t br, int64_t bc,
                        void *gemm_fn, int nthreads) {
@@ -41,7 +47,7 @@ int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, int64_t J, int64_t G,
             const int64_t q1 = q0 + br < nq ? q0 + br : nq, n = q1 - q0, r0 = jg * nq + q0;
             const int64_t prow = kpad_rows ? j / heads_per_pad : 0;
             const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
-            const T *qb = q + r0 * d, *kb = k + j * nk * d, *vb = v + j * nk * dv;
+            const T *qb = q + r0 * d, *kb = k + (koff ? koff[j] : j * nk * d), *vb = v + (voff ? voff[j] : j * nk * dv);
             T *acc = out + r0 * dv;
             for (int64_t i = 0; i < n; i++) {
                 m[r0 + i] = -INFINITY;
@@ -86,13 +92,13 @@ int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, int64_t J, int64_t G,
  * dos = dO / l (·, dv), delta = (rowsum(dO ∘ O) − dlse) / l, dlse = dlse / l, half_l = l / 2
  * (inf for an empty row). out is the forward's output. With P̃ = 2^((s − m)·c):
  *     dV += P̃ᵀ·dos,   dS = P̃ ∘ (dos·Vᵀ − delta),   dQ += scale·dS·K,   dK += scale·dSᵀ·Q.
- * Where P̃ > l/2 (one key holds most of the row) dS is
+ * K and V as in the forward (koff, voff). Where P̃ > l/2 (one key holds most of the row) dS is
  * P̃·(dos·(v_j − O_i) + dlse): the subtraction dos·vⱼ − delta cancels there. Each query head
  * writes its own dk, dv slices (J, G, nk, ·): the caller sums them over G. One job per query
  * head, so no two threads write the same rows; each job zeroes its own rows of dq, dk, dv
  * first (they need no initial value) and multiplies dQ and dK by `scale` in their gemms.
  * Returns 0, or −1 when out of memory. */
-int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const T *out, const T *dos, const T *delta, const T *dlse,
+int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const int64_t *koff, const int64_t *voff, const T *out, const T *dos, const T *delta, const T *dlse,
                        const T *half_l, const T *m, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d, int64_t dv,
                        int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
                        int64_t heads_per_pad, const int64_t *klen, T c, T scale, T *dq, T *dk, T *dvv, int64_t br,
@@ -110,11 +116,11 @@ int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const T *out, const T
             T *u = t + br * bc;
             const int64_t j = jg / G, prow = kpad_rows ? j / heads_per_pad : 0;
             const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
-            const T *kb = k + j * nk * d, *vb = v + j * nk * dv;
+            const T *kb = k + (koff ? koff[j] : j * nk * d), *vb = v + (voff ? voff[j] : j * nk * dv);
             T *dkb = dk + jg * nk * d, *dvb = dvv + jg * nk * dv;
-            memset(dq + jg * nq * d, 0, sizeof(T) * nq * d);
-            memset(dkb, 0, sizeof(T) * nk * d);
-            memset(dvb, 0, sizeof(T) * nk * dv);
+            FN(zero_)(dq + jg * nq * d, nq * d);
+            FN(zero_)(dkb, nk * d);
+            FN(zero_)(dvb, nk * dv);
             for (int64_t q0 = 0; q0 < nq; q0 += br) {
                 const int64_t q1 = q0 + br < nq ? q0 + br : nq, n = q1 - q0, r0 = jg * nq + q0;
                 const T *qb = q + r0 * d, *dob = dos + r0 * dv;

@@ -115,12 +115,13 @@ void FN(qkv_stats_tile_)(T *t, int64_t R, int64_t w, int64_t n, int64_t pos0, in
  * passed row by row through stats_row_, and (with v) multiplied into acc with a second gemm.
  *
  * q: (J, G, nq, d), the scores' factor s·log2e folded in; k: (J, nk, d); v: (J, nk, dv) or NULL;
- * query head (j, g) attends with key/value head j. Row arrays are (J, G, nq[, ·]), contiguous,
+ * query head (j, g) attends with key/value head j, whose matrices start at k + koff[j] and
+ * v + voff[j] (koff/voff NULL: at j·nk·d and j·nk·dv). Row arrays are (J, G, nq[, ·]), contiguous,
  * initialised as for qkv_stats_tile_; query row i sits at key position i + pos_off. Key j is allowed for query i iff lo ≤ j − i ≤ hi (has_lo,
  * has_hi: the bound exists) and kpad (NULL, or (J / heads_per_pad, nk) bytes with kpad_rows = 0
  * for one row shared by all) is nonzero; klen (NULL, or per kpad row) bounds the keys visited. lse2: (J, G, nq) or NULL (online). Returns 0, or −1 when a
  * buffer could not be allocated. */
-int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d,
+int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, const int64_t *koff, const int64_t *voff, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d,
                              int64_t dv, int64_t pos_off, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad,
                              int64_t kpad_rows, int64_t heads_per_pad, const int64_t *klen, const T *lse2, T *mx, T *tot,
                              T *ent, T *dist,
@@ -146,7 +147,8 @@ int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, int64_t J, int6
             const int64_t jg = job / row_blocks, q0 = (job % row_blocks) * br, j = jg / G;
             const int64_t q1 = q0 + br < nq ? q0 + br : nq, n = q1 - q0;
             const int64_t r0 = jg * nq + q0; /* first row in the (J, G, nq) row arrays */
-            const T *qb = q + r0 * d, *kb = k + j * nk * d, *vb = v ? v + j * nk * dv : NULL;
+            const T *qb = q + r0 * d, *kb = k + (koff ? koff[j] : j * nk * d);
+            const T *vb = v ? v + (voff ? voff[j] : j * nk * dv) : NULL;
             const int64_t prow = kpad_rows ? j / heads_per_pad : 0;
             const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
             int64_t klo, khi;

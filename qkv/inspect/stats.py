@@ -35,10 +35,10 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..backends.base import half_to_float
-from ..backends.chunked import _augment, _head_groups, _key_blocks, plan_tiles
+from ..backends.chunked import _augment, _head_groups, _key_blocks, check_tile_size, plan_tiles
 from ..backends.chunked_native import LN2, LOG2E
 from ..masks import MaskTiles
-from ..nonfinite import guard
+from ..nonfinite import guard, surely_finite
 from ..call import validate, validate_qk
 from .maps import Window, check_row_sums, grouped_lse
 
@@ -192,6 +192,7 @@ def attention_stats(
     """
     if topk < 0:
         raise ValueError(f"topk={topk} must be >= 0")
+    block_q, block_k = check_tile_size("block_q", block_q), check_tile_size("block_k", block_k)
     call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={backend!r} is not a statistics backend; use 'auto', 'torch' or 'triton'")
@@ -237,6 +238,7 @@ def attention_with_stats(
     """
     if topk < 0:
         raise ValueError(f"topk={topk} must be >= 0")
+    block_q, block_k = check_tile_size("block_q", block_q), check_tile_size("block_k", block_k)
     call = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window, key_padding_mask=key_padding_mask)
     out, stats = _tiled_stats(call, None, False, topk, key_positions, relative_positions, block_q, block_k, with_output=True)
     assert out is not None and stats.lse is not None
@@ -328,6 +330,9 @@ def _tiled_stats(
     if lse_out is not None:
         out["lse"] = lse_out
     _nan_rows(out, nan)  # a NaN score makes the row's maximum NaN
+    if not surely_finite(q, k):  # qkv.nonfinite: a bad row's n_keys is what its masks allow
+        bad = ~torch.isfinite(q).all(-1) | ~torch.isfinite(k).flatten(2).all(-1)[:, :, None, None]  # (B, Hk, G, Nq)
+        out["n_keys"] = torch.where(bad, _mask_counts(tiles, bad.shape), out["n_keys"])
     out = {name: call.ungroup(t) for name, t in out.items()}  # (..., Hq, Nq[, ·])
     stats = AttentionStats(
         **out,
@@ -485,6 +490,22 @@ def _tile_scores(
     return t, allowed is not None or bias is not None
 
 
+def _mask_counts(tiles: MaskTiles, shape: torch.Size, rows_per_block: int = 256) -> torch.Tensor:
+    """How many keys the masks allow each row (int64 ``shape`` = (B, Hk, G, Nq)), whatever the
+    scores; a float ``attn_mask`` entry of ``-inf`` masks like ``False``."""
+    nq, nk = tiles.positional.nq, tiles.positional.nk
+    counts = torch.full(shape, nk, dtype=torch.long, device=tiles.device)
+    for q0 in range(0, nq, rows_per_block):
+        q1 = min(nq, q0 + rows_per_block)
+        allowed, bias = tiles.tile(q0, q1, 0, nk)
+        if bias is not None:
+            fin = ~torch.isneginf(bias)
+            allowed = fin if allowed is None else allowed & fin
+        if allowed is not None:
+            counts[..., q0:q1] = allowed.expand(*shape[:3], q1 - q0, nk).sum(-1)
+    return counts
+
+
 def _nan_rows(arrays: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
     """Every statistic of the ``rows`` (bool, the arrays' leading shape) NaN, in place; their
     top-k has no keys (-1); ``n_keys`` stays."""
@@ -534,15 +555,23 @@ def _fused_native(
     kernel = getattr(native.library(), "qkv_attention_stats_float" if q.dtype == torch.float32 else "qkv_attention_stats_double")
     b, hk, g, nq, d = q.shape
     nk, dv = k.shape[3], (0 if v is None else v.shape[-1])
+    if not native.gemm_fits(d, dv):
+        return False
+    block_q, block_k = native.tile_sizes(block_q, block_k, nq, nk)
     qa = (q * (call.scale * LOG2E)).contiguous()  # (B, Hk, G, Nq, D): qa·kᵀ = s·log2e
-    kc = k.contiguous()
-    vc = None if v is None else v.contiguous()
-    mask, _keep = chunked_native.mask_args(tiles, hk, nk)
+    if v is None:
+        kc, koff = native.matrices(k)
+        vc, offsets, _keep_kv = None, [native.ptr(koff), None], [koff]
+    else:
+        kc, vc, offsets, _keep_kv = chunked_native.key_values(k, v)
+    mask, _keep = chunked_native.mask_args(tiles, hk, nq, nk)
     lse2 = None if lse_g is None else (lse_g.to(q.dtype) * LOG2E).contiguous()
-    kp, rp = torch.tensor(kpos, dtype=torch.long), torch.tensor(rel, dtype=torch.long)
+    kp = torch.tensor(kpos, dtype=torch.long)
+    rp = torch.tensor(native.clamp_positions(rel, nq + abs(tiles.positional.offset), nk), dtype=torch.long)
     ptr = native.ptr
     rc = kernel(
-        ptr(qa), ptr(kc), ptr(vc), b * hk, g, nq, nk, d, dv, tiles.positional.offset, *mask, ptr(lse2), ptr(res["max_weight"]), ptr(res["total"]), ptr(res["entropy"]), ptr(res["mean_distance"]),
+        ptr(qa), ptr(kc), ptr(vc), *offsets, b * hk, g, nq, nk, d, dv, tiles.positional.offset, *mask, ptr(lse2),
+        ptr(res["max_weight"]), ptr(res["total"]), ptr(res["entropy"]), ptr(res["mean_distance"]),
         ptr(res["n_keys"]), ptr(res["key_weights"]), ptr(kp), len(kpos), ptr(res["relative_weights"]), ptr(rp), len(rel),
         ptr(res["topk_weights"]), ptr(res["topk_indices"]), res["topk_indices"].shape[-1], ptr(out_g),
         block_q, block_k, gemm, torch.get_num_threads(),
@@ -567,24 +596,26 @@ def _native_row_block(
     kernel works on contiguous copies, written back at the end. With ``v``, the kernel rescales
     ``num`` (contiguous ``(b, h, G, n, Dv)``) with the sums and leaves each tile's ``p̃`` in the
     tile, and ``num += p̃·v`` follows."""
-    from ..backends.native import ptr
+    from ..backends import native
 
+    ptr = native.ptr
     lse2 = None if lse2 is None else lse2.contiguous()
     acc = [a.contiguous() for a in views]
     mx, cnt, tot, ent, dist, kw, rw = acc
     n = q1 - q0
     rows = mx.numel()
     kp = torch.tensor(kpos, dtype=torch.long)
-    rp = torch.tensor(rel, dtype=torch.long)
+    rp = torch.tensor(native.clamp_positions(rel, q1 + abs(off), k_aug.shape[-1]), dtype=torch.long)
     threads = torch.get_num_threads()
+    dv = 0 if num is None else num.shape[-1]
     for k0, k1 in _key_blocks(tiles, q0, q1, bk):
         t, masked = _tile_scores(qa, k_aug, tiles, q0, q1, k0, k1)  # (b, h, G, n, w) in log2 units
         kernel(
             ptr(t), rows, k1 - k0, n, q0 + off, k0, int(online), int(masked),
             ptr(lse2), ptr(mx), ptr(tot), ptr(ent), ptr(dist), ptr(cnt), ptr(kw), ptr(kp), len(kpos), ptr(rw), ptr(rp), len(rel),
-            ptr(topv), ptr(topi), topv.shape[-1], ptr(num), 0 if num is None else num.shape[-1], threads,
+            ptr(topv), ptr(topi), topv.shape[-1], ptr(num), dv, threads,
         )  # fmt: skip
-        if num is not None:  # t now holds p̃
+        if num is not None and dv > 0:  # t now holds p̃ (no value columns: nothing to add)
             vb = v[..., k0:k1, :]  # (b, h, 1, w, Dv)
             if t.shape[2] == 1:
                 num.view(-1, n, num.shape[-1]).baddbmm_(t.view(-1, n, k1 - k0), vb.flatten(0, 2))

@@ -128,7 +128,11 @@ class PositionalMask:
         return not self.causal and (self.window is None or self.window == (None, None))
 
     def band(self) -> tuple[Optional[int], Optional[int]]:
-        """(lo, hi) so that key j is allowed for row i iff ``lo <= j - i <= hi``; None = open."""
+        """(lo, hi) so that key j is allowed for row i iff ``lo <= j - i <= hi``; None = open.
+
+        Bounds are clamped to ``[-Nq, Nk]``: ``j - i`` only spans ``[-(Nq - 1), Nk - 1]``, so the
+        band means the same, and a window side of any size (``sys.maxsize``, ``2**64``) gives
+        bounds that fit the kernels' 64-bit integers."""
         lo: Optional[int] = None
         hi: Optional[int] = None
         if self.window is not None:
@@ -137,7 +141,8 @@ class PositionalMask:
             hi = None if right is None else self.window_offset + right
         if self.causal:
             hi = self.offset if hi is None else min(hi, self.offset)
-        return lo, hi
+        clamp = lambda x: None if x is None else max(-self.nq, min(self.nk, x))  # noqa: E731
+        return clamp(lo), clamp(hi)
 
     def bounds(self) -> tuple[Optional[int], Optional[int]]:
         """The band relative to the causal alignment: key j is allowed iff ``p + lo <= j <= p + hi``

@@ -166,7 +166,7 @@ def test_fallback_without_a_compiler(monkeypatch, tmp_path, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="qkv"):
             assert native.library() is None
-        assert "build failed" in native.status() and "could not be built" in caplog.text
+        assert "build failed" in native.status() and "native CPU kernels are not used" in caplog.text
         got = attention_stats(q, k, is_causal=True)  # the torch formulation
         for f in FIELDS:
             assert torch.allclose(getattr(got, f).double(), getattr(want, f).double(), atol=1e-6), f
