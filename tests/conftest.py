@@ -134,22 +134,34 @@ def _fresh_seed():
 
 
 class LargestAllocation:
-    """Context manager recording the largest tensor (in elements) any torch op creates inside it."""
+    """Context manager recording the largest tensor (in elements) any torch op creates inside it;
+    ``storage_bytes=True``: the largest new storage in bytes instead (a view of an input's
+    storage, an expand say, does not count)."""
 
-    def __init__(self) -> None:
+    def __init__(self, storage_bytes: bool = False) -> None:
         self.biggest = 0
+        self.storage_bytes = storage_bytes
 
     def __enter__(self) -> "LargestAllocation":
         from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
 
         owner = self
 
+        def size(t: torch.Tensor, inputs: set[int]) -> int:
+            if not owner.storage_bytes:
+                return t.numel()
+            storage = t.untyped_storage()
+            return 0 if storage.data_ptr() in inputs else storage.nbytes()
+
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                leaves = tree_leaves((args, kwargs)) if owner.storage_bytes else ()
+                inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
                 out = func(*args, **(kwargs or {}))
-                for t in out if isinstance(out, (tuple, list)) else (out,):
+                for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor):
-                        owner.biggest = max(owner.biggest, t.numel())
+                        owner.biggest = max(owner.biggest, size(t, inputs))
                 return out
 
         self._mode = _Mode()

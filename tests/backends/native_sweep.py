@@ -7,7 +7,7 @@ Each call runs on the C kernels (``qkv/csrc``: the flash forward and backward of
 backend, the fused statistics pass, the per-tile statistics kernel, the exponential) and on the
 torch formulation (``QKV_NATIVE=0`` semantics: :func:`torch_path`), and the two must agree;
 the sanitizers (ASan, UBSan) watch every C access. Shapes are drawn to hit the edges: empty
-sizes, head dims 1–67 with dv ≠ d, GQA/MQA, Nq ≠ Nk, both causal alignments, windows with −1
+sizes, head dims 1–257 with dv ≠ d, GQA/MQA, Nq ≠ Nk, both causal alignments, windows with −1
 and huge sides, key padding with fully padded rows, broadcast (stride-0) K/V, 1–3 threads.
 Prints one line per failure and exits 1 if any; the sanitizers abort the process themselves.
 """
@@ -47,7 +47,7 @@ def draw(rng: np.random.Generator) -> dict[str, Any]:
         "g": pick([1, 1, 2, 4]),
         "nq": pick([0, 1, 2, 5, 17, 33, 70]),
         "nk": pick([0, 1, 3, 16, 17, 40, 97]),
-        "d": pick([1, 3, 8, 16, 33, 64, 67]),
+        "d": pick([1, 3, 8, 16, 33, 64, 67, 129, 257]),
         "dv": pick([None, None, 1, 5, 24]),
         "dtype": pick([torch.float32, torch.float32, torch.float64]),
         "causal": pick([False, True, "bottom_right"]),

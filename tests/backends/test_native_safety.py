@@ -21,7 +21,7 @@ from qkv.backends import chunked_native, native
 from qkv.backends.chunked import ChunkedBackend
 from qkv.inspect import attention_stats, attention_with_stats
 
-from ..conftest import make_qkv, max_err
+from ..conftest import LargestAllocation, make_qkv, max_err
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
@@ -130,7 +130,7 @@ def test_broadcast_keys_and_values_are_read_in_place(monkeypatch):
     assert base.numel() == kb.numel() and offsets is not None and (offsets == 0).all()
 
     def forward():
-        with LargestStorage() as big:
+        with LargestAllocation(storage_bytes=True) as big:
             out = qkv.attention(q, k, v, backend="chunked", is_causal="bottom_right")
         return out, big.biggest
 
@@ -141,36 +141,6 @@ def test_broadcast_keys_and_values_are_read_in_place(monkeypatch):
     full = k.numel() * k.element_size()
     print(f"largest new storage: C path {c_largest} bytes, torch {torch_largest}; K at full size {full}")
     assert c_largest <= 1.2 * torch_largest and c_largest < full / 8
-
-
-class LargestStorage:
-    """The largest storage (bytes) any torch op inside creates; views of existing storage do
-    not count (:class:`tests.conftest.LargestAllocation` counts elements, views included)."""
-
-    def __init__(self) -> None:
-        self.biggest = 0
-
-    def __enter__(self) -> "LargestStorage":
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        owner = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-                inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
-                out = func(*args, **(kwargs or {}))
-                for t in torch.utils._pytree.tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                        owner.biggest = max(owner.biggest, t.untyped_storage().nbytes())
-                return out
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
 
 
 def test_matrices_offsets_address_each_head():
