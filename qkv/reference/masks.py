@@ -55,8 +55,15 @@ def parse_alignment(alignment: Any, name: str = "window_alignment") -> Optional[
     )
 
 
+# A window side beyond this many keys sees every key of any real sequence; larger sides
+# (sys.maxsize, 2**64) are taken as this, so every bound derived from them, offsets added,
+# stays well inside the kernels' 64-bit integers.
+WINDOW_MAX = 2**62
+
+
 def parse_window(window: Any) -> WindowArg:
-    """Validate ``window=(left, right)``; ``None`` or ``-1`` on one side means unbounded."""
+    """Validate ``window=(left, right)``; ``None`` or ``-1`` on one side means unbounded, and a
+    side larger than :data:`WINDOW_MAX` means :data:`WINDOW_MAX`."""
     if window is None:
         return None
     if isinstance(window, int) and not isinstance(window, bool):
@@ -79,7 +86,7 @@ def parse_window(window: Any) -> WindowArg:
             raise ValueError(
                 f"window {side} size {w!r} must be a non-negative int, or None / -1 for unbounded"
             )
-        out.append(None if n == -1 else int(n))
+        out.append(None if n == -1 else min(int(n), WINDOW_MAX))
     return (out[0], out[1])
 
 
@@ -128,11 +135,7 @@ class PositionalMask:
         return not self.causal and (self.window is None or self.window == (None, None))
 
     def band(self) -> tuple[Optional[int], Optional[int]]:
-        """(lo, hi) so that key j is allowed for row i iff ``lo <= j - i <= hi``; None = open.
-
-        Bounds are clamped to ``[-Nq, Nk]``: ``j - i`` only spans ``[-(Nq - 1), Nk - 1]``, so the
-        band means the same, and a window side of any size (``sys.maxsize``, ``2**64``) gives
-        bounds that fit the kernels' 64-bit integers."""
+        """(lo, hi) so that key j is allowed for row i iff ``lo <= j - i <= hi``; None = open."""
         lo: Optional[int] = None
         hi: Optional[int] = None
         if self.window is not None:
@@ -141,8 +144,7 @@ class PositionalMask:
             hi = None if right is None else self.window_offset + right
         if self.causal:
             hi = self.offset if hi is None else min(hi, self.offset)
-        clamp = lambda x: None if x is None else max(-self.nq, min(self.nk, x))  # noqa: E731
-        return clamp(lo), clamp(hi)
+        return lo, hi
 
     def bounds(self) -> tuple[Optional[int], Optional[int]]:
         """The band relative to the causal alignment: key j is allowed iff ``p + lo <= j <= p + hi``
