@@ -49,7 +49,8 @@ HEADERS = ("stats_tile_impl.h", "flash_impl.h", "tile_impl.h", "vec.h")  # inclu
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11")
 
-_reason: Optional[str] = None
+_reason: Optional[str] = None  # why the kernels are not used
+_path: Optional[str] = None  # the library loaded (its canonical path in the cache)
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # qkv_stats_tile_<float|double> (see csrc/stats_tile.c for the meaning of each argument)
@@ -163,10 +164,24 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.qkv_exp2_float.argtypes, lib.qkv_exp2_float.restype = [_ptr, _ptr, _i64], None
 
 
+def _load_fresh(path: Path) -> ctypes.CDLL:
+    """Load ``path`` under a name of its own: the dynamic loader hands back the handle it
+    already has for a name it has opened, even after the file was rebuilt."""
+    link = path.with_name(f"{path.stem}.{os.getpid()}.so")
+    try:
+        os.link(path, link)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(path, link)
+    try:
+        return ctypes.CDLL(str(link))
+    finally:
+        link.unlink()
+
+
 @lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
     """The loaded kernels, or None (then :func:`status` says why)."""
-    global _reason
+    global _reason, _path
     if os.environ.get("QKV_NATIVE", "1") == "0":
         _reason = "disabled by QKV_NATIVE=0"
         return None
@@ -174,11 +189,14 @@ def library() -> Optional[ctypes.CDLL]:
     if cc is None:
         _reason = "no C compiler found (set CC, or install gcc)"
         return None
-    problem = ""
+    problem, opened = "", False
     for rebuild in (False, True):  # a verified file that still fails to load or bind is rebuilt once
         try:
-            lib = ctypes.CDLL(str(_build(cc, rebuild)))
+            path = _build(cc, rebuild)
+            lib = _load_fresh(path) if opened else ctypes.CDLL(str(path))
+            opened = True
             _bind(lib)
+            _path = str(path)
             return lib
         except (RuntimeError, subprocess.SubprocessError) as e:  # the compiler failed
             problem = f"build failed: {e}"
@@ -233,7 +251,7 @@ def status() -> str:
     if lib is None:
         return f"not used: {_reason}"
     blas = "torch's MKL" if gemm(torch.float32) is not None else "none found (tile loops in torch operations)"
-    return f"built ({lib._name}); BLAS for cache-sized tiles: {blas}"
+    return f"built ({_path}); BLAS for cache-sized tiles: {blas}"
 
 
 # ---- making arguments safe for C -----------------------------------------------------------
