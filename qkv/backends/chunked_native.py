@@ -64,11 +64,13 @@ def _sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bq: int, bk: int) 
     return (b * hk, g, nq, nk, d, dv, *native.tile_sizes(bq, bk, nq, nk))
 
 
-def key_values(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[Optional[int]], list[torch.Tensor]]:
-    """k and v for the C kernels (shared matrices read in place, :func:`native.matrices`), their
-    ``koff, voff`` pointer arguments, and the tensors to keep alive until the call returns."""
+def key_values(
+    k: torch.Tensor, v: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, Optional[torch.Tensor], list[Optional[int]], list[torch.Tensor]]:
+    """k and v (or None) for the C kernels (shared matrices read in place, :func:`native.matrices`),
+    their ``koff, voff`` pointer arguments, and the tensors to keep alive until the call returns."""
     kc, koff = native.matrices(k)
-    vc, voff = native.matrices(v)
+    vc, voff = (None, None) if v is None else native.matrices(v)
     keep = [t for t in (koff, voff) if t is not None]
     return kc, vc, [native.ptr(koff), native.ptr(voff)], keep
 

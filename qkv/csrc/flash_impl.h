@@ -7,7 +7,7 @@
 
 #include "tile_impl.h"
 
-/* p[0 .. n) = 0 (nothing, not even a look at p, when n is 0: an empty tensor's pointer may be NULL). */
+/* p[0 .. n) = 0; nothing, not even a look at p, when n is 0 (an empty tensor's pointer may be NULL). */
 static inline void FN(zero_)(T *p, int64_t n) {
     if (n > 0) memset(p, 0, sizeof(T) * (size_t)n);
 }
@@ -24,13 +24,13 @@ static inline T *FN(buffers_)(int64_t count, int *failed) {
 
 /* Forward. q: (J, G, nq, d); k: (J, nk, d); v: (J, nk, dv): query head (j, g) attends with
  * key/value head j, whose matrices start at k + koff[j] and v + voff[j] (koff/voff NULL: at
- * j·nk·d and j·nk·dv; shared heads may share one matrix); scores are q·kᵀ, and c = scale·log2 e turns their differences into log2
- * units. Masks as in qkv_attention_stats_ (band, kpad with kpad_rows / heads_per_pad; klen: NULL
+ * j·nk·d and j·nk·dv; shared heads may share one matrix); scores are q·kᵀ, and
+ * c = scale·log2 e turns their differences into log2 units. Masks as in qkv_attention_stats_ (band, kpad with kpad_rows / heads_per_pad; klen: NULL
  * or, per kpad row, how many leading keys can be real). Writes out (J, G, nq, dv): the output;
  * m (J, G, nq): each row's shift, the largest score q·kᵀ it saw (−inf when none; NaN when a score
  * was NaN); l (J, G, nq): Σ 2^((s − m)·c) (0 when none). Returns 0, or −1 when out of memory. */
-int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, const int64_t *koff, const int64_t *voff, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d,
-                       int64_t dv, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
+int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, const int64_t *koff, const int64_t *voff, int64_t J,
+                       int64_t G, int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
                        int64_t heads_per_pad, const int64_t *klen, T c, T *out, T *m, T *l, int64_t br, int64_t bc,
                        void *gemm_fn, int nthreads) {
     FN(gemm_t_) gemm = (FN(gemm_t_))gemm_fn;
@@ -98,8 +98,8 @@ int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, const int64_t *koff, 
  * head, so no two threads write the same rows; each job zeroes its own rows of dq, dk, dv
  * first (they need no initial value) and multiplies dQ and dK by `scale` in their gemms.
  * Returns 0, or −1 when out of memory. */
-int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const int64_t *koff, const int64_t *voff, const T *out, const T *dos, const T *delta, const T *dlse,
-                       const T *half_l, const T *m, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d, int64_t dv,
+int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const int64_t *koff, const int64_t *voff, const T *out,
+                       const T *dos, const T *delta, const T *dlse, const T *half_l, const T *m, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d, int64_t dv,
                        int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
                        int64_t heads_per_pad, const int64_t *klen, T c, T scale, T *dq, T *dk, T *dvv, int64_t br,
                        int64_t bc, void *gemm_fn, int nthreads) {

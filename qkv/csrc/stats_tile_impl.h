@@ -121,8 +121,8 @@ void FN(qkv_stats_tile_)(T *t, int64_t R, int64_t w, int64_t n, int64_t pos0, in
  * has_hi: the bound exists) and kpad (NULL, or (J / heads_per_pad, nk) bytes with kpad_rows = 0
  * for one row shared by all) is nonzero; klen (NULL, or per kpad row) bounds the keys visited. lse2: (J, G, nq) or NULL (online). Returns 0, or −1 when a
  * buffer could not be allocated. */
-int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, const int64_t *koff, const int64_t *voff, int64_t J, int64_t G, int64_t nq, int64_t nk, int64_t d,
-                             int64_t dv, int64_t pos_off, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad,
+int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, const int64_t *koff, const int64_t *voff, int64_t J,
+                             int64_t G, int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t pos_off, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad,
                              int64_t kpad_rows, int64_t heads_per_pad, const int64_t *klen, const T *lse2, T *mx, T *tot,
                              T *ent, T *dist,
                              int64_t *cnt, T *kw, const int64_t *kpos, int64_t P, T *rw, const int64_t *rel, int64_t Q,

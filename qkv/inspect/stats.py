@@ -559,11 +559,7 @@ def _fused_native(
         return False
     block_q, block_k = native.tile_sizes(block_q, block_k, nq, nk)
     qa = (q * (call.scale * LOG2E)).contiguous()  # (B, Hk, G, Nq, D): qa·kᵀ = s·log2e
-    if v is None:
-        kc, koff = native.matrices(k)
-        vc, offsets, _keep_kv = None, [native.ptr(koff), None], [koff]
-    else:
-        kc, vc, offsets, _keep_kv = chunked_native.key_values(k, v)
+    kc, vc, offsets, _keep_kv = chunked_native.key_values(k, v)
     mask, _keep = chunked_native.mask_args(tiles, hk, nq, nk)
     lse2 = None if lse_g is None else (lse_g.to(q.dtype) * LOG2E).contiguous()
     kp = torch.tensor(kpos, dtype=torch.long)

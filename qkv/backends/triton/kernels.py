@@ -24,8 +24,9 @@ What differs from the float64 reference
 - Scores, softmax statistics and accumulators are fp32; ``P`` is rounded to the input dtype
   before ``P @ V`` (as in FlashAttention). fp32 inputs use the ``FP32_DOT`` precision on a
   GPU: full fp32 ("ieee") under torch's default float32 matmul precision, "tf32" (~10-bit
-  mantissa products, fp32 accumulation) when torch allows it (see ``backend.fp32_dot``); the interpreter computes in full fp32, and widens bf16 tiles to
-  fp32 before ``tl.dot`` (``UPCAST``: its bf16 dot is wrong in Triton 3.6).
+  mantissa products, fp32 accumulation) when torch allows it (see ``backend.fp32_dot``); the
+  interpreter computes in full fp32, and widens bf16 tiles to fp32 before ``tl.dot``
+  (``UPCAST``: its bf16 dot is wrong in Triton 3.6).
 - No gradient for a float ``attn_mask``; no dropout.
 - Offsets inside one (batch, head) matrix are int32 (the backend declines larger slices);
   batch, head and sequence-start offsets are int64.
