@@ -11,10 +11,12 @@ device sync):
 Every other row is computed as usual: heads and rows never mix in attention, so a bad row
 cannot leak into a good one.
 
-Gradients follow from it: a NaN row's loss terms reach its query and every key and value of
-its head, so ``dq`` of a bad row is NaN, and ``dk``/``dv`` of a key/value head are NaN (every
-key) when any row reading it is bad. Kernels that skip masked or padded keys would otherwise
-return zeros there where others return NaN; :func:`gradient_rule` states the answer for all.
+Gradients: ``dk`` and ``dv`` of a key/value head are NaN (every key) when any row reading it
+is bad, and ``dq`` of every row reading a head with a NaN or infinite key or value is NaN —
+even where masks or padding exclude the bad entry, since kernels that skip masked keys would
+return zeros where others return NaN (:func:`gradient_rule` states the answer for all). The
+``dq`` of a NaN or infinite query row itself is what the formula gives, entry by entry, as
+torch's own kernels give it.
 
 Statistics (``qkv.inspect``) of a bad row: every float statistic NaN, no top-k keys (-1), and
 ``n_keys`` the number of keys its masks allow (the values never decide it).
@@ -88,10 +90,10 @@ def gradient_rule(
     if surely_finite(q, k, v):
         return dq, dk, dv
     kv_bad = ~(torch.isfinite(k).flatten(2).all(-1) & torch.isfinite(v).flatten(2).all(-1))  # (B, Hk)
-    rows = ~torch.isfinite(q).all(-1) | kv_bad[:, :, None, None]  # (B, Hk, G, Nq)
-    heads = rows.flatten(2).any(-1)[:, :, None, None, None]  # (B, Hk, 1, 1, 1)
+    heads = kv_bad | ~torch.isfinite(q).flatten(2).all(-1)  # (B, Hk): some row reading the head is bad
     nan = float("nan")
-    return dq.masked_fill(rows.unsqueeze(-1), nan), dk.masked_fill(heads, nan), dv.masked_fill(heads, nan)
+    at = lambda m: m[:, :, None, None, None]  # noqa: E731  (B, Hk) -> broadcast over (G|1, N, D)
+    return dq.masked_fill(at(kv_bad), nan), dk.masked_fill(at(heads), nan), dv.masked_fill(at(heads), nan)
 
 
 __all__ = ["gradient_rule", "guard", "nonfinite_rows", "poison", "surely_finite"]
