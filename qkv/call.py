@@ -20,6 +20,7 @@ import torch
 
 from .reference.attention import causal_bias_alignment
 from .reference.masks import Alignment, PositionalMask, parse_alignment, parse_causal, parse_window
+from .score_mods.base import BoundScore, ScoreMod, bind, captured_tensors, check_score_mod
 from .sparse import BlockSparseMask
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -54,6 +55,8 @@ class AttentionCall:
     nk: int
     d: int
     dv: int
+    score_mod: Optional[Any] = None  # a ScoreMod or a callable (score, batch, head, q_idx, kv_idx) -> score
+    sinks: Optional[torch.Tensor] = None  # (Hq,) logits that join each row's softmax denominator
 
     @property
     def positional(self) -> PositionalMask:
@@ -84,8 +87,20 @@ class AttentionCall:
     @property
     def requires_grad(self) -> bool:
         return torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (self.query, self.key, self.value, self.attn_mask)
-        )
+            t is not None and t.requires_grad for t in (self.query, self.key, self.value, self.attn_mask, self.sinks)
+        ) or (self.score_mod is not None and torch.is_grad_enabled() and bool(captured_tensors(self.score_mod)))
+
+    @property
+    def builtin_score(self) -> bool:
+        """A built-in score function (one the fused kernels run), or none at all."""
+        return self.score_mod is None or isinstance(self.score_mod, ScoreMod)
+
+    def bound_score(self) -> Optional[BoundScore]:
+        """The score function bound to this call's heads, lengths and causal alignment."""
+        if self.score_mod is None:
+            return None
+        compute = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+        return bind(self.score_mod, self.hq, self.group, self.nq, self.nk, self.alignment, compute)
 
     @property
     def bool_mask(self) -> bool:
@@ -127,6 +142,11 @@ class AttentionCall:
             parts.append(f"dropout_p={self.dropout_p}")
         if self.return_lse:
             parts.append("return_lse")
+        if self.score_mod is not None:
+            mod = self.score_mod
+            parts.append(f"score_mod={mod.describe() if isinstance(mod, ScoreMod) else getattr(mod, '__name__', type(mod).__name__)}")
+        if self.sinks is not None:
+            parts.append("sinks")
         return ", ".join(parts)
 
     # ---- normalised views for backends -------------------------------------------------
@@ -240,6 +260,8 @@ def validate(
     key_padding_mask: Any = None,
     return_lse: bool = False,
     generator: Optional[torch.Generator] = None,
+    score_mod: Any = None,
+    sinks: Any = None,
 ) -> AttentionCall:
     """Check every argument of :func:`qkv.attention` and raise errors that say how to fix them."""
     q = _check_tensor("query", query)
@@ -361,6 +383,11 @@ def validate(
             )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    score_mod = check_score_mod(score_mod)
+    if isinstance(score_mod, ScoreMod):
+        score_mod.check_heads(hq)
+    if sinks is not None:
+        sinks = _check_sinks(sinks, hq, q)
     return AttentionCall(
         query=q,
         key=k,
@@ -383,7 +410,26 @@ def validate(
         nk=nk,
         d=d,
         dv=v.shape[-1],
+        score_mod=score_mod,
+        sinks=sinks,
     )
+
+
+def _check_sinks(sinks: Any, hq: int, q: torch.Tensor) -> torch.Tensor:
+    """``sinks``: one logit per query head ``(Hq,)``, float, on the query's device, no NaN or +inf."""
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        got = sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise TypeError(f"sinks must be a float tensor of shape (query_heads,) = ({hq},), got {got}")
+    if sinks.shape != (hq,):
+        raise ValueError(
+            f"sinks has shape {_shape(sinks.shape)} but the call has {hq} query heads; give one logit per "
+            f"query head, shape ({hq},)"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {q.device}; move it with sinks.to(query.device)")
+    if not torch.compiler.is_compiling() and bool((torch.isnan(sinks) | (sinks == float("inf"))).any()):
+        raise ValueError("sinks holds NaN or +inf; a sink is a finite logit (or -inf for no sink on that head)")
+    return sinks
 
 
 def validate_qk(
@@ -396,6 +442,9 @@ def validate_qk(
     window: Any = None,
     key_padding_mask: Any = None,
     window_alignment: Any = None,
+    *,
+    score_mod: Any = None,
+    sinks: Any = None,
 ) -> AttentionCall:
     """:func:`validate` for a call about the weights alone (they do not depend on V)."""
     if not isinstance(key, torch.Tensor):
@@ -404,4 +453,5 @@ def validate_qk(
     return validate(
         query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
         window=window, window_alignment=window_alignment, key_padding_mask=key_padding_mask,
+        score_mod=score_mod, sinks=sinks,
     )  # fmt: skip

@@ -13,6 +13,7 @@ from .backends import BACKENDS, MATH_MAX_SCORES, select
 from .backends.sdpa import empty_rows_are_zero
 from .call import validate, validate_qk
 from .nonfinite import guard
+from .score_mods.base import ScoreFn, ScoreMod
 
 _log = logging.getLogger("qkv")
 _sdpa = F.scaled_dot_product_attention
@@ -35,6 +36,8 @@ def attention(
     return_lse: bool = False,
     backend: str = "auto",
     generator: Optional[torch.Generator] = None,
+    score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact scaled dot-product attention: ``softmax(query · keyᵀ · scale + mask) · value``.
 
@@ -68,6 +71,13 @@ def attention(
       (never materialises ``Nq × Nk``), ``"triton"`` (fused GPU kernels) or ``"math"``; a
       named backend never falls back.
     - ``generator``: makes dropout reproducible (math backend).
+    - ``score_mod``: changes each scaled score before the masks, FlexAttention's contract
+      ``fn(score, batch, head, q_idx, kv_idx) -> score``; built-ins in :mod:`qkv.score_mods`
+      (softcapping, ALiBi, T5 relative bias) run in the fused kernels. Order: scaled score →
+      score_mod → + float attn_mask → causal/window/padding/bool masks → softmax. Gradients
+      flow through it and into the tensors it reads (slopes, a bias table).
+    - ``sinks``: ``(Hq,)`` logits, one per query head, that join each row's softmax
+      denominator without a value (GPT-OSS); the lse includes them (see :mod:`qkv.sinks`).
     """
     # Fast path: a plain 4-D SDPA call goes straight to torch's kernel with almost no Python,
     # so small shapes pay little. It checks only what torch does not (or gets wrong): values
@@ -81,6 +91,8 @@ def attention(
         and key_padding_mask is None
         and not return_lse
         and generator is None
+        and score_mod is None
+        and sinks is None
         and is_causal.__class__ is bool
         and _CPU_EMPTY_ROWS_ZERO
     ):
@@ -134,6 +146,8 @@ def attention(
         key_padding_mask=key_padding_mask,
         return_lse=return_lse,
         generator=generator,
+        score_mod=score_mod,
+        sinks=sinks,
     )
     out, lse = select(call, backend).forward(call)
     out, lse = guard(call.query, call.key, call.value, out, lse)
@@ -151,12 +165,18 @@ def attention_weights(
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
     window_alignment: Optional[str] = None,
+    score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The softmax weights ``(..., Hq, Nq, Nk)`` that :func:`attention` applies (0 on masked rows).
+    """The softmax weights ``(..., Hq, Nq, Nk)`` that :func:`attention` applies (0 on masked rows;
+    with ``sinks`` a row sums to less than one).
 
     Materialises the full matrix; for long inputs use the inspection tools instead.
     """
-    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask, window_alignment)
+    call = validate_qk(
+        query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask, window_alignment,
+        score_mod=score_mod, sinks=sinks,
+    )  # fmt: skip
     return BACKENDS["math"].weights(call)  # type: ignore[attr-defined]
 
 

@@ -10,13 +10,14 @@ a float mask is added to the scaled scores; a row with nothing to attend to outp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from .call import AttentionCall
 from .reference.masks import PositionalMask
+from .score_mods.base import BoundScore
 
 def positional_tile(pm: PositionalMask, q0: int, q1: int, k0: int, k1: int, device: torch.device) -> Optional[torch.Tensor]:
     """Allowed pairs ``(q1-q0, k1-k0)`` from causal/window rules; None when all are allowed."""
@@ -41,10 +42,11 @@ class MaskTiles:
     device: torch.device
     key_limit: Optional[int] = None  # keys from here on are padding for every row (trimmed away)
     occupancy: Optional[list[list[int]]] = None  # 2-D prefix sums of a bool attn_mask's non-empty cells
+    score: Optional[BoundScore] = None  # the score function, applied before the masks
 
     @classmethod
     def from_call(cls, call: AttentionCall) -> "MaskTiles":
-        return cls(call.positional, call.grouped_attn_mask(), call.grouped_key_padding(), call.device)
+        return cls(call.positional, call.grouped_attn_mask(), call.grouped_key_padding(), call.device, score=call.bound_score())
 
     def narrow(self, batch: slice, heads: slice) -> "MaskTiles":
         """The masks of a sub-block of batch entries and key/value heads (grouped dims 0 and 1)."""
@@ -56,7 +58,8 @@ class MaskTiles:
                 t = t[batch]
             return t[:, heads] if t.shape[1] > 1 else t
 
-        return MaskTiles(self.positional, cut(self.attn), cut(self.padding), self.device, self.key_limit, self.occupancy)
+        score = None if self.score is None else self.score.narrow(batch, heads)
+        return MaskTiles(self.positional, cut(self.attn), cut(self.padding), self.device, self.key_limit, self.occupancy, score)
 
     # ---- skipping work that a mask rules out (host-side decisions; eager code only) ----------
 
@@ -71,7 +74,8 @@ class MaskTiles:
             return None
         return [
             (slice(i, i + 1), MaskTiles(self.positional, self.attn if self.attn is None or self.attn.shape[0] == 1 else self.attn[i : i + 1],
-                                        None, self.device, n, self.occupancy))
+                                        None, self.device, n, self.occupancy,
+                                        None if self.score is None else self.score.narrow(slice(i, i + 1), slice(None))))
             for i, n in enumerate(lengths)
         ]  # fmt: skip
 
@@ -86,7 +90,7 @@ class MaskTiles:
         nr, nc = -(-nq // CELL), -(-nk // CELL)
         cells = torch.nn.functional.pad(keep, (0, nc * CELL - nk, 0, nr * CELL - nq)).view(nr, CELL, nc, CELL).any(3).any(1)
         sums = torch.nn.functional.pad(cells.long().cumsum(0).cumsum(1), (1, 0, 1, 0))  # (nr+1, nc+1)
-        return MaskTiles(self.positional, self.attn, self.padding, self.device, self.key_limit, sums.tolist())
+        return replace(self, occupancy=sums.tolist())
 
     def tile_is_empty(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """Does the bool attn_mask (per :meth:`with_occupancy`) allow nothing in this tile?"""

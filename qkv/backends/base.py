@@ -26,6 +26,9 @@ class Backend:
     SUPPORTS_LSE: ClassVar[bool] = True
     SUPPORTS_MASK_GRAD: ClassVar[bool] = True
     MATERIALIZES_SCORES: ClassVar[bool] = False
+    # which score functions it runs: "none", "builtin" (qkv.score_mods, in its kernels) or "any"
+    SCORE_MODS: ClassVar[str] = "none"
+    SUPPORTS_SINKS: ClassVar[bool] = False
 
     def available(self) -> Optional[str]:
         """None when usable in this environment, else why not."""
@@ -48,6 +51,16 @@ class Backend:
             reasons.append("return_lse=True is not supported")
         if call.attn_mask is not None and call.attn_mask.requires_grad and torch.is_grad_enabled() and not self.SUPPORTS_MASK_GRAD:
             reasons.append("gradients with respect to a float attn_mask are not supported")
+        if call.score_mod is not None and self.SCORE_MODS != "any":
+            if self.SCORE_MODS == "none":
+                reasons.append("score_mod is not supported (it has no score function; 'chunked' and 'math' run any)")
+            elif not call.builtin_score:
+                reasons.append(
+                    "a Python score_mod cannot run in its kernels; use a built-in from qkv.score_mods "
+                    "(Softcap, ALiBi, RelativeBias) or backend='chunked'"
+                )
+        if call.sinks is not None and not self.SUPPORTS_SINKS:
+            reasons.append("attention sinks (sinks=) are not supported")
         reasons.extend(self.extra_reasons(call))
         return reasons
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import numbers
 
+from dataclasses import replace
 from typing import Any, Iterator, Optional
 
 import torch
@@ -64,6 +65,7 @@ from ..call import AttentionCall
 from ..masks import MaskTiles
 from ..nonfinite import gradient_rule
 from ..reference.masks import PositionalMask
+from ..sinks import add_sinks, grouped_sinks
 from . import chunked_native
 from .base import Backend, half_to_float
 from .chunked_native import LOG2E
@@ -186,17 +188,28 @@ class _Units:
     """
 
     def __init__(self, tiles: MaskTiles, scale: float) -> None:
-        self.natural = tiles.attn is not None and tiles.attn.dtype != torch.bool
+        self.natural = (tiles.attn is not None and tiles.attn.dtype != torch.bool) or tiles.score is not None
         self.scale = scale
+        self.score = tiles.score
         self.to_nat = 1.0 if self.natural else scale  # natural-log value of one unit of S
         self._c = scale * LOG2E
 
     def scores(self, q: torch.Tensor, kt: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        """Masked scores of one tile (raw ``q·kᵀ``, or ``q·kᵀ·scale + bias``); ``-inf`` where masked."""
+        """Masked scores of one tile (raw ``q·kᵀ``, or ``score_mod(q·kᵀ·scale) + bias``); ``-inf`` where masked."""
         s = q @ kt
         if self.natural:
             s.mul_(self.scale)
+        if self.score is not None:
+            s = tiles.score.apply(s, q0, k0)  # type: ignore[union-attr]
         return _masked(s, tiles, q0, q1, k0, k1)
+
+    def scored(self, q: torch.Tensor, kt: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the backward with a score function: the scaled products (a leaf that requires grad),
+        the modified scores (their autograd graph) and the masked scores (detached)."""
+        raw = (q @ kt).mul_(self.scale).requires_grad_()
+        with torch.enable_grad():
+            mod = tiles.score.apply(raw, q0, k0)  # type: ignore[union-attr]
+        return raw, mod, _masked(mod.detach().clone(), tiles, q0, q1, k0, k1)
 
     def exp_(self, t: torch.Tensor) -> torch.Tensor:
         """``exp(t · to_nat)`` in place, for ``t = S - m``."""
@@ -312,8 +325,10 @@ def _backward_heads(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
+    dparams: Optional[list[torch.Tensor]] = None,
 ) -> None:
-    """One group of heads; accumulates into the dq/dk/dv views.
+    """One group of heads; accumulates into the dq/dk/dv views (and, with a score function,
+    the gradients of the tensors it reads into ``dparams``).
 
     ``rows`` holds per-row tensors ``(b, h, G, Nq[, Dv])``: ``m``, ``dout`` (dO / l), ``delta``
     (δ / l), ``dlse`` (dlse / l) and ``half_l`` (l / 2). ``[dO/l, -δ/l]·[v, 1]ᵀ = dP̃ - δ/l``
@@ -338,7 +353,11 @@ def _backward_heads(
         doa, mb, hb = do_aug[:, :, :, q0:q1], m_u[:, :, :, q0:q1], half_l[:, :, :, q0:q1].unsqueeze(-1)
         peaked = bool((hb < 1.0).any())  # some row's weights sum to l < 2, so one key may hold > 1/2
         for k0, k1 in _key_blocks(tiles, q0, q1, bk):
-            p = units.exp_(units.scores(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1).sub_(mb))  # P̃ (b, h, G, bq, bk)
+            if units.score is None:
+                p = units.exp_(units.scores(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1).sub_(mb))  # P̃ (b, h, G, bq, bk)
+            else:
+                raw, mod, masked = units.scored(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1)
+                p = units.exp_(masked.sub_(mb))
             ds = (doa @ v_aug[:, :, :, k0:k1].transpose(-1, -2)).mul_(p)  # P̃ ∘ (dP̃ - δ/l)
             if peaked:
                 hit = (p > hb).nonzero(as_tuple=True)  # P = P̃ / l > 1/2
@@ -346,6 +365,12 @@ def _backward_heads(
                     bi, hi, gi, ri, ci = hit
                     diff = v[bi, hi, 0, k0 + ci] - out[bi, hi, gi, q0 + ri]  # (hits, Dv)
                     ds[hit] = p[hit] * ((do_s[bi, hi, gi, q0 + ri] * diff).sum(-1) + dlse_s[bi, hi, gi, q0 + ri])
+            if units.score is not None:  # dS of the modified scores → of the scaled products and the function's tensors
+                grads = torch.autograd.grad(mod, [raw, *units.score.tensors], ds, allow_unused=True)
+                ds = grads[0]
+                for acc, g_ in zip(dparams or (), grads[1:]):
+                    if g_ is not None:
+                        acc += g_
             dv_t = p.transpose(-1, -2) @ doa[..., :-1]  # (b, h, G, bk, Dv)
             dq[:, :, :, q0:q1] += ds @ k[:, :, :, k0:k1]
             dk_t = ds.transpose(-1, -2) @ qb
@@ -367,8 +392,10 @@ def chunked_backward(
     tiles: MaskTiles,
     scale: float,
     plan: tuple[int, int, int],
+    dparams: Optional[list[torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for q ``(B, Hk, G, Nq, D)`` and k/v ``(B, Hk, 1, Nk, ·)`` by tile recomputation.
+    """Gradients for q ``(B, Hk, G, Nq, D)`` and k/v ``(B, Hk, 1, Nk, ·)`` by tile recomputation
+    (and into ``dparams`` those of the tensors a score function reads).
 
     All tensors in the compute dtype; ``out`` is the forward's unrounded output.
     """
@@ -394,7 +421,7 @@ def chunked_backward(
         for bs, hs in _head_groups(qe.shape[0], hk, per_group):
             _backward_heads(
                 qe[bs, hs], ke[bs, hs], ve[bs, hs], oe[bs, hs], {n: t[bs, hs] for n, t in re.items()},
-                te.narrow(bs, hs), scale, bq, bk, dqe[bs, hs], dke[bs, hs], dve[bs, hs],
+                te.narrow(bs, hs), scale, bq, bk, dqe[bs, hs], dke[bs, hs], dve[bs, hs], dparams,
             )  # fmt: skip
     return dq.mul_(scale), dk.mul_(scale), dv
 
@@ -536,12 +563,42 @@ class _ChunkedBackward(torch.autograd.Function):
         return _vmap_loop(info, in_dims[:8], fn, q, k, v, out, m, l, dout, dlse)
 
 
+class _ScoredAttention(torch.autograd.Function):
+    """:class:`_ChunkedAttention` for calls with a score function: the tile loops called directly
+    (a Python callable cannot cross a custom op's schema), and gradients for the tensors the
+    function reads (``params``) as well. No ``vmap`` rule and no double backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, tiles: MaskTiles, scale: float, plan: tuple[int, int, int], *params: torch.Tensor):
+        tiles = replace(tiles, score=tiles.score.with_tensors(params))  # type: ignore[union-attr]
+        qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
+        out, m, l = chunked_forward(qc, kc, vc, tiles, scale, plan)
+        ctx.save_for_backward(q, k, v, out, m, l, *params)
+        ctx.tiles, ctx.scale, ctx.plan = tiles, scale, plan
+        ctx.mark_non_differentiable(m, l)
+        return out, lse_from(m, l, tiles, scale), m, l
+
+    @staticmethod
+    def backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor], _dm: Any, _dl: Any):
+        q, k, v, out, m, l, *params = ctx.saved_tensors
+        tiles = replace(ctx.tiles, score=ctx.tiles.score.with_tensors(params))
+        qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
+        cd = qc.dtype
+        dout = torch.zeros_like(out) if dout is None else dout.to(cd)
+        dparams = [torch.zeros_like(p) for p in params]
+        dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout, None if dlse is None else dlse.to(cd), tiles, ctx.scale, ctx.plan, dparams)
+        dq, dk, dv = gradient_rule(q, k, v, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, *dparams
+
+
 class ChunkedBackend(Backend):
     NAME = "chunked"
     DESCRIPTION = "online softmax over key blocks in torch; O(N·block) extra memory; recomputing backward"
     SUPPORTS_DROPOUT = False
     SUPPORTS_GENERATOR = False
     SUPPORTS_MASK_GRAD = False
+    SCORE_MODS = "any"
+    SUPPORTS_SINKS = True
 
     def __init__(self, block_q: Optional[int] = None, block_k: Optional[int] = None) -> None:
         self.block_q, self.block_k = check_tile_size("block_q", block_q), check_tile_size("block_k", block_k)
@@ -557,5 +614,10 @@ class ChunkedBackend(Backend):
         if q.device.type == "cpu" and (lo is not None or hi is not None):  # measured on CPUs only
             span = hi - lo + 1 if lo is not None and hi is not None else call.nk
         plan = plan_tiles(*q.shape[:3], call.nq, call.nk, self.block_q, self.block_k, span)
-        out, lse, _, _ = _ChunkedAttention.apply(q, k, v, tiles, scale, plan)
+        if tiles.score is None:
+            out, lse, _, _ = _ChunkedAttention.apply(q, k, v, tiles, scale, plan)
+        else:
+            out, lse, _, _ = _ScoredAttention.apply(q, k, v, tiles, scale, plan, *tiles.score.tensors)
+        if call.sinks is not None:
+            out, lse = add_sinks(out, lse, grouped_sinks(call.sinks, call.hk, call.group))
         return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)

@@ -30,7 +30,7 @@ LN2 = 0.6931471805599453  # log(x) = log2(x) · ln 2
 
 def _kernel(q: torch.Tensor, tiles: MaskTiles, which: str) -> Optional[tuple[Any, int]]:
     """(C function, gemm address) for this call, or None."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or tiles.attn is not None:
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or tiles.attn is not None or tiles.score is not None:
         return None
     lib, gemm = native.library(), native.gemm(q.dtype)
     if lib is None or gemm is None:

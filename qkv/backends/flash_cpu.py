@@ -52,8 +52,8 @@ BLOCK_ROWS = 64
 
 
 def can_fuse(call: AttentionCall) -> bool:
-    """Can :func:`fused_attention` run this call? CPU, no gradient, no float ``attn_mask`` or
-    dropout, equal query and value head dims, and no empty size (the kernel divides by them).
+    """Can :func:`fused_attention` run this call? CPU, no gradient, no float ``attn_mask``,
+    dropout, score function or sinks, equal query and value head dims, and no empty size (the kernel divides by them).
     A bool ``attn_mask`` shared by the key/value heads' query groups, or given per query head,
     is dispatched block-sparsely."""
     mask = call.attn_mask
@@ -62,6 +62,8 @@ def can_fuse(call: AttentionCall) -> bool:
         and not call.requires_grad
         and (mask is None or (mask.dtype == torch.bool and _grouped_bool_mask(call) is not None))
         and call.dropout_p == 0.0
+        and call.score_mod is None
+        and call.sinks is None
         and call.dv == call.d
         and call.batch_size * call.hq * call.nq * call.nk * call.d > 0
     )

@@ -13,19 +13,32 @@ import torch
 
 from ..call import AttentionCall
 from ..masks import MaskTiles, apply_tile
+from ..sinks import add_sinks, grouped_sinks
 from .base import Backend, dropout_weights, half_to_float
 
 _NEG_INF = float("-inf")
 
 
 def grouped_scores(call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Masked, scaled scores ``(B, Hk, G, Nq, Nk)`` in the compute dtype (``-inf`` = masked).
+    """Scaled scores with the score function applied and the masks: ``(B, Hk, G, Nq, Nk)`` in
+    the compute dtype (``-inf`` = masked).
 
     ``q``/``k`` are ``call.grouped_qkv()``'s first two tensors.
     """
     s = half_to_float(q) @ half_to_float(k).transpose(-1, -2) * call.scale
+    score = call.bound_score()
+    if score is not None:
+        s = score.apply(s, 0, 0)
     allowed, bias = MaskTiles.from_call(call).tile(0, call.nq, 0, call.nk)
     return apply_tile(s, allowed, bias)
+
+
+def grouped_softmax(call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights ``(B, Hk, G, Nq, Nk)`` and lse ``(B, Hk, G, Nq)`` of the call, sinks included."""
+    w, lse = softmax_with_lse(grouped_scores(call, q, k))
+    if call.sinks is not None:
+        w, lse = add_sinks(w, lse, grouped_sinks(call.sinks, call.hk, call.group))
+    return w, lse
 
 
 def softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +63,12 @@ class MathBackend(Backend):
     NAME = "math"
     DESCRIPTION = "materialises the Nq×Nk scores; supports every feature; the torch-side reference"
     MATERIALIZES_SCORES = True
+    SCORE_MODS = "any"
+    SUPPORTS_SINKS = True
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         q, k, v = call.grouped_qkv()
-        w, lse = softmax_with_lse(grouped_scores(call, q, k))
+        w, lse = grouped_softmax(call, q, k)
         if call.dropout_p > 0:
             w = dropout_weights(w, call.dropout_p, call.generator)
         out = (w @ half_to_float(v)).to(call.dtype)  # (B, Hk, G, Nq, Dv)
@@ -62,5 +77,5 @@ class MathBackend(Backend):
     def weights(self, call: AttentionCall) -> torch.Tensor:
         """Softmax weights in the caller's layout ``(..., Hq, Nq, Nk)``, dtype of the inputs."""
         q, k, _ = call.grouped_qkv()
-        w, _ = softmax_with_lse(grouped_scores(call, q, k))
+        w, _ = grouped_softmax(call, q, k)
         return call.ungroup(w).to(call.dtype)

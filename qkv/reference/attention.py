@@ -147,11 +147,15 @@ def attention_ref(
     key_padding_mask: Any = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    score_mod: Any = None,
+    sinks: Any = None,
 ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
-    """Exact attention in float64: ``softmax(q kᵀ · scale + mask) v``.
+    """Exact attention in float64: ``softmax(score_mod(q kᵀ · scale) + mask) v``.
 
     Accepts NumPy arrays or torch tensors and returns float64 NumPy arrays:
     ``out (..., Hq, Nq, Dv)`` and, with ``return_lse=True``, ``lse (..., Hq, Nq)``.
+    ``score_mod`` (a torch callable, see :mod:`qkv.score_mods`) is evaluated in float64 on the
+    whole score matrix; ``sinks`` ``(Hq,)`` join each row's denominator (:mod:`qkv.sinks`).
     """
     q, k, v = as_float64(q, "q"), as_float64(k, "k"), as_float64(v, "v")
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
@@ -186,14 +190,50 @@ def attention_ref(
         q, k, v = (np.where(np.isfinite(t), t, 0.0) for t in (q, k, v))
     with np.errstate(invalid="ignore", over="ignore"):
         scores = q @ np.swapaxes(k, -1, -2) * scale  # (..., H, Nq, Nk)
+        if score_mod is not None:
+            scores = _score_mod64(score_mod, scores, is_causal)
         if bias is not None:
             scores = scores + bias
     if allowed is not None:
         scores = np.where(allowed, scores, -np.inf)
     weights, lse = softmax_rows(scores)
+    if sinks is not None:
+        weights, lse = _with_sinks(weights, lse, as_float64(sinks, "sinks"))
     out = weights @ v  # (..., H, Nq, Dv)
     if bad.any():
         bad = np.broadcast_to(bad, lse.shape)
         out = np.where(bad[..., None], np.nan, out)
         lse = np.where(bad, np.nan, lse)
     return (out, lse) if return_lse else out
+
+
+def _score_mod64(score_mod: Any, scores: np.ndarray, is_causal: CausalArg) -> np.ndarray:
+    """``score_mod`` on float64 scores ``(..., H, Nq, Nk)``: batch = the flattened batch index,
+    head, query row (a built-in sees it at its aligned position) and key, broadcast."""
+    import torch
+
+    from ..score_mods.base import ScoreMod
+    from .masks import parse_causal
+
+    nq, nk = scores.shape[-2:]
+    shape = scores.shape if scores.ndim >= 3 else (1, *scores.shape)
+    b = int(np.prod(shape[:-3]))
+    s = torch.from_numpy(np.ascontiguousarray(scores)).reshape(b, shape[-3], nq, nk)
+    batch = torch.arange(b).view(b, 1, 1, 1)
+    head = torch.arange(shape[-3]).view(1, -1, 1, 1)
+    qi, kj = torch.arange(nq).view(1, 1, nq, 1), torch.arange(nk).view(1, 1, 1, nk)
+    if isinstance(score_mod, ScoreMod):
+        alignment = score_mod.alignment or parse_causal(is_causal)[1]
+        qi = qi + (nk - nq if alignment == "bottom_right" else 0)
+    with torch.no_grad():
+        out = torch.as_tensor(score_mod(s, batch, head, qi, kj)).to(torch.float64).expand(s.shape)
+    return out.reshape(scores.shape).numpy()
+
+
+def _with_sinks(weights: np.ndarray, lse: np.ndarray, sinks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax weights and lse with one extra logit per head in each row's denominator."""
+    sink = sinks[:, None] if lse.ndim >= 2 else sinks.reshape(())  # (H, 1) against (..., H, Nq)
+    with np.errstate(invalid="ignore"):
+        total = np.logaddexp(lse, sink)
+        keep = np.where(np.isneginf(total), 0.0, np.exp(lse - np.where(np.isneginf(total), 0.0, total)))
+    return weights * keep[..., None], total

@@ -1,0 +1,257 @@
+"""What a score function is, and how one is bound to a call and evaluated tile by tile.
+
+Contract (FlexAttention's ``score_mod``)::
+
+    score_mod(score, batch, head, q_idx, kv_idx) -> new score
+
+``score`` holds scaled scores ``q·kᵀ·scale`` in the compute dtype (float32 for 16-bit inputs,
+float64 for float64); ``batch``, ``head``, ``q_idx`` and ``kv_idx`` are integer tensors that
+broadcast against it: the flattened batch index, the *query* head, the query row and the key
+index. qkv calls the function on whole tiles at once (broadcasting), never per element, so
+write it with tensor operations: ``score + bias[head, q_idx - kv_idx]``, ``torch.where(...)``.
+
+Order in every backend::
+
+    s = q·kᵀ·scale  →  s = score_mod(s, b, h, i, j)  →  s = s + float attn_mask
+      →  -inf where causal / window / padding / bool mask forbid  →  softmax (with sinks)  →  · V
+
+Built-in score functions (:class:`ScoreMod` subclasses) are also plain callables with this
+contract, and in addition describe themselves to the fused kernels as a :class:`KernelForm`:
+an optional softcap followed by an optional bias that depends only on ``kv_idx - q_idx``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..reference.masks import Alignment, parse_alignment
+
+ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class KernelForm:
+    """A score function as the fused kernels run it: ``s → cap·tanh(s/cap)`` (when ``softcap``),
+    then ``s + rel[h, j - i + Nq - 1]`` (when ``rel``: query head h, row i, key j; shape
+    ``(Hq, Nq + Nk - 1)``, in the compute dtype, differentiable)."""
+
+    softcap: Optional[float]
+    rel: Optional[Tensor]
+
+
+class ScoreMod:
+    """Base class of the built-in score functions (:mod:`qkv.score_mods`).
+
+    A subclass implements :meth:`relative` (a bias by relative position, if any), sets
+    ``softcap`` if it caps, and names itself in :meth:`describe`. ``alignment`` places the
+    query rows for position-based functions: ``"top_left"`` (query row i at position i),
+    ``"bottom_right"`` (the last query at the last key) or None to follow ``is_causal``.
+    """
+
+    softcap: Optional[float] = None
+    alignment: Optional[Alignment] = None
+
+    def bias(self, rel: Tensor, head: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+        """The additive bias for key position minus query position ``rel`` and query head
+        ``head`` (broadcasting integer tensors), or None for a function without one."""
+        return None
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The learnable tensors the function reads (gradients flow to them)."""
+        return ()
+
+    def check_heads(self, heads: int) -> None:
+        """Raise ValueError if the function cannot serve ``heads`` query heads."""
+
+    def describe(self) -> str:
+        """One line for logs and the glass box, e.g. ``softcap 30·tanh(s/30)``."""
+        return type(self).__name__
+
+    def kernel_form(self, heads: int, nq: int, nk: int, alignment: Alignment, dtype: torch.dtype) -> KernelForm:
+        """This function for one call (query positions placed by ``self.alignment`` or, when
+        that is None, by the call's ``alignment``)."""
+        offset = nk - nq if (self.alignment or alignment) == "bottom_right" else 0
+        device = self.tensors()[0].device if self.tensors() else None
+        rel = torch.arange(-(nq - 1), nk, device=device) - offset  # key position − query position
+        b = self.bias(rel[None, :], torch.arange(heads, device=device)[:, None], dtype)
+        return KernelForm(self.softcap, None if b is None else b.expand(heads, rel.numel()))
+
+    def __call__(self, score: Tensor, batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """FlexAttention's contract, with query row i at position i (top-left)."""
+        if self.softcap is not None:
+            score = torch.tanh(score / self.softcap) * self.softcap
+        b = self.bias(kv_idx - q_idx, head, score.dtype)
+        return score if b is None else score + b
+
+    def __repr__(self) -> str:
+        return f"<qkv score_mod {self.describe()}>"
+
+
+def apply_form(form: KernelForm, score: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor, nq: int) -> Tensor:
+    """A kernel form on a tile: index tensors broadcast against ``score``; rows of ``nq``."""
+    if form.softcap is not None:
+        score = torch.tanh(score / form.softcap) * form.softcap
+    if form.rel is not None:
+        score = score + form.rel.to(score.dtype)[head, kv_idx - q_idx + (nq - 1)]
+    return score
+
+
+def check_score_mod(score_mod: Any) -> Optional[Any]:
+    """``score_mod`` as given (None, a :class:`ScoreMod` or a callable of five arguments), or
+    a TypeError that says what is expected."""
+    if score_mod is None or isinstance(score_mod, ScoreMod):
+        return score_mod
+    if not callable(score_mod):
+        raise TypeError(
+            f"score_mod must be callable as score_mod(score, batch, head, q_idx, kv_idx) -> score, got "
+            f"{type(score_mod).__name__}; see qkv.score_mods for softcap, ALiBi and relative bias"
+        )
+    try:
+        sig = inspect.signature(score_mod)
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return score_mod
+    try:
+        sig.bind(*range(5))
+    except TypeError:
+        raise TypeError(
+            f"score_mod {getattr(score_mod, '__name__', score_mod)!r} takes ({', '.join(sig.parameters)}); it must accept "
+            "five positional arguments (score, batch, head, q_idx, kv_idx), FlexAttention's contract"
+        ) from None
+    return score_mod
+
+
+def captured_tensors(fn: Any) -> tuple[Tensor, ...]:
+    """Tensors a score function reads that may need gradients: a built-in's own tensors; for a
+    plain function, the tensors in its closure, default arguments and the globals it names,
+    a ``functools.partial``'s arguments and a bound method's or ``nn.Module``'s attributes."""
+    if isinstance(fn, ScoreMod):
+        return tuple(t for t in fn.tensors() if t.requires_grad)
+    found: list[Tensor] = []
+    seen: set[int] = set()
+
+    def add(x: Any, depth: int = 0) -> None:
+        if isinstance(x, Tensor):
+            if x.requires_grad and id(x) not in seen:
+                seen.add(id(x))
+                found.append(x)
+        elif isinstance(x, torch.nn.Module):
+            for p in x.parameters():
+                add(p)
+        elif isinstance(x, (list, tuple)) and depth < 2:
+            for y in x:
+                add(y, depth + 1)
+        elif isinstance(x, dict) and depth < 2:
+            for y in x.values():
+                add(y, depth + 1)
+        elif isinstance(x, ScoreMod):
+            for t in x.tensors():
+                add(t)
+
+    def visit(f: Any, depth: int = 0) -> None:
+        if depth > 3:
+            return
+        if isinstance(f, functools.partial):
+            for a in (*f.args, *f.keywords.values()):
+                add(a)
+            visit(f.func, depth + 1)
+            return
+        if isinstance(f, torch.nn.Module):
+            add(f)
+        if inspect.ismethod(f):
+            add(f.__self__)
+            for v in vars(f.__self__).values() if hasattr(f.__self__, "__dict__") else ():
+                add(v)
+            f = f.__func__
+        code = getattr(f, "__code__", None)
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            add(value)
+            if inspect.isfunction(value) or isinstance(value, functools.partial):
+                visit(value, depth + 1)
+        for d in getattr(f, "__defaults__", None) or ():
+            add(d)
+        if code is not None:
+            g = getattr(f, "__globals__", {})
+            for name in code.co_names:
+                if name in g:
+                    add(g[name])
+        if not inspect.isfunction(f) and not inspect.ismethod(f) and hasattr(f, "__dict__"):
+            for v in vars(f).values():  # a callable object's attributes
+                add(v)
+
+    visit(fn)
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class BoundScore:
+    """A score function bound to one call, evaluated on tiles of the grouped layout
+    ``(B, Hk, G, Nq, Nk)``; :meth:`narrow` follows the backends' head and batch blocks."""
+
+    fn: ScoreFn  # the user's callable, or a built-in
+    form: Optional[KernelForm]  # how fused kernels run it (built-ins), else None
+    tensors: tuple[Tensor, ...]  # what it reads that needs gradients (for a built-in: form.rel)
+    group: int  # G: query heads per key/value head
+    nq: int
+    batch0: int = 0  # offsets of the current block in the full call's batch and key/value heads
+    head0: int = 0
+
+    def narrow(self, batch: slice, heads: slice) -> "BoundScore":
+        return replace(self, batch0=self.batch0 + (batch.start or 0), head0=self.head0 + (heads.start or 0))
+
+    def with_tensors(self, tensors: Sequence[Tensor]) -> "BoundScore":
+        """The same function reading ``tensors`` in place of its own (a built-in's ``rel``)."""
+        if self.form is None or self.form.rel is None or not tensors:
+            return self
+        return replace(self, form=KernelForm(self.form.softcap, tensors[0]), tensors=tuple(tensors))
+
+    def indices(self, shape: torch.Size, q0: int, k0: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """batch, query head, q_idx, kv_idx of a tile ``(b, h, G, n, w)`` at rows q0, keys k0."""
+        b, h, g, n, w = shape
+        ar = functools.partial(torch.arange, device=device)
+        batch = ar(self.batch0, self.batch0 + b).view(b, 1, 1, 1, 1)
+        head = (ar(self.head0, self.head0 + h).view(1, h, 1, 1, 1) * self.group + ar(g).view(1, 1, g, 1, 1))
+        return batch, head, ar(q0, q0 + n).view(1, 1, 1, n, 1), ar(k0, k0 + w).view(1, 1, 1, 1, w)
+
+    def apply(self, s: Tensor, q0: int, k0: int) -> Tensor:
+        """The modified scores of a tile ``s (b, h, G, n, w)`` (out of place; autograd flows)."""
+        batch, head, qi, ki = self.indices(s.shape, q0, k0, s.device)
+        if self.form is not None:
+            out = apply_form(self.form, s, head, qi, ki, self.nq)
+        else:
+            out = self.fn(s, batch, head, qi, ki)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"score_mod returned {type(out).__name__}; it must return the new scores as a tensor")
+        if out.shape != s.shape:
+            try:
+                out = out.expand(s.shape)
+            except RuntimeError:
+                raise ValueError(
+                    f"score_mod returned shape {tuple(out.shape)} for scores of shape {tuple(s.shape)}; it must "
+                    "return one score per (batch, head, query, key), e.g. score + bias[head, q_idx - kv_idx]"
+                ) from None
+        return out.to(s.dtype) if out.dtype != s.dtype else out
+
+
+def bind(score_mod: Any, heads: int, group: int, nq: int, nk: int, alignment: Alignment, dtype: torch.dtype) -> BoundScore:
+    """``score_mod`` for one call with ``heads`` query heads in groups of ``group``."""
+    if isinstance(score_mod, ScoreMod):
+        score_mod.check_heads(heads)
+        form = score_mod.kernel_form(heads, nq, nk, alignment, dtype)
+        rel = form.rel
+        tensors = (rel,) if rel is not None and rel.requires_grad else ()
+        return BoundScore(score_mod, form, tensors, group, nq)
+    return BoundScore(score_mod, None, captured_tensors(score_mod), group, nq)
+
+
+def alignment_arg(alignment: Any) -> Optional[Alignment]:
+    return parse_alignment(alignment, "alignment")
