@@ -411,7 +411,7 @@ def chunked_backward(
         "dlse": dlse_s,
         "half_l": torch.where(has, 0.5 * l, float("inf")),
     }
-    native = chunked_native.backward(q, k, v, out, rows, tiles, scale, bq, bk)
+    native = chunked_native.backward(q, k, v, out, rows, tiles, scale, bq, bk, dparams)
     if native is not None:
         return native
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

@@ -100,10 +100,11 @@ def forward(
 
 def backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, rows: dict[str, torch.Tensor],
-    tiles: MaskTiles, scale: float, bq: int, bk: int,
+    tiles: MaskTiles, scale: float, bq: int, bk: int, dparams: Optional[list[torch.Tensor]] = None,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
     """dq, dk, dv as :func:`.chunked.chunked_backward` returns them; ``rows`` as there (m, dout,
-    delta, dlse, half_l); or None."""
+    delta, dlse, half_l); or None. ``dparams``: accumulators for the gradients of the score
+    function's tensors (``tiles.score.tensors``)."""
     found, sizes = _kernel(q, tiles, "bwd"), _sizes(q, k, v, bq, bk)
     if found is None or sizes is None:
         return None
