@@ -203,13 +203,31 @@ class _Units:
             s = tiles.score.apply(s, q0, k0)  # type: ignore[union-attr]
         return _masked(s, tiles, q0, q1, k0, k1)
 
-    def scored(self, q: torch.Tensor, kt: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For the backward with a score function: the scaled products (a leaf that requires grad),
-        the modified scores (their autograd graph) and the masked scores (detached)."""
-        raw = (q @ kt).mul_(self.scale).requires_grad_()
+    def scored(self, q: torch.Tensor, kt: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> tuple[Any, torch.Tensor]:
+        """For the backward with a score function: the masked modified scores of a tile, and a
+        function taking their gradient ``dS'`` to ``[dS, d(each of score.tensors)]``.
+
+        Under ``torch.func`` transforms (``grad``, ``jacrev``) autograd cannot be entered, so
+        ``torch.func.vjp`` differentiates the function with its tensors passed in explicitly;
+        a plain Python function reading captured tensors then cannot pass them on."""
+        score = tiles.score
+        assert score is not None
+        raw = (q @ kt).mul_(self.scale)
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            if score.form is None and score.tensors:
+                raise NotImplementedError(
+                    "gradients for tensors a Python score_mod captures cannot be taken under torch.func "
+                    "transforms (torch.func.grad, jacrev); use loss.backward(), or a built-in from qkv.score_mods"
+                )
+            mod, vjp = torch.func.vjp(lambda r, *ts: score.with_tensors(ts).apply(r, q0, k0), raw, *score.tensors)
+            return (lambda ds: list(vjp(ds))), _masked(mod.clone(), tiles, q0, q1, k0, k1)
+        if score.form is not None:  # a built-in reads its tensors as given: differentiate fresh leaves
+            score = score.with_tensors([t.detach().requires_grad_() for t in score.tensors])
+        raw.requires_grad_()
         with torch.enable_grad():
-            mod = tiles.score.apply(raw, q0, k0)  # type: ignore[union-attr]
-        return raw, mod, _masked(mod.detach().clone(), tiles, q0, q1, k0, k1)
+            mod = score.apply(raw, q0, k0)
+        inputs = [raw, *score.tensors]
+        return (lambda ds: list(torch.autograd.grad(mod, inputs, ds, allow_unused=True))), _masked(mod.detach().clone(), tiles, q0, q1, k0, k1)
 
     def exp_(self, t: torch.Tensor) -> torch.Tensor:
         """``exp(t · to_nat)`` in place, for ``t = S - m``."""
@@ -356,7 +374,7 @@ def _backward_heads(
             if units.score is None:
                 p = units.exp_(units.scores(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1).sub_(mb))  # P̃ (b, h, G, bq, bk)
             else:
-                raw, mod, masked = units.scored(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1)
+                chain, masked = units.scored(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1)
                 p = units.exp_(masked.sub_(mb))
             ds = (doa @ v_aug[:, :, :, k0:k1].transpose(-1, -2)).mul_(p)  # P̃ ∘ (dP̃ - δ/l)
             if peaked:
@@ -366,7 +384,7 @@ def _backward_heads(
                     diff = v[bi, hi, 0, k0 + ci] - out[bi, hi, gi, q0 + ri]  # (hits, Dv)
                     ds[hit] = p[hit] * ((do_s[bi, hi, gi, q0 + ri] * diff).sum(-1) + dlse_s[bi, hi, gi, q0 + ri])
             if units.score is not None:  # dS of the modified scores → of the scaled products and the function's tensors
-                grads = torch.autograd.grad(mod, [raw, *units.score.tensors], ds, allow_unused=True)
+                grads = chain(ds)
                 ds = grads[0]
                 for acc, g_ in zip(dparams or (), grads[1:]):
                     if g_ is not None:
@@ -569,24 +587,32 @@ class _ScoredAttention(torch.autograd.Function):
     function reads (``params``) as well. No ``vmap`` rule and no double backward."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, tiles: MaskTiles, scale: float, plan: tuple[int, int, int], *params: torch.Tensor):
+    def forward(q, k, v, tiles: MaskTiles, scale: float, plan: tuple[int, int, int], *params: torch.Tensor):
         tiles = replace(tiles, score=tiles.score.with_tensors(params))  # type: ignore[union-attr]
         qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
         out, m, l = chunked_forward(qc, kc, vc, tiles, scale, plan)
-        ctx.save_for_backward(q, k, v, out, m, l, *params)
-        ctx.tiles, ctx.scale, ctx.plan = tiles, scale, plan
-        ctx.mark_non_differentiable(m, l)
         return out, lse_from(m, l, tiles, scale), m, l
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, v, tiles, scale, plan, *params = inputs
+        out, _, m, l = output
+        ctx.save_for_backward(q, k, v, out, m, l, *params)
+        ctx.tiles, ctx.scale, ctx.plan = tiles, scale, plan
+        ctx.mark_non_differentiable(m, l)
+
+    @staticmethod
     def backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor], _dm: Any, _dl: Any):
-        q, k, v, out, m, l, *params = ctx.saved_tensors
+        # detached: under torch.func, buffers made from tracked inputs would be tracked leaves
+        q, k, v, out, m, l, *params = (t.detach() for t in ctx.saved_tensors)
         tiles = replace(ctx.tiles, score=ctx.tiles.score.with_tensors(params))
         qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
         cd = qc.dtype
-        dout = torch.zeros_like(out) if dout is None else dout.to(cd)
+        dout = torch.zeros_like(out) if dout is None else dout.detach().to(cd)
+        dlse = None if dlse is None else dlse.detach().to(cd)
         dparams = [torch.zeros_like(p) for p in params]
-        dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout, None if dlse is None else dlse.to(cd), tiles, ctx.scale, ctx.plan, dparams)
+        with torch.no_grad():
+            dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout, dlse, tiles, ctx.scale, ctx.plan, dparams)
         dq, dk, dv = gradient_rule(q, k, v, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, *dparams
 

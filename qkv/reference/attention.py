@@ -191,7 +191,7 @@ def attention_ref(
     with np.errstate(invalid="ignore", over="ignore"):
         scores = q @ np.swapaxes(k, -1, -2) * scale  # (..., H, Nq, Nk)
         if score_mod is not None:
-            scores = _score_mod64(score_mod, scores, is_causal)
+            scores = _score_mod64(score_mod, scores, causal_bias_alignment(attn_mask) or parse_causal(is_causal)[1])
         if bias is not None:
             scores = scores + bias
     if allowed is not None:
@@ -207,13 +207,12 @@ def attention_ref(
     return (out, lse) if return_lse else out
 
 
-def _score_mod64(score_mod: Any, scores: np.ndarray, is_causal: CausalArg) -> np.ndarray:
+def _score_mod64(score_mod: Any, scores: np.ndarray, alignment: str) -> np.ndarray:
     """``score_mod`` on float64 scores ``(..., H, Nq, Nk)``: batch = the flattened batch index,
     head, query row (a built-in sees it at its aligned position) and key, broadcast."""
     import torch
 
     from ..score_mods.base import ScoreMod
-    from .masks import parse_causal
 
     nq, nk = scores.shape[-2:]
     shape = scores.shape if scores.ndim >= 3 else (1, *scores.shape)
@@ -223,8 +222,7 @@ def _score_mod64(score_mod: Any, scores: np.ndarray, is_causal: CausalArg) -> np
     head = torch.arange(shape[-3]).view(1, -1, 1, 1)
     qi, kj = torch.arange(nq).view(1, 1, nq, 1), torch.arange(nk).view(1, 1, 1, nk)
     if isinstance(score_mod, ScoreMod):
-        alignment = score_mod.alignment or parse_causal(is_causal)[1]
-        qi = qi + (nk - nq if alignment == "bottom_right" else 0)
+        qi = qi + (nk - nq if (score_mod.alignment or alignment) == "bottom_right" else 0)
     with torch.no_grad():
         out = torch.as_tensor(score_mod(s, batch, head, qi, kj)).to(torch.float64).expand(s.shape)
     return out.reshape(scores.shape).numpy()

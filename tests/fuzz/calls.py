@@ -135,6 +135,10 @@ class Spec:
     magnitude: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (sigma, mean)
     nonfinite: tuple[tuple[str, float], ...] = ()  # (tensor name, value) to plant at random places
     expect: Optional[str] = None  # the exception type an invalid call must raise
+    score: Optional[str] = None  # a score function: "softcap" | "alibi" | "relbias" | "fn" (see score_mod_of)
+    score_arg: float = 0.0  # softcap's cap; relbias's max distance
+    score_alignment: Optional[str] = None  # alibi / relbias: where the query rows sit (None: follow is_causal)
+    sinks: bool = False  # one sink logit per query head (base tensor "sinks")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -189,6 +193,11 @@ class Spec:
             parts.append("return_lse")
         if self.positional:
             parts.append("positional")
+        if self.score is not None:
+            arg = f"({self.score_arg:g})" if self.score_arg else ""
+            parts.append(f"score_mod={self.score}{arg}" + (f"@{self.score_alignment}" if self.score_alignment else ""))
+        if self.sinks:
+            parts.append("sinks")
         if self.grad:
             parts.append("grad=" + ",".join(self.grad) + (" via torch.func.grad" if self.grad_api == "func" else ""))
         parts.append(f"backend={self.backend}")
@@ -266,6 +275,10 @@ class Spec:
                 t.append("torch.func.grad")
         if self.nonfinite:
             t.append("nonfinite")
+        if self.score is not None:
+            t.append(f"score_mod={self.score}")
+        if self.sinks:
+            t.append("sinks")
         if self.magnitude:
             t.append("big-or-offset-values")
         if self.expect:
@@ -470,10 +483,49 @@ def _draw(seed: int, case: str) -> Spec:
         spec.grad = tuple(grad)
         if rng.random() < 0.15:
             spec.grad_api = "func"
+    # score functions and sinks (the C loops, the torch formulation and math run them)
+    if not triton and spec.expect is None:
+        if rng.random() < 0.15:
+            spec.score = _pick(rng, {"softcap": 0.3, "alibi": 0.25, "relbias": 0.2, "fn": 0.25})
+            if spec.score == "softcap":
+                spec.score_arg = float(rng.choice((0.5, 3.0, 30.0)))
+            elif spec.score == "relbias":
+                spec.score_arg = float(rng.choice((12, 20, 128)))  # past the 8 exact offsets of 32 buckets
+            if spec.score in ("alibi", "relbias") and rng.random() < 0.4:
+                spec.score_alignment = _pick(rng, {"top_left": 0.5, "bottom_right": 0.5})
+        spec.sinks = rng.random() < 0.08
+        if spec.score is not None or spec.sinks:
+            spec.backend = _pick(rng, {"auto": 0.35, "chunked": 0.4, "math": 0.15, "sdpa": 0.1})
+            if spec.grad:
+                extra = [n for n, on in (("mod", spec.score in ("alibi", "relbias", "fn")), ("sinks", spec.sinks)) if on and rng.random() < 0.7]
+                spec.grad = (*spec.grad, *extra)
     # the forward call through qkv.inspect.attention_with_stats (no gradient, keyword arguments)
-    if not triton and not spec.grad and not spec.positional and spec.window_alignment is None and rng.random() < 0.12:
+    if (
+        not triton and not spec.grad and not spec.positional and spec.window_alignment is None
+        and spec.score is None and not spec.sinks and rng.random() < 0.12
+    ):  # fmt: skip
         spec.backend = "stats"
     return spec
+
+
+def score_mod_of(spec: Spec, table: Optional[torch.Tensor]) -> Any:
+    """The score function of ``spec`` reading ``table`` (the base tensor "mod": ALiBi's slopes
+    ``(Hq,)``, T5's table ``(32, Hq)``, or a bias ``(Hq, Nq + Nk - 1)`` by offset for "fn")."""
+    from qkv.score_mods import ALiBi, RelativeBias, Softcap
+
+    if spec.score == "softcap":
+        return Softcap(spec.score_arg)
+    assert table is not None
+    if spec.score == "alibi":
+        return ALiBi(table, alignment=spec.score_alignment)
+    if spec.score == "relbias":
+        return RelativeBias(table, bidirectional=not spec.is_causal, max_distance=int(spec.score_arg), alignment=spec.score_alignment)
+    nq = spec.nq
+
+    def offset_bias(score, batch, head, q_idx, kv_idx):  # a learnable bias by offset, read from the closure
+        return score + table[head, kv_idx - q_idx + (nq - 1)] + 0.25 * torch.cos(0.5 * q_idx)
+
+    return offset_bias
 
 
 def draw(seed: int, case: str | int) -> Spec:
@@ -499,6 +551,8 @@ class Inputs:
         return layouts[name]  # type: ignore[return-value]
 
     def view(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name in ("mod", "sinks"):  # the score function's tensor and the sinks: as they are
+            return x
         return lay_out(x, self.layout(name))
 
     def logical(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -546,6 +600,17 @@ def build(spec: Spec) -> Inputs:
                 flat = x.reshape(-1)
                 flat[rng.integers(0, flat.size, size=int(rng.integers(1, 3)))] = value
         base[name] = torch.from_numpy(x).to(dtype)
+    aux = torch.float64 if spec.dtype == "float64" else torch.float32
+    hq = 1 if spec.two_d else spec.hq
+    if spec.score in ("alibi", "relbias", "fn"):
+        shape = {"alibi": (hq,), "relbias": (32, hq), "fn": (hq, max(spec.nq + spec.nk - 1, 0))}[spec.score]
+        x = rng.standard_normal(shape) * (0.3 if spec.score == "alibi" else 1.0)
+        base["mod"] = torch.from_numpy(np.abs(x) if spec.score == "alibi" else x).to(aux)
+    if spec.sinks:
+        x = rng.standard_normal(hq) * 2.0
+        if hq and rng.random() < 0.2:
+            x[rng.integers(0, hq)] = -np.inf  # no sink on one head
+        base["sinks"] = torch.from_numpy(x).to(aux)
     if spec.key_padding is not None:
         shape = spec.key_padding.base_shape
         kp = rng.random(shape) < spec.kp_density

@@ -51,7 +51,7 @@ import qkv
 from qkv.reference import attention_ref
 
 from ..device import DEVICE
-from .calls import DTYPES, Inputs, Spec, build, draw
+from .calls import DTYPES, Inputs, Spec, build, draw, score_mod_of
 from .ref64 import attention64, flash_like, truncate_bf16
 
 # Absolute error floors per dtype, on outputs of size ~1 (the values of tests/conftest.py).
@@ -184,6 +184,10 @@ def call_qkv(inputs: Inputs, backend: str, return_lse: bool, grad: bool) -> Outc
             kwargs["key_padding_mask"] = args["kp"]
         if return_lse:
             kwargs["return_lse"] = True
+        if spec.score is not None:
+            kwargs["score_mod"] = score_mod_of(spec, args.get("mod"))
+        if "sinks" in args:
+            kwargs["sinks"] = args["sinks"]
         before = {n: a.detach().clone() for n, a in args.items()} if snapshot else {}
         if backend == "stats":  # the output and lse of the statistics pass (qkv.inspect)
             ret = kwargs.pop("return_lse", False)
@@ -300,6 +304,10 @@ def _ref_args(inputs: Inputs, leaves: Optional[dict[str, torch.Tensor]] = None) 
         kw["window"] = spec.window
     if spec.window_alignment is not None:
         kw["window_alignment"] = spec.window_alignment
+    if spec.score is not None:
+        kw["score_mod"] = score_mod_of(spec, src.get("mod"))
+    if "sinks" in src:
+        kw["sinks"] = src["sinks"]
     return qkv_, kw
 
 
@@ -399,6 +407,12 @@ def natural_scales(
     }
     if "mask" in inputs.base and inputs.base["mask"].is_floating_point():
         scales["mask"] = to_leaf(ds2, "mask")
+    if "mod" in inputs.base:  # a slope or bias entry sums dS times offsets up to max(Nq, Nk)
+        reach = float(max(spec.nq, spec.nk, 1))
+        scales["mod"] = (reach * ds2.sum().sqrt()).expand(inputs.base["mod"].shape)
+    if "sinks" in inputs.base:  # dsink = Σ_rows P_sink · (dlse - δ): bounded by the rows' terms
+        rows = (do * out.abs()).sum(-1) + (0.0 if dlse is None else dlse.abs())
+        scales["sinks"] = (rows**2).sum().sqrt().expand(inputs.base["sinks"].shape)
     return scales
 
 
@@ -628,7 +642,8 @@ def _judge(spec: Spec, res: Result) -> None:
             if base.error is not None:
                 base = None
     flash = None
-    if spec.backend in FLASH_LIKE and dtype in (torch.float16, torch.bfloat16) and not spec.nonfinite:
+    # (auto never runs a score function or sinks on a kernel that rounds P: SDPA refuses them)
+    if spec.backend in FLASH_LIKE and dtype in (torch.float16, torch.bfloat16) and not spec.nonfinite and spec.score is None and not spec.sinks:
         flash = ref64_grads(inputs, flash=True)
 
     ref_out, ref_lse = oracle(inputs)

@@ -101,6 +101,8 @@ def attention64(
     window_alignment: Optional[str] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
     keep: Optional[dict] = None,
+    score_mod: Any = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` in float64 for finite inputs; autograd flows to q, k, v and a float mask.
 
@@ -110,6 +112,8 @@ def attention64(
         q, k, v, attn_mask, is_causal, scale, window, window_alignment, key_padding_mask, torch.float64
     )
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (..., Hq, Nq, Nk)
+    if score_mod is not None:
+        s = _scored(score_mod, s, _causal_bias(attn_mask) or ("bottom_right" if is_causal == "bottom_right" else "top_left"))
     if bias is not None:
         s = s + bias
     s = torch.where(allowed, s, _NEG_INF)
@@ -129,6 +133,15 @@ def attention64(
         if keep is not None:
             keep.update(q=q.detach(), k=k.detach(), v=v.detach(), p=p.detach(), scale=scale)
         lse = torch.where(has, torch.log(safe) + m, _NEG_INF).squeeze(-1)
+    if sinks is not None:  # one more logit per head in every row's denominator
+        sink = sinks.to(lse.dtype)[:, None]  # (H, 1) against (..., H, Nq)
+        both = torch.isneginf(lse) & torch.isneginf(sink)
+        total = torch.logaddexp(torch.where(both, 0.0, lse), torch.where(both, 0.0, sink))
+        share = torch.where(both, 0.0, torch.exp(torch.where(both, 0.0, lse) - total))
+        out = out * share[..., None]
+        lse = torch.where(both, _NEG_INF, total)
+        if keep:
+            keep["p"] = keep["p"] * share.detach()[..., None]
     if two_d:
         out, lse = out[0], lse[0]
     return out, lse
@@ -227,3 +240,19 @@ def flash_like(
     if two_d:
         out, lse = out[0], lse[0]
     return out, lse
+
+
+def _scored(score_mod: Any, s: torch.Tensor, alignment: str) -> torch.Tensor:
+    """``score_mod`` on scores ``(..., H, Nq, Nk)``, called with index tensors: batch (the
+    flattened batch dims), head, query row and key; a built-in sees its rows at their
+    positions (its own alignment, else the call's)."""
+    from qkv.score_mods import ScoreMod
+
+    h, nq, nk = s.shape[-3:]
+    b = math.prod(s.shape[:-3])
+    flat = s.reshape(b, h, nq, nk)
+    qi = torch.arange(nq).view(1, 1, nq, 1)
+    if isinstance(score_mod, ScoreMod) and (score_mod.alignment or alignment) == "bottom_right":
+        qi = qi + (nk - nq)
+    out = score_mod(flat, torch.arange(b).view(b, 1, 1, 1), torch.arange(h).view(1, h, 1, 1), qi, torch.arange(nk).view(1, 1, 1, nk))
+    return out.expand(flat.shape).reshape(s.shape)
