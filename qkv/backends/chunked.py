@@ -65,6 +65,7 @@ from ..call import AttentionCall
 from ..masks import MaskTiles
 from ..nonfinite import gradient_rule
 from ..reference.masks import PositionalMask
+from ..score_mods.base import BoundScore, KernelForm, captured_tensors
 from ..sinks import add_sinks, grouped_sinks
 from . import chunked_native
 from .base import Backend, half_to_float
@@ -213,16 +214,14 @@ class _Units:
         score = tiles.score
         assert score is not None
         raw = (q @ kt).mul_(self.scale)
+        if score.form is not None:  # a built-in: its derivative written out
+            mod, chain = score.vjp(raw, q0, k0)
+            return chain, _masked(mod, tiles, q0, q1, k0, k1)
         if torch._C._functorch.peek_interpreter_stack() is not None:
-            if score.form is None and score.tensors:
-                raise NotImplementedError(
-                    "gradients for tensors a Python score_mod captures cannot be taken under torch.func "
-                    "transforms (torch.func.grad, jacrev); use loss.backward(), or a built-in from qkv.score_mods"
-                )
-            mod, vjp = torch.func.vjp(lambda r, *ts: score.with_tensors(ts).apply(r, q0, k0), raw, *score.tensors)
+            if score.tensors:  # ChunkedBackend.extra_reasons refuses such calls up front
+                raise NotImplementedError("a Python score_mod's captured tensors under torch.func transforms")
+            mod, vjp = torch.func.vjp(lambda r: score.apply(r, q0, k0), raw)
             return (lambda ds: list(vjp(ds))), _masked(mod.clone(), tiles, q0, q1, k0, k1)
-        if score.form is not None:  # a built-in reads its tensors as given: differentiate fresh leaves
-            score = score.with_tensors([t.detach().requires_grad_() for t in score.tensors])
         raw.requires_grad_()
         with torch.enable_grad():
             mod = score.apply(raw, q0, k0)
@@ -450,22 +449,31 @@ def chunked_backward(
 # (the lazy shift, the dominant-weight search) without breaking the graph.
 
 
-def _tiles(q: torch.Tensor, k: torch.Tensor, attn_mask, key_padding, lo: Optional[int], hi: Optional[int]) -> MaskTiles:
-    return MaskTiles(PositionalMask.from_band(q.shape[3], k.shape[3], lo, hi), attn_mask, key_padding, q.device)
+def _tiles(
+    q: torch.Tensor, k: torch.Tensor, attn_mask, key_padding, lo: Optional[int], hi: Optional[int],
+    softcap: Optional[float] = None, rel: Optional[torch.Tensor] = None,
+) -> MaskTiles:  # fmt: skip
+    """The masks (and a built-in score function's kernel form) of a call, from the ops' arguments."""
+    score = None
+    if softcap is not None or rel is not None:
+        score = BoundScore(None, KernelForm(softcap, rel), () if rel is None else (rel,), q.shape[2], q.shape[3])
+    return MaskTiles(PositionalMask.from_band(q.shape[3], k.shape[3], lo, hi), attn_mask, key_padding, q.device, score=score)
 
 
 @torch.library.custom_op("qkv::chunked_attention_fwd", mutates_args=())
 def chunked_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], key_padding: Optional[torch.Tensor],
     lo: Optional[int], hi: Optional[int], scale: float, block_q: int, block_k: int, per_group: int,
+    softcap: Optional[float], rel: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """out, m, l of :func:`chunked_forward` in the compute dtype (16-bit inputs: float32)."""
-    tiles = _tiles(q, k, attn_mask, key_padding, lo, hi)
+    """out, m, l of :func:`chunked_forward` in the compute dtype (16-bit inputs: float32);
+    ``softcap`` and ``rel``: a built-in score function's :class:`KernelForm`."""
+    tiles = _tiles(q, k, attn_mask, key_padding, lo, hi, softcap, rel)
     return chunked_forward(half_to_float(q), half_to_float(k), half_to_float(v), tiles, scale, (block_q, block_k, per_group))
 
 
 @chunked_fwd_op.register_fake
-def _(q, k, v, attn_mask, key_padding, lo, hi, scale, block_q, block_k, per_group):
+def _(q, k, v, attn_mask, key_padding, lo, hi, scale, block_q, block_k, per_group, softcap, rel):
     cd = half_to_float(q.new_empty(0)).dtype
     rows = q.shape[:4]
     return q.new_empty(*rows, v.shape[-1], dtype=cd), q.new_empty(rows, dtype=cd), q.new_empty(rows, dtype=cd)
@@ -476,20 +484,23 @@ def chunked_bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
     dout: torch.Tensor, dlse: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], key_padding: Optional[torch.Tensor],
     lo: Optional[int], hi: Optional[int], scale: float, block_q: int, block_k: int, per_group: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """dq, dk, dv (in the inputs' dtypes) by :func:`chunked_backward`."""
-    tiles = _tiles(q, k, attn_mask, key_padding, lo, hi)
+    softcap: Optional[float], rel: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """dq, dk, dv (in the inputs' dtypes) by :func:`chunked_backward`, and the gradient of ``rel``
+    (empty without one)."""
+    tiles = _tiles(q, k, attn_mask, key_padding, lo, hi, softcap, rel)
     qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
     cd = qc.dtype
     dlse = None if dlse is None else dlse.to(cd)
-    dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout.to(cd), dlse, tiles, scale, (block_q, block_k, per_group))
+    drel = [torch.zeros_like(rel)] if rel is not None else []
+    dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout.to(cd), dlse, tiles, scale, (block_q, block_k, per_group), drel)
     dq, dk, dv = gradient_rule(q, k, v, dq, dk, dv)  # the C loops and the torch formulation skip different keys
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (drel[0] if drel else q.new_zeros(0))
 
 
 @chunked_bwd_op.register_fake
-def _(q, k, v, out, m, l, dout, dlse, attn_mask, key_padding, lo, hi, scale, block_q, block_k, per_group):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(q, k, v, out, m, l, dout, dlse, attn_mask, key_padding, lo, hi, scale, block_q, block_k, per_group, softcap, rel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), (q.new_zeros(0) if rel is None else rel.new_empty(rel.shape))
 
 
 def _is_batched(t: torch.Tensor) -> bool:
@@ -527,45 +538,55 @@ def _vmap_loop(info: Any, in_dims: tuple, fn: Any, *args: Any) -> tuple[Any, Any
     return res, (0,) * len(res)
 
 
+def _softcap(tiles: MaskTiles) -> Optional[float]:
+    return None if tiles.score is None or tiles.score.form is None else tiles.score.form.softcap
+
+
 class _ChunkedAttention(torch.autograd.Function):
     """q, k, v (grouped, any float dtype) → out, lse, and the saved m, l, all in the compute dtype
-    (16-bit inputs: float32; the caller rounds ``out``, and the backward keeps the unrounded one)."""
+    (16-bit inputs: float32; the caller rounds ``out``, and the backward keeps the unrounded one).
+    ``rel``: a built-in score function's bias by offset (``tiles.score.form.rel``), or None."""
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, plan: tuple[int, int, int]):
-        out, m, l = chunked_fwd_op(q, k, v, tiles.attn, tiles.padding, *tiles.positional.band(), scale, *plan)
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: MaskTiles, scale: float, plan: tuple[int, int, int], rel=None):
+        band = tiles.positional.band()
+        out, m, l = chunked_fwd_op(q, k, v, tiles.attn, tiles.padding, *band, scale, *plan, _softcap(tiles), rel)
         return out, lse_from(m, l, tiles, scale), m, l
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, tiles, scale, plan = inputs
+        q, k, v, tiles, scale, plan, rel = inputs
         out, _, m, l = output
-        ctx.save_for_backward(q, k, v, out, m, l)
+        ctx.save_for_backward(q, k, v, out, m, l, rel)
         ctx.tiles, ctx.scale, ctx.plan = tiles, scale, plan
         ctx.mark_non_differentiable(m, l)
 
     @staticmethod
     def backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor], _dm: Any, _dl: Any):
-        q, k, v, out, m, l = ctx.saved_tensors
+        q, k, v, out, m, l, rel = ctx.saved_tensors
         if any(t is not None and _is_batched(t) for t in (dout, dlse)):
             # batched gradients from the autograd engine itself (gradcheck's check_batched_grad,
             # autograd.grad(is_grads_batched=True)) bypass the vmap rule: use plain tensor ops
-            return (*gradient_rule(q, k, v, *_dense_backward(q, k, v, dout, dlse, ctx.tiles, ctx.scale)), None, None, None)
-        dq, dk, dv = _ChunkedBackward.apply(q, k, v, out, m, l, dout, dlse, ctx.tiles, ctx.scale, ctx.plan)
-        return dq, dk, dv, None, None, None
+            if ctx.tiles.score is not None:
+                raise NotImplementedError("batched gradients (is_grads_batched, check_batched_grad) with a score function: use backend='math'")
+            return (*gradient_rule(q, k, v, *_dense_backward(q, k, v, dout, dlse, ctx.tiles, ctx.scale)), None, None, None, None)
+        dq, dk, dv, drel = _ChunkedBackward.apply(q, k, v, out, m, l, dout, dlse, ctx.tiles, ctx.scale, ctx.plan, rel)
+        return dq, dk, dv, None, None, None, (drel if rel is not None else None)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, q, k, v, tiles, scale, plan):
-        return _vmap_loop(info, in_dims[:3], lambda q_, k_, v_: _ChunkedAttention.apply(q_, k_, v_, tiles, scale, plan), q, k, v)
+    def vmap(info: Any, in_dims: tuple, q, k, v, tiles, scale, plan, rel=None):
+        fn = lambda q_, k_, v_: _ChunkedAttention.apply(q_, k_, v_, tiles, scale, plan, rel)  # noqa: E731
+        return _vmap_loop(info, in_dims[:3], fn, q, k, v)
 
 
 class _ChunkedBackward(torch.autograd.Function):
     """The backward pass as its own function, so that ``torch.func`` can batch it (``jacrev``)."""
 
     @staticmethod
-    def forward(q, k, v, out, m, l, dout, dlse, tiles, scale, plan):
+    def forward(q, k, v, out, m, l, dout, dlse, tiles, scale, plan, rel=None):
         dout = torch.zeros_like(out) if dout is None else dout
-        return chunked_bwd_op(q, k, v, out, m, l, dout, dlse, tiles.attn, tiles.padding, *tiles.positional.band(), scale, *plan)
+        band = tiles.positional.band()
+        return chunked_bwd_op(q, k, v, out, m, l, dout, dlse, tiles.attn, tiles.padding, *band, scale, *plan, _softcap(tiles), rel)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -576,8 +597,8 @@ class _ChunkedBackward(torch.autograd.Function):
         raise RuntimeError("the chunked backend does not support double backward; use backend='math'")
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, q, k, v, out, m, l, dout, dlse, tiles, scale, plan):
-        fn = lambda *a: _ChunkedBackward.apply(*a, tiles, scale, plan)  # noqa: E731
+    def vmap(info: Any, in_dims: tuple, q, k, v, out, m, l, dout, dlse, tiles, scale, plan, rel=None):
+        fn = lambda *a: _ChunkedBackward.apply(*a, tiles, scale, plan, rel)  # noqa: E731
         return _vmap_loop(info, in_dims[:8], fn, q, k, v, out, m, l, dout, dlse)
 
 
@@ -617,6 +638,12 @@ class _ScoredAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, *dparams
 
 
+@torch.compiler.disable  # a Python callable runs in eager mode: torch.compile breaks the graph here
+def _scored_attention(q, k, v, tiles: MaskTiles, scale: float, plan: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse, _, _ = _ScoredAttention.apply(q, k, v, tiles, scale, plan, *tiles.score.tensors)  # type: ignore[union-attr]
+    return out, lse
+
+
 class ChunkedBackend(Backend):
     NAME = "chunked"
     DESCRIPTION = "online softmax over key blocks in torch; O(N·block) extra memory; recomputing backward"
@@ -629,6 +656,19 @@ class ChunkedBackend(Backend):
     def __init__(self, block_q: Optional[int] = None, block_k: Optional[int] = None) -> None:
         self.block_q, self.block_k = check_tile_size("block_q", block_q), check_tile_size("block_k", block_k)
 
+    def extra_reasons(self, call: AttentionCall) -> list[str]:
+        if (
+            call.score_mod is not None
+            and not call.builtin_score
+            and torch._C._functorch.peek_interpreter_stack() is not None
+            and captured_tensors(call.score_mod)
+        ):
+            return [
+                "under torch.func transforms (grad, jacrev, vmap) the tensors a Python score_mod reads cannot receive "
+                "gradients tile by tile; use loss.backward(), a built-in from qkv.score_mods, or backend='math'"
+            ]
+        return []
+
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.block_q is None and self.block_k is None and can_fuse(call):
             return fused_attention(call)  # no gradient: torch's fused kernel, block by block
@@ -640,10 +680,11 @@ class ChunkedBackend(Backend):
         if q.device.type == "cpu" and (lo is not None or hi is not None):  # measured on CPUs only
             span = hi - lo + 1 if lo is not None and hi is not None else call.nk
         plan = plan_tiles(*q.shape[:3], call.nq, call.nk, self.block_q, self.block_k, span)
-        if tiles.score is None:
-            out, lse, _, _ = _ChunkedAttention.apply(q, k, v, tiles, scale, plan)
+        if tiles.score is None or tiles.score.form is not None:  # no score function, or a built-in: the custom ops
+            rel = None if tiles.score is None else tiles.score.form.rel  # type: ignore[union-attr]
+            out, lse, _, _ = _ChunkedAttention.apply(q, k, v, tiles, scale, plan, rel)
         else:
-            out, lse, _, _ = _ScoredAttention.apply(q, k, v, tiles, scale, plan, *tiles.score.tensors)
+            out, lse = _scored_attention(q, k, v, tiles, scale, plan)
         if call.sinks is not None:
             out, lse = add_sinks(out, lse, grouped_sinks(call.sinks, call.hk, call.group))
         return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)

@@ -197,7 +197,7 @@ class BoundScore:
     """A score function bound to one call, evaluated on tiles of the grouped layout
     ``(B, Hk, G, Nq, Nk)``; :meth:`narrow` follows the backends' head and batch blocks."""
 
-    fn: ScoreFn  # the user's callable, or a built-in
+    fn: Optional[ScoreFn]  # the user's callable, a built-in, or None where only the kernel form is known
     form: Optional[KernelForm]  # how fused kernels run it (built-ins), else None
     tensors: tuple[Tensor, ...]  # what it reads that needs gradients (for a built-in: form.rel)
     group: int  # G: query heads per key/value head
@@ -222,12 +222,22 @@ class BoundScore:
         head = (ar(self.head0, self.head0 + h).view(1, h, 1, 1, 1) * self.group + ar(g).view(1, 1, g, 1, 1))
         return batch, head, ar(q0, q0 + n).view(1, 1, 1, n, 1), ar(k0, k0 + w).view(1, 1, 1, 1, w)
 
+    def vjp(self, raw: Tensor, q0: int, k0: int) -> tuple[Tensor, Callable[[Tensor], list[Tensor]]]:
+        """A built-in's modified tile and ``dS' → [dS, d(each of self.tensors)]`` (see :func:`form_vjp`)."""
+        assert self.form is not None
+        _, head, qi, ki = self.indices(raw.shape, q0, k0, raw.device)
+        mod, chain = form_vjp(self.form, raw, head, qi, ki, self.nq)
+        if self.tensors:
+            return mod, chain
+        return mod, lambda ds: chain(ds)[:1]
+
     def apply(self, s: Tensor, q0: int, k0: int) -> Tensor:
         """The modified scores of a tile ``s (b, h, G, n, w)`` (out of place; autograd flows)."""
         batch, head, qi, ki = self.indices(s.shape, q0, k0, s.device)
         if self.form is not None:
             out = apply_form(self.form, s, head, qi, ki, self.nq)
         else:
+            assert self.fn is not None
             out = self.fn(s, batch, head, qi, ki)
         if not isinstance(out, Tensor):
             raise TypeError(f"score_mod returned {type(out).__name__}; it must return the new scores as a tensor")
@@ -240,6 +250,29 @@ class BoundScore:
                     "return one score per (batch, head, query, key), e.g. score + bias[head, q_idx - kv_idx]"
                 ) from None
         return out.to(s.dtype) if out.dtype != s.dtype else out
+
+
+def form_vjp(form: KernelForm, raw: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor, nq: int) -> tuple[Tensor, Callable[[Tensor], list[Tensor]]]:
+    """A kernel form on a tile of scaled scores, and its vector-Jacobian product written out:
+    ``dS' → [dS, d rel]`` (``d rel`` only when the form has a bias). No autograd, so it runs
+    inside custom ops and under ``torch.func`` alike."""
+    t = torch.tanh(raw / form.softcap) if form.softcap is not None else None
+    mod = raw if t is None else t * form.softcap
+    where = None
+    if form.rel is not None:
+        where = (head, kv_idx - q_idx + (nq - 1))
+        mod = mod + form.rel.to(raw.dtype)[where]
+
+    def chain(ds: Tensor) -> list[Tensor]:
+        out = [ds if t is None else ds * (1 - t * t)]
+        if form.rel is not None and where is not None:
+            drel = torch.zeros_like(form.rel, dtype=ds.dtype)
+            idx = torch.broadcast_tensors(*where, ds)[:2]
+            drel.index_put_(idx, ds, accumulate=True)
+            out.append(drel.to(form.rel.dtype))
+        return out
+
+    return mod, chain
 
 
 def bind(score_mod: Any, heads: int, group: int, nq: int, nk: int, alignment: Alignment, dtype: torch.dtype) -> BoundScore:

@@ -490,7 +490,7 @@ def _draw(seed: int, case: str) -> Spec:
             if spec.score == "softcap":
                 spec.score_arg = float(rng.choice((0.5, 3.0, 30.0)))
             elif spec.score == "relbias":
-                spec.score_arg = float(rng.choice((12, 20, 128)))  # past the 8 exact offsets of 32 buckets
+                spec.score_arg = float(rng.choice((20, 40, 128)))  # past the 16 exact offsets of 32 causal buckets
             if spec.score in ("alibi", "relbias") and rng.random() < 0.4:
                 spec.score_alignment = _pick(rng, {"top_left": 0.5, "bottom_right": 0.5})
         spec.sinks = rng.random() < 0.08
