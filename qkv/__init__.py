@@ -1,7 +1,9 @@
 """qkv — self-attention from the equations to the metal.
 
 - :func:`qkv.attention` — exact attention, a drop-in superset of torch's SDPA;
-  :func:`qkv.attention_varlen` for packed variable-length batches.
+  :func:`qkv.attention_varlen` for packed variable-length batches; score functions
+  (:mod:`qkv.score_mods`: softcapping, ALiBi, T5 relative bias, your own) and attention
+  sinks (:mod:`qkv.sinks`).
 - :func:`qkv.linear_attention` — linear attention (elu, relu, FAVOR+ features) in O(N);
   :mod:`qkv.sparse` — block-sparse masks (Longformer, BigBird, strided, from a dense mask).
 - :func:`qkv.trace` / :class:`qkv.Trace` — the glass box: every step, with the numbers.
@@ -37,7 +39,7 @@ def __getattr__(name: str):
         from .varlen import attention_varlen
 
         value = attention_varlen
-    elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz", "distributed", "sparse", "linear"):
+    elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz", "distributed", "sparse", "linear", "score_mods", "sinks"):
         import importlib
 
         value = importlib.import_module(f".{name}", __name__)
@@ -63,6 +65,8 @@ __all__ = [
     "reference",
     "nn",
     "sparse",
+    "score_mods",
+    "sinks",
     "backends",
     "functional",
     "inspect",
