@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..functional import attention, attention_weights
+from ..score_mods.base import ScoreFn, ScoreMod, check_score_mod
 from ..sparse import BlockSparseMask
 from .cache import KVCache
 from .positional import RotaryEmbedding
@@ -49,6 +50,11 @@ class MultiHeadAttention(nn.Module):
         bias: add biases to the four projections.
         dropout: dropout on the attention weights, active in training mode only.
         kdim, vdim: feature sizes of the key and value inputs (default ``d_model``).
+        score_mod: a score function for every call (:mod:`qkv.score_mods`, e.g. ``Softcap(50.0)``
+            or ``ALiBi(alibi_slopes(H))``, or ``fn(score, batch, head, q_idx, kv_idx)``); a
+            built-in's tensors that are ``nn.Parameter`` become this module's parameters.
+        sinks: learn one attention-sink logit per query head (``self.sinks``, (H,), zeros at
+            init), joining every row's softmax denominator (:mod:`qkv.sinks`).
 
     Parameters: ``q_proj`` (E → E), ``k_proj`` (Ek → Hk·Dh), ``v_proj`` (Ev → Hk·Dh),
     ``out_proj`` (E → E).
@@ -81,6 +87,8 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         kdim: Optional[int] = None,
         vdim: Optional[int] = None,
+        score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
+        sinks: bool = False,
         device: Optional[Union[torch.device, str]] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -114,6 +122,13 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.score_mod = check_score_mod(score_mod)
+        if isinstance(score_mod, ScoreMod):
+            score_mod.check_heads(num_heads)
+            for i, t in enumerate(score_mod.tensors()):
+                if isinstance(t, nn.Parameter):
+                    self.register_parameter(f"score_mod_{i}", t)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
 
     # ----------------------------------------------------------------------------- checks
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool) -> None:
@@ -283,6 +298,10 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         edit_weights = ed is not None and getattr(ed, "edits_weights", False)
         masks = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask)
+        if self.score_mod is not None:
+            masks["score_mod"] = self.score_mod
+        if self.sinks is not None:
+            masks["sinks"] = self.sinks
         if need_weights or edit_weights:
             weights = attention_weights(q, k, enable_gqa=gqa, **masks)  # (B, H, Nq, Nk)
             if edit_weights:
