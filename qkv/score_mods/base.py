@@ -78,7 +78,7 @@ class ScoreMod:
         that is None, by the call's ``alignment``)."""
         offset = nk - nq if (self.alignment or alignment) == "bottom_right" else 0
         device = self.tensors()[0].device if self.tensors() else None
-        rel = torch.arange(-(nq - 1), nk, device=device) - offset  # key position − query position
+        rel = torch.arange(max(nq + nk - 1, 0), device=device) - (nq - 1) - offset  # key position − query position
         b = self.bias(rel[None, :], torch.arange(heads, device=device)[:, None], dtype)
         return KernelForm(self.softcap, None if b is None else b.expand(heads, rel.numel()))
 
