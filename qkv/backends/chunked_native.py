@@ -8,8 +8,10 @@ in its cache, runs the exponentials and ``dS`` over it in C, and multiplies on w
 no tile of every head written to memory and read back, and no Python per tile.
 
 Used for float32/float64 on CPUs when the native kernels are built and torch's BLAS is MKL
-(:func:`qkv.backends.native.gemm`), for the causal/window band and key padding; a call with an
-``attn_mask`` keeps the torch formulation. Each function returns None where it does not apply.
+(:func:`qkv.backends.native.gemm`), for the causal/window band, key padding and the built-in
+score functions (:mod:`qkv.score_mods`, run as their :class:`~qkv.score_mods.base.KernelForm`:
+tiles in natural units, ``m`` too); a call with an ``attn_mask`` or a score function given as a
+Python callable keeps the torch formulation. Each function returns None where it does not apply.
 The forward and the backward make the same choice for the same call, so the backward recomputes
 exactly the products whose maximum the forward kept.
 """
@@ -30,7 +32,10 @@ LN2 = 0.6931471805599453  # log(x) = log2(x) · ln 2
 
 def _kernel(q: torch.Tensor, tiles: MaskTiles, which: str) -> Optional[tuple[Any, int]]:
     """(C function, gemm address) for this call, or None."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or tiles.attn is not None or tiles.score is not None:
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or tiles.attn is not None:
+        return None
+    sc = tiles.score
+    if sc is not None and (sc.form is None or sc.batch0 or sc.head0):  # a Python callable; or a sub-block
         return None
     lib, gemm = native.library(), native.gemm(q.dtype)
     if lib is None or gemm is None:
@@ -51,6 +56,21 @@ def mask_args(tiles: MaskTiles, hk: int, nq: int, nk: int) -> tuple[list[Any], l
     klen = (kp * torch.arange(1, nk + 1)).amax(-1).contiguous()  # (B|1,)
     rows = 0 if pad.shape[0] == 1 else pad.shape[0]
     return [*args, native.ptr(kpad), rows, hk, native.ptr(klen)], [kpad, klen]
+
+
+def score_args(tiles: MaskTiles, q: torch.Tensor, scale: float) -> tuple[float, list[Any], Optional[torch.Tensor]]:
+    """The factor c that turns score differences into log2 units, the C kernels' score-function
+    arguments ``scored, scale, cap, rel, hq`` (csrc/flash_impl.h) and the ``rel`` they point
+    into (keep it alive until the call returns). Without a score function the tiles hold raw
+    products (c = scale·log2 e); with one, natural scores (c = log2 e)."""
+    sc = tiles.score
+    if sc is None:
+        return scale * LOG2E, [0, 0.0, 0.0, None, 1], None
+    form = sc.form
+    assert form is not None
+    hq = q.shape[1] * q.shape[2]
+    rel = None if form.rel is None else form.rel.detach().to(q.dtype).contiguous()  # (Hq, Nq + Nk - 1)
+    return LOG2E, [1, scale, form.softcap or 0.0, native.ptr(rel), hq], rel
 
 
 def _sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bq: int, bk: int) -> Optional[tuple[int, ...]]:
@@ -90,8 +110,9 @@ def forward(
     out = q.new_empty(*q.shape[:4], dv)
     m, l = q.new_empty(q.shape[:4]), q.new_empty(q.shape[:4])
     mask, _keep = mask_args(tiles, q.shape[1], nq, nk)
+    c, score, _rel = score_args(tiles, q, scale)
     ptr = native.ptr
-    rc = fn(ptr(qc), ptr(kc), ptr(vc), *offsets, j, g, nq, nk, d, dv, *mask, scale * LOG2E, ptr(out), ptr(m), ptr(l), bq, bk,
+    rc = fn(ptr(qc), ptr(kc), ptr(vc), *offsets, j, g, nq, nk, d, dv, *mask, c, *score, ptr(out), ptr(m), ptr(l), bq, bk,
             gemm, torch.get_num_threads())  # fmt: skip
     if rc != 0:
         raise MemoryError(f"qkv: could not allocate a {bq} x {bk} score tile per thread")
@@ -104,7 +125,8 @@ def backward(
 ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
     """dq, dk, dv as :func:`.chunked.chunked_backward` returns them; ``rows`` as there (m, dout,
     delta, dlse, half_l); or None. ``dparams``: accumulators for the gradients of the score
-    function's tensors (``tiles.score.tensors``)."""
+    function's tensors (``tiles.score.tensors``: a built-in's ``rel``, ``(Hq, Nq + Nk - 1)``),
+    added into here."""
     found, sizes = _kernel(q, tiles, "bwd"), _sizes(q, k, v, bq, bk)
     if found is None or sizes is None:
         return None
@@ -118,14 +140,20 @@ def backward(
     dk = q.new_empty(b, hk, g, nk, d)  # one slice per query head: summed over G below
     dvv = q.new_empty(b, hk, g, nk, dv)
     mask, _keep = mask_args(tiles, hk, nq, nk)
+    factor, (scored, _, cap, rel_ptr, hq), _rel = score_args(tiles, q, scale)
+    # the gradient of rel per (batch entry, query head): one row per C job, summed over the batch below
+    wants = tiles.score is not None and bool(tiles.score.tensors) and dparams
+    drel = q.new_empty(b, hk * g, nq + nk - 1) if wants else None
     ptr = native.ptr
     rc = fn(
         ptr(qc), ptr(kc), ptr(vc), *offsets, ptr(oc), ptr(c["dout"]), ptr(c["delta"]), ptr(c["dlse"]), ptr(c["half_l"]),
-        ptr(c["m"]), j, g, nq, nk, d, dv, *mask, scale * LOG2E, scale, ptr(dq), ptr(dk), ptr(dvv), bq, bk, gemm,
-        torch.get_num_threads(),
+        ptr(c["m"]), j, g, nq, nk, d, dv, *mask, factor, scored, cap, rel_ptr, hq, ptr(drel), scale, ptr(dq), ptr(dk),
+        ptr(dvv), bq, bk, gemm, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
-        raise MemoryError(f"qkv: could not allocate two {bq} x {bk} tiles per thread")
+        raise MemoryError(f"qkv: could not allocate the {bq} x {bk} tiles of a thread")
     if g > 1:
         dk, dvv = dk.sum(2, keepdim=True), dvv.sum(2, keepdim=True)
+    if drel is not None:
+        dparams[0] += drel.sum(0).to(dparams[0].dtype)  # type: ignore[index]
     return dq, dk, dvv

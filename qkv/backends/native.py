@@ -59,11 +59,11 @@ _STATS_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _int, _int, _ptr, _ptr, _ptr,
 # qkv_attention_stats_<float|double> (see csrc/stats_tile_impl.h)
 _FUSED_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 6, _i64, _i64, _i64, _int, _int, _ptr, _i64, _i64, *[_ptr] * 9, _i64, _ptr,
                _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _int]  # fmt: skip
-# qkv_flash_fwd_<float|double> and qkv_flash_bwd_<…> (see csrc/flash_impl.h); the scale factor c
-# (and the backward's scale) are the element type
+# qkv_flash_fwd_<float|double> and qkv_flash_bwd_<…> (see csrc/flash_impl.h); the scale factor c,
+# the scale and the softcap are the element type
 _MASK_ARGS = [_i64, _i64, _int, _int, _ptr, _i64, _i64, _ptr]  # band, key padding, key lengths
-_FWD_ARGS = lambda c: [*[_ptr] * 5, *[_i64] * 6, *_MASK_ARGS, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
-_BWD_ARGS = lambda c: [*[_ptr] * 11, *[_i64] * 6, *_MASK_ARGS, c, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
+_FWD_ARGS = lambda c: [*[_ptr] * 5, *[_i64] * 6, *_MASK_ARGS, c, _int, c, c, _ptr, _i64, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
+_BWD_ARGS = lambda c: [*[_ptr] * 11, *[_i64] * 6, *_MASK_ARGS, c, _int, c, _ptr, _i64, _ptr, c, *[_ptr] * 3, _i64, _i64, _ptr, _int]  # noqa: E731
 
 
 def _cpu_id() -> str:
@@ -161,7 +161,9 @@ def _bind(lib: ctypes.CDLL) -> None:
             fn.argtypes, fn.restype = args, _int
         fn = getattr(lib, f"qkv_gemm_check_{dt}")
         fn.argtypes, fn.restype = [_ptr], _int
-    lib.qkv_exp2_float.argtypes, lib.qkv_exp2_float.restype = [_ptr, _ptr, _i64], None
+    for name in ("qkv_exp2_float", "qkv_tanh_float"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [_ptr, _ptr, _i64], None
 
 
 def _load_fresh(path: Path) -> ctypes.CDLL:
@@ -242,6 +244,17 @@ def exp2(x: torch.Tensor) -> torch.Tensor:
     x = x.to(torch.float32).contiguous()
     y = torch.empty_like(x)
     lib.qkv_exp2_float(ptr(x), ptr(y), x.numel())
+    return y
+
+
+def tanh(x: torch.Tensor) -> torch.Tensor:
+    """``tanh(x)`` of a float32 CPU tensor by the kernels' own (softcapped scores; for tests)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are {status()}")
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty_like(x)
+    lib.qkv_tanh_float(ptr(x), ptr(y), x.numel())
     return y
 
 

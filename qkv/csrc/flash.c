@@ -5,6 +5,9 @@
  * V, dO, K and Q are gemms again. The torch formulation in chunked.py is the reference: the same
  * tiles in the same units, with no Nq × Nk memory.
  *
+ * A built-in score function (softcap, relative bias: qkv/score_mods) is applied to each tile
+ * after its gemm, in natural units (the scale multiplies the products first).
+ *
  * float32 rows run 8 lanes at a time (vec.h); float64, used for checking, runs scalar. */
 #include <math.h>
 #include <stdint.h>
@@ -56,6 +59,51 @@ static inline void row_ds_float(float *ds, const float *p, int64_t w, float delt
     for (; j < w; j++) ds[j] = p[j] * (ds[j] - delta);
 }
 
+/* Lanes [0, n) of p (n ≤ 8; the rest 0), and their store back. */
+static inline v8f v_load_part(const float *p, int64_t n) {
+    if (n == LANES) return v_loadu(p);
+    v8f v = v_set(0.0f);
+    for (int64_t i = 0; i < n; i++) v[i] = p[i];
+    return v;
+}
+
+static inline void v_store_part(float *p, v8f v, int64_t n) {
+    if (n == LANES) {
+        v_storeu(p, v);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) p[i] = v[i];
+}
+
+/* A built-in score function on one row of products q·kᵀ, in place: s = scale·q·kᵀ, then
+ * cap·tanh(s/cap) when cap > 0 (deriv, unless NULL: 1 − tanh²(s/cap), for the backward), then
+ * s + rel[x] when rel is not NULL (the row's relative biases, key by key). */
+static inline void row_score_float(float *row, float *deriv, const float *rel, int64_t w, float scale, float cap) {
+    const float inv = cap > 0 ? 1 / cap : 0;
+    for (int64_t j = 0; j < w; j += LANES) {
+        const int64_t n = w - j < LANES ? w - j : LANES;
+        v8f s = v_load_part(row + j, n) * v_set(scale);
+        if (cap > 0) {
+            const v8f th = v_tanh(s * v_set(inv));
+            s = th * v_set(cap);
+            if (deriv) v_store_part(deriv + j, v_set(1.0f) - th * th, n);
+        }
+        if (rel) s += v_load_part(rel + j, n);
+        v_store_part(row + j, s, n);
+    }
+}
+
+/* The gradient of a row's modified scores (ds) → of its products' scaled values: added into
+ * acc (unless NULL: the relative bias's gradient, key by key), then times deriv (unless NULL). */
+static inline void row_dscore_float(float *ds, const float *deriv, float *acc, int64_t w) {
+    for (int64_t j = 0; j < w; j += LANES) {
+        const int64_t n = w - j < LANES ? w - j : LANES;
+        v8f g = v_load_part(ds + j, n);
+        if (acc) v_store_part(acc + j, v_load_part(acc + j, n) + g, n);
+        if (deriv) v_store_part(ds + j, g * v_load_part(deriv + j, n), n);
+    }
+}
+
 static inline double row_max_double(const double *row, int64_t w, int64_t *nans) {
     double m = -INFINITY;
     int64_t nn = 0;
@@ -80,6 +128,25 @@ static inline void row_ds_double(double *ds, const double *p, int64_t w, double 
     for (int64_t j = 0; j < w; j++) ds[j] = p[j] * (ds[j] - delta);
 }
 
+static inline void row_score_double(double *row, double *deriv, const double *rel, int64_t w, double scale, double cap) {
+    for (int64_t j = 0; j < w; j++) {
+        double s = row[j] * scale;
+        if (cap > 0) {
+            const double th = tanh(s / cap);
+            s = th * cap;
+            if (deriv) deriv[j] = 1 - th * th;
+        }
+        row[j] = rel ? s + rel[j] : s;
+    }
+}
+
+static inline void row_dscore_double(double *ds, const double *deriv, double *acc, int64_t w) {
+    for (int64_t j = 0; j < w; j++) {
+        if (acc) acc[j] += ds[j];
+        if (deriv) ds[j] *= deriv[j];
+    }
+}
+
 static inline double exp2_f64(double x) { return exp2(x); }
 
 #define T float
@@ -97,6 +164,14 @@ static inline double exp2_f64(double x) { return exp2(x); }
 #undef T
 #undef SUFFIX
 #undef EXP2
+
+/* y = tanh(x) by the kernels' own v_tanh (for tests). */
+void qkv_tanh_float(const float *x, float *y, int64_t n) {
+    for (int64_t j = 0; j < n; j += LANES) {
+        const int64_t m = n - j < LANES ? n - j : LANES;
+        v_store_part(y + j, v_tanh(v_load_part(x + j, m)), m);
+    }
+}
 
 /* 1 when gemm_fn computes a small row-major product correctly through gemm_rm_ (qkv checks
  * torch's BLAS once before using it). */

@@ -51,26 +51,35 @@ static inline void FN(gemm_rm_)(FN(gemm_t_) gemm, int ta, int tb, int64_t m, int
     FN(gemm_rm_alpha_)(gemm, ta, tb, m, n, kd, 1, a, lda, b, ldb, beta, c, ldc);
 }
 
+/* Which masks cut tile rows [q0, q0 + n) × keys [k0, k0 + w): bit 1 the band, bit 2 padding. */
+static inline int FN(tile_masks_)(int64_t n, int64_t w, int64_t q0, int64_t k0, const band_t *b, const uint8_t *pad) {
+    int padded = 0;
+    if (pad)
+        for (int64_t c = 0; c < w && !padded; c++) padded = !pad[k0 + c];
+    return band_cuts(b, q0, q0 + n, k0, k0 + w) | (padded << 1);
+}
+
+/* Set the disallowed scores of one row (query row qi, keys [k0, k0 + w)) to −inf, for the masks
+ * tile_masks_ found (`masks`). */
+static inline void FN(mask_row_)(T *row, int64_t w, int64_t qi, int64_t k0, const band_t *b, const uint8_t *pad, int masks) {
+    if (masks & 1) {
+        int64_t a = b->has_lo ? qi + b->lo - k0 : 0, z = b->has_hi ? qi + b->hi + 1 - k0 : w;
+        a = a < 0 ? 0 : (a > w ? w : a);
+        z = z < a ? a : (z > w ? w : z);
+        for (int64_t c = 0; c < a; c++) row[c] = -INFINITY;
+        for (int64_t c = z; c < w; c++) row[c] = -INFINITY;
+    }
+    if (masks & 2)
+        for (int64_t c = 0; c < w; c++)
+            if (!pad[k0 + c]) row[c] = -INFINITY;
+}
+
 /* Set the disallowed scores of tile t (rows [q0, q0 + n) × keys [k0, k0 + w), row-major) to −inf;
  * return whether any mask applies to the tile. pad: the batch entry's key padding or NULL. */
 static inline int FN(mask_tile_)(T *t, int64_t n, int64_t w, int64_t q0, int64_t k0, const band_t *b,
                                  const uint8_t *pad) {
-    const int band = band_cuts(b, q0, q0 + n, k0, k0 + w);
-    int padded = 0;
-    if (pad)
-        for (int64_t c = 0; c < w && !padded; c++) padded = !pad[k0 + c];
-    if (band)
-        for (int64_t i = 0; i < n; i++) {
-            T *row = t + i * w;
-            int64_t a = b->has_lo ? q0 + i + b->lo - k0 : 0, z = b->has_hi ? q0 + i + b->hi + 1 - k0 : w;
-            a = a < 0 ? 0 : (a > w ? w : a);
-            z = z < a ? a : (z > w ? w : z);
-            for (int64_t c = 0; c < a; c++) row[c] = -INFINITY;
-            for (int64_t c = z; c < w; c++) row[c] = -INFINITY;
-        }
-    if (padded)
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t c = 0; c < w; c++)
-                if (!pad[k0 + c]) t[i * w + c] = -INFINITY;
-    return band || padded;
+    const int masks = FN(tile_masks_)(n, w, q0, k0, b, pad);
+    if (masks)
+        for (int64_t i = 0; i < n; i++) FN(mask_row_)(t + i * w, w, q0 + i, k0, b, pad, masks);
+    return masks != 0;
 }

@@ -8,7 +8,8 @@ backend, the fused statistics pass, the per-tile statistics kernel, the exponent
 torch formulation (``QKV_NATIVE=0`` semantics: :func:`torch_path`), and the two must agree;
 the sanitizers (ASan, UBSan) watch every C access. Shapes are drawn to hit the edges: empty
 sizes, head dims 1–257 with dv ≠ d, GQA/MQA, Nq ≠ Nk, both causal alignments, windows with −1
-and huge sides, key padding with fully padded rows, broadcast (stride-0) K/V, 1–3 threads.
+and huge sides, key padding with fully padded rows, broadcast (stride-0) K/V, 1–3 threads, and
+the built-in score functions (softcap, ALiBi, relative bias, with gradients into their tensors).
 Prints one line per failure and exits 1 if any; the sanitizers abort the process themselves.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -57,6 +58,7 @@ def draw(rng: np.random.Generator) -> dict[str, Any]:
         "threads": pick([1, 2, 3]),
         "block": pick([None, None, (1, 1), (7, 5), (2**40, 2**40)]),
         "topk": pick([0, 1, 3, 8]),
+        "score": pick([None, None, "softcap", "alibi", "relative", "softcap+alibi"]),
     }
 
 
@@ -84,6 +86,43 @@ def kwargs(c: dict[str, Any], gen: torch.Generator) -> dict[str, Any]:
     return kw
 
 
+def score_mod(c: dict[str, Any], gen: torch.Generator) -> Optional[Callable[[], tuple[Any, list[torch.Tensor]]]]:
+    """A maker of the drawn built-in score function and its learnable tensors (fresh leaves each
+    time, the same values), or None."""
+    from qkv.score_mods import ALiBi, RelativeBias, ScoreMod, Softcap
+
+    kind, hq = c["score"], c["hk"] * c["g"]
+    if kind is None:
+        return None
+    slopes = torch.rand(hq, generator=gen, dtype=c["dtype"])
+    table = torch.randn(8, hq, generator=gen, dtype=c["dtype"])
+    cap = float(1 + 9 * torch.rand((), generator=gen))
+
+    def make() -> tuple[Any, list[torch.Tensor]]:
+        if kind == "softcap":
+            return Softcap(cap), []
+        if kind == "relative":
+            t = table.clone().requires_grad_(True)
+            return RelativeBias(t, bidirectional=True, max_distance=20), [t]
+        s = slopes.clone().requires_grad_(True)
+        alibi = ALiBi(s, alignment="bottom_right" if c["causal"] == "bottom_right" else None)
+        if kind == "alibi":
+            return alibi, [s]
+
+        class Capped(ScoreMod):  # softcap, then ALiBi's bias: both parts of one kernel form
+            softcap, alignment = cap, alibi.alignment
+
+            def bias(self, rel, head, dtype):
+                return alibi.bias(rel, head, dtype)
+
+            def tensors(self):
+                return (s,)
+
+        return Capped(), [s]
+
+    return make
+
+
 def close(a: torch.Tensor, b: torch.Tensor, what: str) -> str:
     if a.shape != b.shape:
         return f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
@@ -100,22 +139,24 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str) -> str:
     return ""
 
 
-def attention_calls(q, k, v, kw: dict[str, Any], block) -> dict[str, torch.Tensor]:
-    """Forward (out, lse) and gradients through the chunked backend (the C flash kernels)."""
+def attention_calls(q, k, v, kw: dict[str, Any], block, score=None) -> dict[str, torch.Tensor]:
+    """Forward (out, lse) and gradients through the chunked backend (the C flash kernels); with
+    ``score`` (see :func:`score_mod`), of its tensors too."""
     from qkv.backends import BACKENDS
     from qkv.backends.chunked import ChunkedBackend
 
     saved = BACKENDS["chunked"]
     BACKENDS["chunked"] = ChunkedBackend(*(block or (None, None)))
+    mod, params = score() if score is not None else (None, [])
     try:
-        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        out, lse = qkv.attention(*leaves, return_lse=True, backend="chunked", **kw)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)] + params
+        out, lse = qkv.attention(*leaves[:3], return_lse=True, backend="chunked", score_mod=mod, **kw)
         loss = out.double().sum() + torch.where(torch.isfinite(lse), lse, 0).double().sum()
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else (None,) * 3
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else (None,) * len(leaves)
     finally:
         BACKENDS["chunked"] = saved
     res = {"out": out.detach(), "lse": lse.detach()}
-    res.update({f"d{n}": g for n, g in zip("qkv", grads) if g is not None})
+    res.update({f"d{n}": g for n, g in zip(["q", "k", "v"] + [f"score{i}" for i in range(len(params))], grads) if g is not None})
     return res
 
 
@@ -151,10 +192,11 @@ def run(seed: int, calls: int, verbose: bool = False) -> list[str]:
         gen = torch.Generator().manual_seed(seed * 100003 + i)
         q, k, v = tensors(c, gen)
         kw = kwargs(c, gen)
+        score = score_mod(c, gen)
         torch.set_num_threads(c["threads"])
-        got = {**attention_calls(q, k, v, kw, c["block"]), **stats_calls(q, k, v, kw, c)}
+        got = {**attention_calls(q, k, v, kw, c["block"], score), **stats_calls(q, k, v, kw, c)}
         with torch_path():
-            want = {**attention_calls(q, k, v, kw, c["block"]), **stats_calls(q, k, v, kw, c)}
+            want = {**attention_calls(q, k, v, kw, c["block"], score), **stats_calls(q, k, v, kw, c)}
         for name in want:
             msg = close(got[name], want[name], name)
             if msg:
