@@ -23,7 +23,18 @@ function receives HF's (B, H, Nq, D) queries and (B, Hk, Nk, D) keys/values and 
 * ``module.num_key_value_groups > 1`` → ``enable_gqa=True`` (K and V are not repeated);
 * ``sliding_window=w`` with no mask → ``window=(w - 1, 0)`` (HF's window counts the query itself);
   with a mask, the mask already encodes the window;
-* ``scaling`` → ``scale``, ``dropout`` → ``dropout_p``.
+* ``scaling`` → ``scale``, ``dropout`` → ``dropout_p``;
+* ``softcap=c`` (Gemma 2's ``attn_logit_softcapping``) → ``score_mod=Softcap(c)``, applied to the
+  scaled scores before the mask, as HF's eager code does;
+* ``s_aux`` (GPT-OSS's per-head sink logits ``module.sinks``, shape ``(H,)``) → ``sinks=s_aux``;
+* ``position_bias`` (T5) → added to the float mask (the bool mask becomes ``-inf`` there).
+
+Models whose attention layers never call transformers' attention interface (BLOOM, Falcon,
+GPT-Neo, XGLM and every other class whose modeling code does not go through
+``ALL_ATTENTION_FUNCTIONS``) would accept ``attn_implementation="qkv"`` and keep running their
+own attention. ``register()`` makes transformers refuse them when they are built or switched
+(:class:`UnsupportedModelError`, naming the class and the reason), as it does for the flash
+implementations on models without support.
 
 Observers (:func:`add_observer`, :func:`observe`) get an :class:`HFAttentionCall` per call,
 with the log-sum-exp of every query row; :mod:`qkv.inspect` builds on them. Interventions
@@ -34,6 +45,10 @@ head outputs during the call.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -41,9 +56,12 @@ import torch
 from torch import Tensor
 
 from .functional import attention, attention_weights
+from .score_mods import Softcap
 
 __all__ = [
     "NAME",
+    "UnsupportedModelError",
+    "unsupported_reason",
     "register",
     "is_registered",
     "attention_forward",
@@ -71,8 +89,11 @@ class HFAttentionCall:
     ``output`` (B, H, Nq, D), ``lse`` (B, H, Nq) float32 natural-log log-sum-exp of each
     query row's scores (``-inf`` for a row that sees no key). ``attn_mask`` is the mask qkv
     received (None, bool or float, broadcastable to (B, H, Nq, Nk)); ``is_causal`` and
-    ``window`` complete it. ``module`` is the HF attention module (``layer_idx`` is its
-    layer, when the model sets it).
+    ``window`` complete it. ``score_mod`` is the score function applied to the scaled scores
+    before the mask (``Softcap`` for Gemma 2, else None) and ``sinks`` the ``(H,)`` sink
+    logits that join each row's softmax denominator (GPT-OSS, else None); ``lse`` includes
+    the sinks, so ``exp(score_mod(s) + mask - lse)`` are the weights the model uses.
+    ``module`` is the HF attention module (``layer_idx`` is its layer, when the model sets it).
     """
 
     module: Any
@@ -85,6 +106,8 @@ class HFAttentionCall:
     scale: Optional[float]
     output: Tensor
     lse: Tensor
+    score_mod: Optional[Any] = None
+    sinks: Optional[Tensor] = None
 
     @property
     def layer_idx(self) -> Optional[int]:
@@ -95,8 +118,16 @@ class HFAttentionCall:
         return (
             f"HFAttentionCall(layer_idx={self.layer_idx}, module={type(self.module).__name__}, "
             f"query={tuple(self.query.shape)}, key={tuple(self.key.shape)}, mask={mask}, "
-            f"is_causal={self.is_causal}, window={self.window}, output={tuple(self.output.shape)})"
+            f"is_causal={self.is_causal}, window={self.window}, output={tuple(self.output.shape)}"
+            + ("" if self.score_mod is None else f", score_mod={_describe(self.score_mod)}")
+            + ("" if self.sinks is None else f", sinks={tuple(self.sinks.shape)}")
+            + ")"
         )
+
+
+def _describe(fn: Any) -> str:
+    describe = getattr(fn, "describe", None)
+    return describe() if callable(describe) else getattr(fn, "__name__", type(fn).__name__)
 
 
 # ---------------------------------------------------------------------------------- observers
@@ -156,11 +187,23 @@ def record_stats(
 
     collected: List[Any] = []
 
+    extra = _stats_params(attention_stats)
+
     def on_call(c: HFAttentionCall) -> None:
+        kw = {}
+        for name in ("score_mod", "sinks"):
+            if getattr(c, name) is not None:
+                if name not in extra:  # statistics without them would describe other weights
+                    raise NotImplementedError(
+                        f"record_stats: layer {c.layer_idx} calls attention with {name}= "
+                        f"({_describe(c.score_mod) if name == 'score_mod' else 'attention sinks'}), which "
+                        "qkv.inspect.attention_stats does not take yet; observe the calls with qkv.hf.observe()"
+                    )
+                kw[name] = getattr(c, name)
         st = attention_stats(
             c.query, c.key, lse=c.lse, attn_mask=c.attn_mask, is_causal=c.is_causal, window=c.window,
             scale=c.scale, enable_gqa=c.query.shape[1] != c.key.shape[1], topk=topk,
-            key_positions=key_positions, relative_positions=relative_positions,
+            key_positions=key_positions, relative_positions=relative_positions, **kw,
         )  # fmt: skip
         st.layer_idx = c.layer_idx
         collected.append(st)
@@ -169,10 +212,20 @@ def record_stats(
         yield collected
 
 
+def _stats_params(fn: Callable[..., Any]) -> frozenset:
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
 # ---------------------------------------------------------------------------------- the function
+# Arguments some models pass that qkv cannot express. Each is refused rather than ignored: the
+# sparse indices are what those models fold into the mask only for "eager" and "sdpa".
 _UNSUPPORTED_KWARGS = {
-    "softcap": "logit soft-capping (tanh on the scores)",
-    "s_aux": "attention sinks",
+    "sinks": "per-token sink logits (qkv's sinks are one logit per head, as GPT-OSS's s_aux)",
+    "indices": "sparse attention indices (top-k keys per query)",
+    "block_indices": "block-sparse attention indices",
 }
 
 
@@ -187,20 +240,33 @@ def attention_forward(
     is_causal: Optional[bool] = None,
     sliding_window: Optional[int] = None,
     position_bias: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[Tensor] = None,
     **kwargs: Any,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """A Hugging Face attention function running on :func:`qkv.attention`.
 
     ``query`` (B, H, Nq, D), ``key``/``value`` (B, Hk, Nk, D) → ``(out (B, Nq, H, D), weights)``;
     ``weights`` (B, H, Nq, Nk) only when ``output_attentions=True`` is passed, else None.
-    See the module docstring for how HF's masks map to qkv's.
+    See the module docstring for how HF's arguments map to qkv's.
     """
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(
-                f"qkv's Hugging Face attention does not support {name}= ({what}); use "
-                "attn_implementation='eager' for this model"
+                f"qkv's Hugging Face attention does not support {name}= ({what}), which "
+                f"{type(module).__name__} passes; load this model with attn_implementation='eager' or 'sdpa'"
             )
+    score_mod = Softcap(softcap) if softcap else None  # HF passes None (or 0) for "no cap"
+    sinks = None
+    if s_aux is not None:
+        h = query.shape[1]
+        if not isinstance(s_aux, Tensor) or not s_aux.is_floating_point() or s_aux.shape != (h,):
+            got = f"{s_aux.dtype} {tuple(s_aux.shape)}" if isinstance(s_aux, Tensor) else type(s_aux).__name__
+            raise ValueError(
+                f"{type(module).__name__} passes s_aux={got}; qkv takes attention sinks as one float "
+                f"logit per query head, shape ({h},)"
+            )
+        sinks = s_aux.to(query.device)
     nq, nk = query.shape[-2], key.shape[-2]
     groups = getattr(module, "num_key_value_groups", 1) or 1
     if is_causal is None:
@@ -244,26 +310,32 @@ def attention_forward(
         enable_gqa=gqa,
         window=window,
         return_lse=observed,
+        score_mod=score_mod,
+        sinks=sinks,
     )
     out, lse = result if observed else (result, None)  # (B, H, Nq, D), (B, H, Nq)
     if ed is not None:
         if ed.edits_weights:  # the weights themselves are edited: materialise, edit, multiply by V
-            w = ed("weights", attention_weights(query, key, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa, window=window))
+            w = ed("weights", attention_weights(
+                query, key, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa, window=window,
+                score_mod=score_mod, sinks=sinks,
+            ))  # fmt: skip
             if dropout_p > 0:
                 w = torch.nn.functional.dropout(w, dropout_p)
             b, hk, nk_, d = value.shape
             out = (w.reshape(b, hk, -1, nq, nk_) @ value.unsqueeze(2)).reshape(b, -1, nq, d)  # (B, H, Nq, D)
         out = ed("output", out)
     if observed:
-        call = HFAttentionCall(module, query, key, value, mask, causal, window, scaling, out, lse)
+        call = HFAttentionCall(module, query, key, value, mask, causal, window, scaling, out, lse, score_mod, sinks)
         for fn in tuple(_OBSERVERS):
             fn(call)
 
     weights = None
     if kwargs.get("output_attentions"):
         weights = attention_weights(
-            query, key, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa, window=window
-        )  # (B, H, Nq, Nk)
+            query, key, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa, window=window,
+            score_mod=score_mod, sinks=sinks,
+        )  # (B, H, Nq, Nk); with sinks a row sums to less than one, as in HF's eager code
     return out.transpose(1, 2).contiguous(), weights  # (B, Nq, H, D)
 
 
@@ -284,13 +356,17 @@ def register(name: str = NAME) -> str:
     """Make ``attn_implementation=name`` (default ``"qkv"``) run on :func:`qkv.attention`.
 
     Registers the attention function and the boolean (sdpa-style) mask builder under
-    ``name``; safe to call more than once. Returns ``name``. Afterwards:
+    ``name``, and makes transformers refuse, under that name, model classes whose attention
+    does not go through the interface (:class:`UnsupportedModelError`). Safe to call more
+    than once. Returns ``name``. Afterwards:
     ``AutoModel.from_config(cfg, attn_implementation="qkv")`` or
     ``model.set_attn_implementation("qkv")``.
     """
     attention_interface, mask_interface, sdpa_mask = _interfaces()
     attention_interface.register(name, attention_forward)
     mask_interface.register(name, sdpa_mask)
+    _NAMES.add(name)
+    _install_checks()
     return name
 
 
@@ -301,3 +377,141 @@ def is_registered(name: str = NAME) -> bool:
     except ImportError:
         return False
     return attention_interface._global_mapping.get(name) is attention_forward
+
+
+# ---------------------------------------------------------------------------------- refusal
+class UnsupportedModelError(ValueError):
+    """A model class whose attention would not run on qkv under ``attn_implementation="qkv"``.
+
+    transformers accepts any registered name, even for classes that never call its attention
+    interface; those would silently keep their own attention (or fail with a bare KeyError).
+    """
+
+
+_NAMES: set[str] = set()  # the names register() gave qkv
+
+# Architectures that qkv could run exactly with a little wiring, said in the refusal.
+_NOT_WIRED = "is one qkv can express (qkv.score_mods.ALiBi), but it is not wired yet. "
+_NOTES = {
+    "bloom": "BLOOM's ALiBi bias " + _NOT_WIRED,
+    "mpt": "MPT's ALiBi bias " + _NOT_WIRED,
+    "falcon": "Falcon's rotary or ALiBi attention " + _NOT_WIRED,
+}
+
+# transformers' own test of a modeling file (PreTrainedModel._can_set_attn_implementation): it
+# defines an attention layer, and no code in it reaches the interface. Older releases indexed
+# ALL_ATTENTION_FUNCTIONS[...] instead of calling get_interface(...): both count.
+_DEFINES_ATTENTION = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
+_USES_INTERFACE = re.compile(r"ALL_ATTENTION_FUNCTIONS\s*(?:\.get_interface\(|\[)")
+# A layer that computes attention itself: softmax of a product, torch's SDPA or torch's MHA.
+_SOFTMAX = re.compile(r"softmax\(")
+_PRODUCT = re.compile(r"matmul\(|bmm\(|einsum\(|\s@\s")
+_FUSED = re.compile(r"scaled_dot_product_attention\(|multi_head_attention_forward\(")
+
+
+@functools.lru_cache(maxsize=None)
+def _file_bypasses(module_name: str) -> bool:
+    try:
+        src = inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):  # no source (a REPL class): nothing to judge by
+        return False
+    return bool(_DEFINES_ATTENTION.search(src)) and not _USES_INTERFACE.search(src)
+
+
+_OWN_ATTENTION: Dict[type, bool] = {}  # module class -> whether it computes attention itself
+
+
+def _computes_own_attention(cls: type) -> bool:
+    if cls not in _OWN_ATTENTION:
+        _OWN_ATTENTION[cls] = _judge_module_class(cls)
+    return _OWN_ATTENTION[cls]
+
+
+def _judge_module_class(cls: type) -> bool:
+    if not re.search("Attention|Attn", cls.__name__):
+        return False
+    owner = next((k for k in cls.__mro__ if "forward" in vars(k)), None)
+    if owner is None or owner is torch.nn.Module:
+        return False
+    try:
+        src = inspect.getsource(owner)
+    except (OSError, TypeError):
+        return False
+    if "ALL_ATTENTION_FUNCTIONS" in src or "attention_interface" in src:
+        return False
+    return bool(_FUSED.search(src) or (_SOFTMAX.search(src) and _PRODUCT.search(src)))
+
+
+def unsupported_reason(model: Any) -> Optional[str]:
+    """Why ``model`` (a transformers ``PreTrainedModel`` or its class) cannot run on qkv's
+    attention, or None when every attention layer it has goes through the interface.
+
+    A class is refused when a modeling file it comes from defines attention layers that never
+    call ``ALL_ATTENTION_FUNCTIONS`` (transformers' own test for
+    ``set_attn_implementation``); a built model also when any of its modules named like an
+    attention layer computes a softmax of scores, torch's SDPA or torch's multi-head attention
+    itself (an audio tower, a pooling head).
+    """
+    from transformers import PreTrainedModel
+
+    cls = model if isinstance(model, type) else type(model)
+    for k in cls.__mro__:
+        if k is PreTrainedModel:
+            break
+        if issubclass(k, PreTrainedModel) and _file_bypasses(k.__module__):
+            return (
+                f"its attention layers ({k.__module__}) compute attention themselves and never call "
+                "transformers' attention interface, so 'qkv' would be accepted and never run"
+            )
+    if isinstance(model, torch.nn.Module):
+        own = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if _computes_own_attention(type(m))]
+        if own:
+            more = f" and {len(own) - 2} more" if len(own) > 2 else ""
+            return (
+                f"its module{'s' if len(own) > 1 else ''} {', '.join(own[:2])}{more} compute attention "
+                "outside transformers' attention interface, so the model would run partly on qkv and "
+                "partly on its own attention"
+            )
+    return None
+
+
+def _refuse(model: Any, name: str) -> None:
+    reason = unsupported_reason(model)
+    if reason is not None:
+        note = _NOTES.get(str(getattr(getattr(model, "config", None), "model_type", "")), "")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} cannot run on attn_implementation={name!r}: {reason}. {note}"
+            "Load it with attn_implementation='eager' or 'sdpa'."
+        )
+
+
+def _install_checks() -> None:
+    """Refuse unsupported classes where transformers validates a name: when a model is built
+    (and when ``set_attn_implementation`` switches one), and after its layers exist.
+
+    transformers has no per-implementation compatibility hook, so the two PreTrainedModel methods
+    it always runs there are wrapped, once per process.
+    """
+    from transformers import PreTrainedModel
+
+    if getattr(PreTrainedModel.get_correct_attn_implementation, "_qkv_checks", False):
+        return
+    correct, post_init = PreTrainedModel.get_correct_attn_implementation, PreTrainedModel.post_init
+
+    @functools.wraps(correct)
+    def get_correct_attn_implementation(self: Any, requested: Optional[str], *args: Any, **kwargs: Any) -> str:
+        if requested is not None and requested in _NAMES:  # before the layers exist (Falcon's KeyError)
+            _refuse(self, requested)
+        return correct(self, requested, *args, **kwargs)
+
+    @functools.wraps(post_init)
+    def checked_post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = post_init(self, *args, **kwargs)
+        name = getattr(self.config, "_attn_implementation", None)
+        if isinstance(name, str) and name in _NAMES:
+            _refuse(self, name)
+        return result
+
+    get_correct_attn_implementation._qkv_checks = True  # type: ignore[attr-defined]
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation  # type: ignore[method-assign,assignment]
+    PreTrainedModel.post_init = checked_post_init  # type: ignore[method-assign,assignment]

@@ -265,10 +265,122 @@ def test_function_masks_float_bool_none_and_window():
     assert (w.masked_select(~causal.expand_as(w)) == 0).all()
 
 
+def _eager_with(q, k, v, scale, softcap=None, sinks=None):
+    """HF's eager arithmetic for Gemma 2's softcap and GPT-OSS's sinks (causal, no padding)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    n = q.shape[2]
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    w = s.softmax(-1)[..., :n]
+    return (w @ v).transpose(1, 2), w
+
+
+class _WeightsEditor:
+    """An intervention that edits nothing: the weights path must give the normal output."""
+
+    edits_weights = True
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, point, t):
+        self.seen.append(point)
+        return t
+
+
+def test_softcap_and_sinks_map_to_score_mod_and_sinks():
+    b, h, hk, n, d = 2, 4, 2, 7, 8
+    q, k, v = torch.randn(b, h, n, d) * 3, torch.randn(b, hk, n, d) * 3, torch.randn(b, hk, n, d)
+    sinks = torch.randn(h) * 2
+    scale = 1 / math.sqrt(d)
+    module = _Module(2)
+    for kw, ref_kw in (({"softcap": 2.0}, {"softcap": 2.0}), ({"s_aux": sinks}, {"sinks": sinks}),
+                       ({"softcap": 2.0, "s_aux": sinks}, {"softcap": 2.0, "sinks": sinks})):  # fmt: skip
+        ref, ref_w = _eager_with(q, k, v, scale, **ref_kw)
+        plain, _ = qkv.hf.attention_forward(module, q, k, v, None, scaling=scale)
+        assert float((plain - ref).abs().max()) > 1e-2, f"{kw}: the test inputs do not exercise it"
+        with qkv.hf.observe() as calls:
+            out, w = qkv.hf.attention_forward(module, q, k, v, None, scaling=scale, output_attentions=True, **kw)
+        assert float((out - ref).abs().max()) <= TOL, kw
+        assert float((w - ref_w).abs().max()) <= TOL, f"{kw}: output_attentions weights"
+        (call,) = calls
+        assert (call.score_mod is not None) == ("softcap" in kw) and (call.sinks is not None) == ("s_aux" in kw)
+        if "softcap" in kw:
+            assert isinstance(call.score_mod, qkv.score_mods.Softcap) and call.score_mod.softcap == 2.0
+            assert "softcap" in repr(call)
+        if "s_aux" in kw:
+            assert call.sinks is sinks
+            # the recorded lse includes the sinks: exp(s - lse) are the weights the model used
+            sc = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * scale
+            if "softcap" in kw:
+                sc = torch.tanh(sc / 2.0) * 2.0
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            rebuilt = torch.exp(sc - call.lse[..., None]).masked_fill(~causal, 0)
+            assert float((rebuilt - ref_w).abs().max()) <= TOL
+        # the weight-editing path applies them too
+        editor = _WeightsEditor()
+        qkv.hf._EDITORS[id(module)] = editor
+        try:
+            edited, _ = qkv.hf.attention_forward(module, q, k, v, None, scaling=scale, **kw)
+        finally:
+            del qkv.hf._EDITORS[id(module)]
+        assert "weights" in editor.seen and float((edited - ref).abs().max()) <= TOL, f"{kw}: weights path"
+    # sinks get their gradient like the rest
+    s = sinks.clone().requires_grad_(True)
+    out, _ = qkv.hf.attention_forward(module, q, k, v, None, scaling=scale, s_aux=s)
+    out.sum().backward()
+    s_ref = sinks.clone().requires_grad_(True)
+    _eager_with(q, k, v, scale, sinks=s_ref)[0].sum().backward()
+    assert float((s.grad - s_ref.grad).abs().max()) <= 1e-4
+
+
 def test_unsupported_kwargs_fail_clearly():
     q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        qkv.hf.attention_forward(_Module(), q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match=r"s_aux=.*\(2,\)"):
+        qkv.hf.attention_forward(_Module(), q, q, q, None, s_aux=torch.zeros(1, 2, 3, 1))
+    with pytest.raises(ValueError, match="finite positive"):
+        qkv.hf.attention_forward(_Module(), q, q, q, None, softcap=-1.0)
+    for name in ("indices", "block_indices", "sinks"):  # silently ignoring them would change the answer
+        with pytest.raises(NotImplementedError, match=f"{name}=.*_Module.*'eager'"):
+            qkv.hf.attention_forward(_Module(), q, q, q, None, **{name: torch.zeros(1, 3, 2, dtype=torch.int32)})
+
+
+def test_models_that_never_call_the_interface_are_refused():
+    """The reported case: XGLM accepted "qkv", made no call to it and ran its own attention."""
+    cfg = transformers.XGLMConfig(vocab_size=99, d_model=32, num_layers=2, attention_heads=4, ffn_dim=37)
+    with pytest.raises(qkv.hf.UnsupportedModelError, match=r"XGLMForCausalLM .*never call .*'eager' or 'sdpa'"):
+        transformers.XGLMForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="qkv")
+    transformers.XGLMForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="eager")  # unaffected
+    # Falcon raised a bare KeyError while building its layers
+    falcon = transformers.FalconConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    with pytest.raises(qkv.hf.UnsupportedModelError, match="FalconForCausalLM.*ALiBi"):
+        transformers.FalconForCausalLM._from_config(falcon, attn_implementation="qkv")
+
+
+def test_a_module_computing_its_own_attention_is_refused_when_switching():
+    model = transformers.LlamaModel._from_config(_llama_config(), attn_implementation="eager")
+    assert qkv.hf.unsupported_reason(model) is None
+    model.pool = torch.nn.MultiheadAttention(64, 4, batch_first=True)  # e.g. an attention pooling head
+    assert "pool (MultiheadAttention)" in qkv.hf.unsupported_reason(model)
+    with pytest.raises(qkv.hf.UnsupportedModelError, match="LlamaModel.*pool"):
+        model.set_attn_implementation("qkv")
+    del model.pool
+    model.set_attn_implementation("qkv")
+    assert model.config._attn_implementation == "qkv"
+
+
+def test_register_installs_the_checks_once():
+    from transformers import PreTrainedModel
+
+    before = (PreTrainedModel.get_correct_attn_implementation, PreTrainedModel.post_init)
+    qkv.hf.register()
+    assert (PreTrainedModel.get_correct_attn_implementation, PreTrainedModel.post_init) == before
+    assert PreTrainedModel.get_correct_attn_implementation._qkv_checks
 
 
 def test_record_stats_matches_output_attentions():
@@ -287,3 +399,43 @@ def test_record_stats_matches_output_attentions():
         assert float((st.entropy.double() - entropy).abs()[real].max()) < 1e-4
         assert float((st.max_weight.double() - p.amax(-1)).abs()[real].max()) < 1e-5
         assert torch.equal(st.topk_indices[..., 0][real], p.argmax(-1)[real])
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_record_stats_with_softcap_or_sinks(arch):
+    """Statistics describe the weights the model uses (softcapped; sinks in the denominator),
+    or record_stats refuses while qkv.inspect cannot take them: never statistics of other weights."""
+    import inspect as pyinspect
+
+    from qkv.inspect import attention_stats
+
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, sliding_window=4)  # fmt: skip
+    if arch == "gemma2":
+        cfg = transformers.Gemma2Config(**common, attn_logit_softcapping=2.0, query_pre_attn_scalar=8)
+        cls = transformers.Gemma2Model
+    else:
+        cfg = transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        cls = transformers.GptOssModel
+    eager, mine = _pair(cls, cfg)
+    with torch.no_grad():
+        for m in (eager, mine):
+            for layer in m.layers:  # sharper attention and sinks that matter
+                layer.self_attn.scaling *= 16
+                if hasattr(layer.self_attn, "sinks"):
+                    layer.self_attn.sinks.copy_(torch.linspace(-2, 2, 4))
+    ids, mask = _ids(2, 10), _padding(2, 10, [10, 6])
+    takes = {"score_mod", "sinks"} <= set(pyinspect.signature(attention_stats).parameters)
+    if not takes:
+        with pytest.raises(NotImplementedError, match="attention_stats does not take"):
+            with torch.no_grad(), qkv.hf.record_stats() as stats:
+                mine(input_ids=ids, attention_mask=mask)
+        return
+    with torch.no_grad(), qkv.hf.record_stats(topk=3) as stats:
+        mine(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        maps = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    for st, w in zip(stats, maps, strict=True):
+        real = mask.bool()[:, None, :].expand(w.shape[:3])
+        assert float((st.max_weight.double() - w.double().amax(-1)).abs()[real].max()) < 1e-5
+        assert torch.equal(st.topk_indices[..., 0][real], w.argmax(-1)[real])
