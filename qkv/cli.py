@@ -91,6 +91,34 @@ def _megabytes(s: str) -> float:
     return x
 
 
+def _cap(s: str) -> float:
+    """--softcap: a finite number > 0."""
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number; give the cap, e.g. 30 (scores end up inside (-30, 30))") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"{s} is not a cap; use a finite number > 0, e.g. 30")
+    return x
+
+
+def _sink_list(s: str) -> list[float]:
+    """--sinks: comma-separated finite logits (one for every head, or one per head)."""
+    parts = [p.strip() for p in s.split(",")]
+    if not s.strip() or any(not p for p in parts):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a list of sink logits; give one number, or one per head: 0.5 or 0.5,-1")
+    values = []
+    for p in parts:
+        try:
+            x = float(p)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{p!r} is not a number; give sink logits such as 0.5 or 0.5,-1") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"{p} is not a sink logit; use finite numbers such as 0.5 or -1")
+        values.append(x)
+    return values
+
+
 def _existing_parent(path: str) -> str:
     """The deepest folder of ``path`` that exists (``path`` itself when it does)."""
     p = os.path.abspath(path)
@@ -148,7 +176,9 @@ def _write_error(flag: str, path: str, e: OSError) -> UsageError:
 # -- the glass box on a sentence ------------------------------------------------------------
 
 
-TRACE_STEPS: tuple[str, ...] = ("x", "q", "k", "v", "scores", "scaled", "masked", "weights", "output", "concat", "projected")
+TRACE_STEPS: tuple[str, ...] = (
+    "x", "q", "k", "v", "scores", "scaled", "modified", "masked", "weights", "output", "concat", "projected",
+)
 """Step names ``qkv trace --steps`` accepts for an attention trace (a block adds its own, see --help)."""
 
 _TOY_FLAGS = (("d_model", "--d-model"), ("d_k", "--d-k"), ("heads", "--heads"), ("seed", "--seed"))
@@ -200,6 +230,15 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
     if args.linear is not None and args.block:
         raise UsageError("--linear puts linear attention beside one head's softmax attention; --block traces a whole "
                          "block: use one of them")
+    extras = [flag for flag, given in (("--softcap", args.softcap is not None), ("--alibi", args.alibi),
+                                       ("--sinks", args.sinks is not None)) if given]
+    if extras and (args.model is not None or args.block):
+        mode = "--model traces a real head as the model computes it" if args.model is not None else (
+            "--block traces a plain encoder block")
+        raise UsageError(f"{', '.join(extras)} change{'s' if len(extras) == 1 else ''} the toy attention trace; "
+                         f"{mode}: leave {'it' if len(extras) == 1 else 'them'} out")
+    if args.softcap is not None and args.alibi:
+        raise UsageError("--softcap and --alibi are both score functions and a trace takes one; pick one of them")
 
 
 def _parse_steps(spec: Optional[str], valid: Sequence[str]) -> Optional[tuple[str, ...]]:
@@ -314,10 +353,13 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         counting = _COUNTING_MODEL
     else:
         steps = _parse_steps(args.steps, TRACE_STEPS)
+        heads = 1 if args.heads is None else args.heads
+        score_mod, sinks = _score_options(args, heads)
         try:
             t = sentence_trace(
                 text, d_model=4 if args.d_model is None else args.d_model, d_k=3 if args.d_k is None else args.d_k,
-                heads=1 if args.heads is None else args.heads, causal=args.causal, seed=0 if args.seed is None else args.seed,
+                heads=heads, causal=args.causal, seed=0 if args.seed is None else args.seed,
+                score_mod=score_mod, sinks=sinks,
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -345,6 +387,27 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     for kind, path in files:
         print(_WROTE[args.lang].format(kind=kind, path=path))
     return 0
+
+
+def _score_options(args: argparse.Namespace, heads: int) -> tuple[Any, Optional[list[float]]]:
+    """(score function, sinks) from --softcap / --alibi and --sinks; torch is imported only for a score function."""
+    sinks = args.sinks
+    if sinks is not None:
+        if len(sinks) not in (1, heads):
+            raise UsageError(f"--sinks has {len(sinks)} values but the trace has {heads} head{'s' if heads != 1 else ''}; "
+                             f"give one value for every head or exactly {heads}")
+        sinks = sinks * heads if len(sinks) == 1 else sinks
+    if args.softcap is None and not args.alibi:
+        return None, sinks
+    flag = "--softcap" if args.softcap is not None else "--alibi"
+    try:
+        from .score_mods import ALiBi, Softcap, alibi_slopes
+    except ImportError as e:
+        raise UsageError(f"{flag} needs torch, which score functions are written in ({e}); pip install torch") from None
+    if args.softcap is not None:
+        return Softcap(args.softcap), sinks
+    # an encoder sees both sides, so distance counts both ways; a causal decoder (BLOOM) only looks back
+    return ALiBi(alibi_slopes(heads), symmetric=not args.causal), sinks
 
 
 def _linear_steps(t: Any, feature_map: str, seed: int) -> Any:
@@ -740,7 +803,8 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
         "trace",
         help="show every step of self-attention on a sentence (toy numbers, a real head, or a whole block)",
         description="Run self-attention on a sentence and print every matrix (X, Q, K, V, scores, scaled, "
-        "weights, output), then explain one token's way through them. By default the embeddings and weights "
+        "modified by a score function when --softcap or --alibi is given, masked, weights, output), then "
+        "explain one token's way through them. By default the embeddings and weights "
         "are small random numbers you can follow by hand; --model traces one real head of all-MiniLM-L6-v2 "
         "(its hidden states, W_Q, W_K, W_V and biases); --block traces a whole toy encoder block "
         "(positions, attention, residuals, LayerNorm, feed-forward). Tokens, layers and heads are counted "
@@ -780,6 +844,15 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
                    help="number of toy attention heads (default 1; 2 with --block)")
     p.add_argument("--d-ff", type=_int_at_least(1, 256, big), default=None, help="with --block: feed-forward width (default 8)")
     p.add_argument("--causal", action="store_true", help="hide later tokens from earlier ones (toy traces)")
+    p.add_argument("--softcap", metavar="C", type=_cap, default=None,
+                   help="toy traces: a score function step, C·tanh(s/C), squashing every scaled score into (-C, C) "
+                   "(Gemma 2); needs torch")
+    p.add_argument("--alibi", action="store_true",
+                   help="toy traces: a score function step, ALiBi's distance penalty with slopes alibi_slopes(heads) "
+                   "(-m·|j - i|; m·(j - i) with --causal); needs torch")
+    p.add_argument("--sinks", metavar="V[,V...]", type=_sink_list, default=None,
+                   help="toy traces: sink logits in each row's softmax denominator, one for every head or one per head "
+                   "(the weights then sum to less than 1)")
     p.add_argument("--seed", type=_int_at_least(0), default=None, help="random seed for toy embeddings and weights (default 0)")
     p.set_defaults(run=_cmd_trace)
 

@@ -85,7 +85,7 @@ def test_json_precision_and_schema(capsys):
     assert main(["trace", "Thinking Machines", "--json", "--precision", "2"]) == 0
     d = json.loads(capsys.readouterr().out)
     t = sentence_trace("Thinking Machines")
-    assert d["schema_version"] == 1 and d["kind"] == "attention" and d["meta"] == {}
+    assert d["schema_version"] == 2 and d["kind"] == "attention" and d["meta"] == {}
     assert d["steps"]["weights"][0][1] == round(float(t.weights[0, 1]), 2)
     assert all(v == round(v, 2) for row in d["steps"]["scores"] for v in row)
     assert main(["trace", "Thinking Machines", "--json"]) == 0  # no --precision: full float64

@@ -5,6 +5,8 @@ so a reader can redo every step by hand and check it. Tokens and heads are count
 When d_k is wider than :data:`~qkv.reference.render.WIDE_COLS` (a real model's 32 or 64), the
 dot product with the most-attended key is quoted by its largest terms plus the sum of the rest,
 and the weighted sum of many tokens by its largest terms, each with the exact total.
+A score function gets a step of its own between the scaling and the mask, and a sink's share of
+the row is told in the softmax step.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ class _Story:
         """(key, value added) for the visible keys a float mask shifted."""
         if h.masked is None or "float" not in h.mask_kinds:
             return []
+        base = h.scaled if h.modified is None else h.modified
         out = []
         for j in range(h.n):
             if np.isfinite(h.masked[self.i, j]):
-                d = h.masked[self.i, j] - h.scaled[self.i, j]
+                d = h.masked[self.i, j] - base[self.i, j]
                 if abs(d) > 1e-12:
                     out.append((j, float(d)))
         return out
@@ -90,6 +93,35 @@ class _Story:
 
     def biased(self) -> bool:
         return any(getattr(self.t, n) is not None for n in ("b_q", "b_k", "b_v"))
+
+    def numbering(self, h: "Trace") -> dict[str, int]:
+        """Step numbers after the scaling (3): the score function and the mask only when present."""
+        k, out = 4, {}
+        for name, present in (("mod", h.modified is not None), ("mask", h.masked is not None), ("softmax", True),
+                              ("sum", True)):
+            if present:
+                out[name] = k
+                k += 1
+        return out
+
+    def changes(self, h: "Trace") -> list[tuple[int, float]]:
+        """(key, modified − scaled) for query i's keys the score function moved, largest first."""
+        assert h.modified is not None
+        d = h.modified[self.i] - h.scaled[self.i]
+        order = np.argsort(-np.abs(d), kind="stable")
+        return [(int(j), float(d[j])) for j in order if np.isfinite(d[j]) and abs(d[j]) > 1e-12]
+
+    def slope(self, h: "Trace") -> float:
+        info = h.score_mod or {}
+        return float(info["slopes"][0 if h.head is None else h.head])
+
+    def sink(self, h: "Trace") -> tuple[float, float]:
+        """(this head's sink logit, the share of query i's attention it absorbed)."""
+        assert h.sinks is not None
+        return float(h.sinks[0]), float(h.sink_share[self.i])
+
+    def pct(self, x: float) -> str:
+        return short(100 * x, 1)
 
     def focus(self, h: "Trace") -> tuple[int, float]:
         j = int(h.top_keys[self.i])
@@ -117,7 +149,7 @@ class _En(_Story):
             lines += [
                 f"This layer has {t.num_heads} heads. Q and K have {t.num_heads}·d_k = {t.q.shape[1]} columns "
                 f"and V has {t.v.shape[1]}; each head takes its own block of d_k = {t.d_k} columns "
-                "and runs steps 2–6 on it. Here is head 0:",
+                f"and runs steps 2–{self.numbering(h)['sum']} on it. Here is head 0:",
                 "",
             ]
         lines += self.steps(h)
@@ -167,6 +199,9 @@ class _En(_Story):
         out.append(f"3. Scaling. Each score is divided by √d_k = {root(t.d_k, self.p)}, giving "
                    f"{_join([self.n(s) for s in h.scaled[i]], ' and ')}. Without this the scores grow with "
                    "d_k, and the softmax would pile nearly all weight on one key and learn slowly.")
+        num = self.numbering(h)
+        if h.modified is not None:
+            out.append(f"{num['mod']}. Score function. " + self.modified(h))
         hidden, bias = self.hidden(h), self.bias(h)
         if h.masked is not None:
             parts = []
@@ -183,19 +218,24 @@ class _En(_Story):
                              f"making it {self.n(h.masked[i, j])}.")
             if not parts:
                 parts.append(f"Nothing is hidden from {me}, so its row is unchanged.")
-            out.append("4. Mask. " + " ".join(parts))
+            out.append(f"{num['mask']}. Mask. " + " ".join(parts))
         j_top, w_top = self.focus(h)
-        s = "5" if h.masked is not None else "4"
-        w = "6" if h.masked is not None else "5"
+        s, w = num["softmax"], num["sum"]
         if j_top < 0:
+            gone = " A sink gets the whole row, but it has no value to hand on." if h.sinks is not None else ""
             out.append(f"{s}. Softmax. Every key is hidden from {me}, so there is nothing to weigh: all its "
-                       f"weights are 0 (the row sums to 0, not 1).")
+                       f"weights are 0 (the row sums to 0, not 1).{gone}")
             out.append(f"{w}. Weighted sum. With no weights, the output of {me} is the zero vector "
                        f"{self.v(h.output[i])}.")
             return out
         ws = [f"{self.n(h.weights[i, j])} for {self.q(j)}" for j in range(t.n)]
         out.append(f"{s}. Softmax. Exponentiate the row and divide by its total: the weights are "
                    f"{_join(ws, ' and ')}; together they add up to {self.n(h.weights[i].sum())}.")
+        if h.sinks is not None:
+            logit, share = self.sink(h)
+            out[-1] += (f" They fall short of 1 because this head has a sink: a logit {self.n(logit)} with no value that "
+                        f"joins the total as exp({self.n(logit)}), so the sink absorbs {self.pct(share)}% of row {i}'s "
+                        f"attention (1 − {self.n(h.weights[i].sum())} = {self.n(share)}) and hands nothing on.")
         order, rest = self.weight_terms(h)
         terms = [f"{self.n(h.weights[i, j])}·v({self.tok(j)})" for j in order]
         if rest:
@@ -217,7 +257,48 @@ class _En(_Story):
             s += ", so its new vector is almost a copy of " + ("its own value" if j == self.i else "that token's value")
         elif len(row) > 1 and row.max() - row.min() < 0.1:
             s += ", but it spreads its attention almost evenly over what it may see"
+        if h.sinks is not None and self.sink(h)[1] > wt:
+            s += f"; the sink absorbs even more ({self.pct(self.sink(h)[1])}%), so the output is shrunk towards zero"
         return "In short: " + s + "."
+
+    def modified(self, h: "Trace") -> str:
+        """What the score function did to query i's row, in plain words and this trace's numbers."""
+        i, me = self.i, self.q(self.i)
+        info = h.score_mod or {}
+        kind, text = info.get("kind"), info.get("text", "")
+        mod = h.modified
+        assert mod is not None
+        after = f"The scores of {me} become {_join([self.n(s) for s in mod[i]], ' and ')}."
+        moved = self.changes(h)
+        if kind == "softcap" and "cap" in info:
+            c = self.n(info["cap"])
+            big = ""
+            if moved:
+                j, _ = moved[0]
+                big = (f" The score that moves most is {self.q(j)}'s: {self.n(h.scaled[i, j])} becomes "
+                       f"{self.n(mod[i, j])}.")
+            return (f"{text} squashes every score smoothly into (−{c}, {c}): scores much smaller than {c} "
+                    f"barely move and large ones flatten out near ±{c}, so no single key can run away with the "
+                    f"softmax. {after}{big}")
+        if kind == "alibi" and info.get("slopes"):
+            m = self.slope(h)
+            rule = ("a key d positions away, on either side, loses m·d" if info.get("symmetric") else
+                    "a key d positions before the query loses m·d (one d positions after it gains m·d; a causal "
+                    "mask usually hides those)")
+            ds = [f"{self.q(j)} {'loses' if d < 0 else 'gains'} {self.n(abs(d))} ({abs(j - i)} away)"
+                  for j, d in sorted(moved)]
+            what = f" For {me}: {_join(ds, ' and ')}." if ds else ""
+            head = "this head's" if h.head is None else f"head {h.head}'s"
+            return (f"{text}. Farther keys are penalised by slope·distance: with {head} slope m = "
+                    f"{short(m, max(self.p, 4))}, {rule}.{what} {after} Nearby tokens are favoured without any "
+                    "position embedding.")
+        if kind == "relative_bias":
+            ds = [f"{self.n(d)} for {self.q(j)}" for j, d in sorted(moved)]
+            return (f"{text}. A learned number, looked up by how far each key is from the query, is added: "
+                    f"{_join(ds, ' and ') or 'nothing for this row'}. {after}")
+        name = info.get("name", text) if kind == "function" else text
+        return (f"{name} is called on every scaled score (score, batch, head, query index, key index) and "
+                f"returns a new one. {after}")
 
     # The one-line-per-head summary; the Chinese story swaps these words and punctuation.
     GLANCE_HEAD, GLANCE_NOTHING, GLANCE_PAIR, GLANCE_SEP = "  head {k}: ", "nothing", "{tok} ({w})", ", "
@@ -256,7 +337,7 @@ class _Zh(_En):
         if t.num_heads > 1:
             lines += [
                 f"这一层有 {t.num_heads} 个注意力头。Q 和 K 共有 {t.num_heads}·d_k = {t.q.shape[1]} 列，"
-                f"V 有 {t.v.shape[1]} 列；每个头取自己的一段（d_k = {t.d_k} 列），独立完成第 2–6 步。"
+                f"V 有 {t.v.shape[1]} 列；每个头取自己的一段（d_k = {t.d_k} 列），独立完成第 2–{self.numbering(h)['sum']} 步。"
                 "下面以头 0 为例：",
                 "",
             ]
@@ -301,6 +382,9 @@ class _Zh(_En):
                         f"{'，'.join(terms)}，其余 {rest} 项之和为 {self.n(rest_sum)}，总和为 {self.n(total)}。")
         out.append(f"3. 缩放。每个分数都除以 √d_k = {root(t.d_k, self.p)}，得到 {'、'.join(self.n(s) for s in h.scaled[i])}。"
                    "如果不缩放，分数会随 d_k 增大而变大，softmax 会把几乎全部权重压到一个键上，梯度也会变得很小。")
+        num = self.numbering(h)
+        if h.modified is not None:
+            out.append(f"{num['mod']}. 打分函数。" + self.modified(h))
         hidden, bias = self.hidden(h), self.bias(h)
         if h.masked is not None:
             parts = []
@@ -316,17 +400,22 @@ class _Zh(_En):
                 parts.append(f"掩码给{self.q(j)}的分数加上 {self.n(d)}，变为 {self.n(h.masked[i, j])}")
             if not parts:
                 parts.append(f"{me}没有被屏蔽的键，这一行保持不变")
-            out.append("4. 掩码。" + "；".join(parts) + "。")
-        s = "5" if h.masked is not None else "4"
-        w = "6" if h.masked is not None else "5"
+            out.append(f"{num['mask']}. 掩码。" + "；".join(parts) + "。")
+        s, w = num["softmax"], num["sum"]
         j_top, _ = self.focus(h)
         if j_top < 0:
-            out.append(f"{s}. Softmax 归一化。{me}的所有键都被屏蔽了，没有可以分配的权重：这一行全是 0（行和为 0，而不是 1）。")
+            gone = "汇聚项（sink）拿走了整行，但它没有值可以提供。" if h.sinks is not None else ""
+            out.append(f"{s}. Softmax 归一化。{me}的所有键都被屏蔽了，没有可以分配的权重：这一行全是 0（行和为 0，而不是 1）。{gone}")
             out.append(f"{w}. 加权求和。没有权重，{me}的输出就是零向量 {self.v(h.output[i])}。")
             return out
         ws = [f"{self.q(j)}得到 {self.n(h.weights[i, j])}" for j in range(t.n)]
         out.append(f"{s}. Softmax 归一化。对这一行取指数再除以总和：{'，'.join(ws)}，"
                    f"加起来等于 {self.n(h.weights[i].sum())}。")
+        if h.sinks is not None:
+            logit, share = self.sink(h)
+            out[-1] += (f"之所以不到 1，是因为这个头有一个汇聚项（sink）：一个没有值的 logit {self.n(logit)}，"
+                        f"它以 exp({self.n(logit)}) 加进分母，所以汇聚项吸收了第 {i} 行 {self.pct(share)}% 的注意力"
+                        f"（1 − {self.n(h.weights[i].sum())} = {self.n(share)}），却什么也不传递。")
         order, rest = self.weight_terms(h)
         terms = [f"{self.n(h.weights[i, j])}·v({self.tok(j)})" for j in order]
         if rest:
@@ -348,7 +437,41 @@ class _Zh(_En):
             s += "，它的新向量几乎就是" + ("它自己的值向量" if j == self.i else "那个词元的值向量")
         elif len(row) > 1 and row.max() - row.min() < 0.1:
             s += "，不过它的注意力在能看到的词元之间分布得相当均匀"
+        if h.sinks is not None and self.sink(h)[1] > wt:
+            s += f"；汇聚项吸收的更多（{self.pct(self.sink(h)[1])}%），所以输出被整体缩小，向零靠拢"
         return "总结：" + s + "。"
+
+    def modified(self, h: "Trace") -> str:
+        i, me = self.i, self.q(self.i)
+        info = h.score_mod or {}
+        kind, text = info.get("kind"), info.get("text", "")
+        mod = h.modified
+        assert mod is not None
+        after = f"于是{me}的分数变为 {'、'.join(self.n(s) for s in mod[i])}。"
+        moved = self.changes(h)
+        if kind == "softcap" and "cap" in info:
+            c = self.n(info["cap"])
+            big = ""
+            if moved:
+                j, _ = moved[0]
+                big = f"变化最大的是{self.q(j)}的分数：{self.n(h.scaled[i, j])} 变成 {self.n(mod[i, j])}。"
+            return (f"{text} 把每个分数都平滑地压进 (−{c}, {c})：远小于 {c} 的分数几乎不变，大的分数在 ±{c} 附近变平，"
+                    f"这样没有哪个键能独占 softmax；{after}{big}")
+        if kind == "alibi" and info.get("slopes"):
+            m = self.slope(h)
+            rule = ("无论在前还是在后，相隔 d 个位置的键都减去 m·d" if info.get("symmetric") else
+                    "查询之前相隔 d 个位置的键减去 m·d（之后的键反而加上 m·d，通常被因果掩码遮住）")
+            ds = [f"{self.q(j)}{'减去' if d < 0 else '加上'} {self.n(abs(d))}（相隔 {abs(j - i)}）" for j, d in sorted(moved)]
+            what = ("：" + "，".join(ds)) if ds else ""
+            head = "这个头" if h.head is None else f"头 {h.head} "
+            return (f"{text}。距离越远的键被罚得越多，罚分 = 斜率 × 距离：{head}的斜率 m = {short(m, max(self.p, 4))}，"
+                    f"{rule}。对{me}来说{what}；{after}"
+                    "这样不需要位置编码，也会偏向附近的词元。")
+        if kind == "relative_bias":
+            ds = [f"{self.q(j)}加上 {self.n(d)}" for j, d in sorted(moved)]
+            return (f"{text}。按每个键与查询的距离查表，加上一个学到的数：{'，'.join(ds) or '这一行没有变化'}；{after}")
+        name = info.get("name", text) if kind == "function" else text
+        return f"{name} 作用在每个缩放后的分数上（参数：分数、批次、头、查询位置、键位置），返回新的分数；{after}"
 
     GLANCE_HEAD, GLANCE_NOTHING, GLANCE_PAIR, GLANCE_SEP = "  头 {k}：", "（无）", "{tok}（{w}）", "，"
 

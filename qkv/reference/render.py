@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 import unicodedata
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Block", "blocks", "fmt", "short", "vec", "root", "width", "format_matrix", "trace_to_string", "trace_to_html",
-    "WIDE_COLS", "TALL_ROWS", "shown", "summary_note",
+    "WIDE_COLS", "TALL_ROWS", "shown", "summary_note", "score_fn_formula", "score_fn_note",
 ]
 
 WIDE_COLS = 10
@@ -119,6 +119,19 @@ _TEXT: dict[str, dict[str, str]] = {
         "header": "Self-attention, step by step: {dims}", "tokens": "tokens: ",
         "n_tokens": "{n} token{s}", "n_heads": "{n} head{s}", "mask": "mask: {kinds}", "sep": ", ",
         "kind_causal": "causal", "kind_bool": "bool", "kind_float": "float",
+        "score_fn": "score function: {text}", "sink_list": "sinks: {values}",
+        "mod_softcap": "{text}: every score is squashed smoothly into (−{c}, {c}); small ones barely move, "
+                       "large ones flatten out near ±{c}",
+        "mod_alibi": "{text}: a key d positions before the query loses m·d (later keys gain m·d); "
+                     "this head's slope m = {m}",
+        "mod_alibi_sym": "{text}: a key d positions away, on either side, loses m·d; this head's slope m = {m}",
+        "mod_rel": "{text}: a learned number for each query–key distance is added",
+        "mod_fn": "your score function {name}, run on every scaled score",
+        "mod_other": "{text}, run on every scaled score",
+        "softmax_sink": "weights{s} = exp({src}{s} − lse), lse = log(Σ_j exp({src}{s}) + exp(sink{s})), sink{s} = {v}",
+        "weights_sink": "row i: how much token i takes from each token; the sink takes the rest and hands on nothing",
+        "sink_part": " (sink {v})",
+        "ok_sink": "each row plus its sink's share sums to 1 ✓", "bad_sink": "NOT every row plus its sink's share sums to 1 ✗",
     },
     "zh": {
         "x": "输入：每个词元一行嵌入向量",
@@ -152,6 +165,17 @@ _TEXT: dict[str, dict[str, str]] = {
         "header": "自注意力逐步计算：{dims}", "tokens": "词元：",
         "n_tokens": "{n} 个词元", "n_heads": "{n} 个头", "mask": "掩码：{kinds}", "sep": "，",
         "kind_causal": "因果", "kind_bool": "布尔", "kind_float": "浮点",
+        "score_fn": "打分函数：{text}", "sink_list": "汇聚项（sink）：{values}",
+        "mod_softcap": "{text}：每个分数都被平滑地压进 (−{c}, {c})；小分数几乎不变，大分数在 ±{c} 附近变平",
+        "mod_alibi": "{text}：查询之前相隔 d 个位置的键减去 m·d（之后的键加上 m·d）；这个头的斜率 m = {m}",
+        "mod_alibi_sym": "{text}：无论在前还是在后，相隔 d 个位置的键都减去 m·d；这个头的斜率 m = {m}",
+        "mod_rel": "{text}：按查询与键的距离，加上一个学到的数",
+        "mod_fn": "你的打分函数 {name}，作用在每个缩放后的分数上",
+        "mod_other": "{text}，作用在每个缩放后的分数上",
+        "softmax_sink": "weights{s} = exp({src}{s} − lse)，lse = log(Σ_j exp({src}{s}) + exp(sink{s}))，sink{s} = {v}",
+        "weights_sink": "第 i 行：词元 i 从每个词元那里取多少；剩下的被汇聚项（sink）拿走，它不提供任何值",
+        "sink_part": "（汇聚项 {v}）",
+        "ok_sink": "每行之和加上汇聚项的份额都为 1 ✓", "bad_sink": "并非每行之和加上汇聚项的份额都为 1 ✗",
     },
 }
 
@@ -169,8 +193,43 @@ def _dims(n: int) -> list[str]:
 def _row_check(t: "Trace", weights: np.ndarray, precision: int, tx: dict[str, str]) -> str:
     sums = weights.sum(axis=-1)
     parts = [f"{tok} {fmt(s, precision)}" + ("" if s > 0 else tx["empty_row"]) for tok, s in zip(t.tokens, sums)]
+    if t.sinks is not None:  # the sink takes its share of every row, so the weights alone sum to less than 1
+        shares = t.sink_share
+        parts = [p + tx["sink_part"].format(v=fmt(sh, precision)) for p, sh in zip(parts, shares)]
+        ok = all(abs(s + sh - 1) < 1e-9 or s + sh == 0 for s, sh in zip(sums, shares))
+        return tx["sums"].format(parts=tx["sep"].join(parts), verdict=tx["ok_sink" if ok else "bad_sink"])
     ok = all(abs(s - 1) < 1e-9 or s == 0 for s in sums)
     return tx["sums"].format(parts=tx["sep"].join(parts), verdict=tx["ok" if ok else "bad"])
+
+
+def score_fn_formula(info: dict[str, Any], sub: str = "", h: Optional[int] = None, precision: int = 3) -> str:
+    """The modified step as a formula, e.g. ``modified = 30·tanh(scaled / 30)``."""
+    kind = info.get("kind")
+    if kind == "softcap" and "cap" in info:
+        c = short(info["cap"], precision)
+        return f"modified{sub} = {c}·tanh(scaled{sub} / {c})"
+    if kind == "alibi":
+        return f"modified{sub} = scaled{sub} " + (f"− m{sub}·|j − i|" if info.get("symmetric") else f"+ m{sub}·(j − i)")
+    if kind == "relative_bias":
+        return f"modified{sub} = scaled{sub} + table[bucket(j − i), {0 if h is None else h}]"
+    if kind == "function":
+        return f"modified{sub} = {info.get('name', 'score_mod')}(scaled{sub}, b, h, i, j)"
+    return f"modified{sub} = score_mod(scaled{sub})"
+
+
+def score_fn_note(info: dict[str, Any], tx: dict[str, str], h: Optional[int] = None, precision: int = 3) -> str:
+    """One line on what the score function does (in ``tx``'s language), with head ``h``'s numbers."""
+    kind, text = info.get("kind"), str(info.get("text", ""))
+    if kind == "softcap" and "cap" in info:
+        return tx["mod_softcap"].format(text=text, c=short(info["cap"], precision))
+    if kind == "alibi" and info.get("slopes"):
+        m = info["slopes"][0 if h is None else h]
+        return tx["mod_alibi_sym" if info.get("symmetric") else "mod_alibi"].format(text=text, m=short(m, max(precision, 4)))
+    if kind == "relative_bias":
+        return tx["mod_rel"].format(text=text)
+    if kind == "function":
+        return tx["mod_fn"].format(name=info.get("name", text))
+    return tx["mod_other"].format(text=text)
 
 
 def _head_blocks(t: "Trace", h: Optional[int], precision: int, tx: dict[str, str]) -> list[Block]:
@@ -188,11 +247,22 @@ def _head_blocks(t: "Trace", h: Optional[int], precision: int, tx: dict[str, str
     out.append(Block("scores", f"scores{sub} = Q{sub}·K{sub}ᵀ", tx["scores"], t.scores, toks, toks))
     out.append(Block("scaled", f"scaled{sub} = scores{sub} / √d_k",
                      tx["scaled"].format(d=t.d_k, r=root(t.d_k, precision)), t.scaled, toks, toks))
+    before = "scaled"
+    if t.modified is not None:
+        info = t.score_mod or {}
+        out.append(Block("modified", score_fn_formula(info, sub, h, precision), score_fn_note(info, tx, h, precision),
+                         t.modified, toks, toks))
+        before = "modified"
     if t.masked is not None:
         note = "; ".join(tx[k] for k in ("causal", "bool", "float") if k in t.mask_kinds) + tx["hidden"]
-        out.append(Block("masked", f"masked{sub} = scaled{sub} + mask", note, t.masked, toks, toks))
-    src = "masked" if t.masked is not None else "scaled"
-    out.append(Block("weights", tx["softmax"].format(s=sub, src=src), tx["weights"], t.weights, toks, toks,
+        out.append(Block("masked", f"masked{sub} = {before}{sub} + mask", note, t.masked, toks, toks))
+    src = "masked" if t.masked is not None else before
+    if t.sinks is not None:
+        title = tx["softmax_sink"].format(s=sub, src=src, v=fmt(float(t.sinks[0]), precision))
+        note = tx["weights_sink"]
+    else:
+        title, note = tx["softmax"].format(s=sub, src=src), tx["weights"]
+    out.append(Block("weights", title, note, t.weights, toks, toks,
                      heat=True, footer=_row_check(t, t.weights, precision, tx)))
     out.append(Block("output", f"output{sub} = weights{sub}·V{sub}", tx["out"],
                      t.output, toks, _dims(t.output.shape[1]), features=True))
@@ -338,6 +408,10 @@ def _header(t: "Trace", tx: dict[str, str]) -> str:
     dims += [f"d_k = {t.d_k}", f"d_v = {t.d_v}", tx["n_heads"].format(n=t.num_heads, s="s" if t.num_heads != 1 else "")]
     if t.mask_kinds:
         dims.append(tx["mask"].format(kinds=tx["sep"].join(tx["kind_" + k] for k in t.mask_kinds)))
+    if t.score_mod is not None:
+        dims.append(tx["score_fn"].format(text=t.score_mod.get("text", "")))
+    if t.sinks is not None:
+        dims.append(tx["sink_list"].format(values=" ".join(short(float(s)) for s in t.sinks)))
     head = tx["header"].format(dims=tx["sep"].join(dims))
     meta = t.meta or {}
     if "model" in meta and "layer" in meta and "head" in meta:

@@ -7,7 +7,7 @@ word gets the same row, as with a real embedding table.
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -39,6 +39,8 @@ def sentence_trace(
     heads: int = 1,
     causal: bool = False,
     seed: int = 0,
+    score_mod: Any = None,
+    sinks: Any = None,
 ) -> Trace:
     """Trace self-attention on a sentence with small seeded random numbers.
 
@@ -48,7 +50,8 @@ def sentence_trace(
     Embeddings come from ``(seed, word)`` alone, so a repeated word gets the same row, as with a
     real embedding table. Weights come from ``seed``. Everything is rounded to one decimal so the
     arithmetic can be followed by hand. Shapes: ``x (N, d_model)``, ``W_Q, W_K, W_V
-    (d_model, heads·d_k)``, and ``W_O (heads·d_k, d_model)`` when ``heads > 1``.
+    (d_model, heads·d_k)``, and ``W_O (heads·d_k, d_model)`` when ``heads > 1``. ``score_mod``
+    and ``sinks`` are passed on to :func:`~qkv.reference.trace.trace`.
     """
     if not isinstance(sentence, str):
         raise TypeError(f"sentence must be a string, got {type(sentence).__name__}")
@@ -60,7 +63,8 @@ def sentence_trace(
     width = heads * d_k
     w_q, w_k, w_v = (toy_weights(rng, d_model, width) for _ in range(3))
     w_o = toy_weights(rng, width, d_model) if heads > 1 else None
-    return trace(x, w_q, w_k, w_v, w_o=w_o, num_heads=heads, is_causal=causal, tokens=tokens)
+    return trace(x, w_q, w_k, w_v, w_o=w_o, num_heads=heads, is_causal=causal, tokens=tokens, score_mod=score_mod,
+                 sinks=sinks)
 
 
 def worked_example() -> Trace:

@@ -7,8 +7,9 @@ Shapes (N tokens, H heads, d_k / d_v per head)::
     v        (N, H·d_v)            V = X·W_V (+ b_V)
     scores   (N, N)   | (H, N, N)  Q·Kᵀ
     scaled   (N, N)   | (H, N, N)  scores / √d_k
-    masked   (N, N)   | (H, N, N)  scaled + mask (−∞ where a key is hidden), or None
-    weights  (N, N)   | (H, N, N)  row softmax
+    modified (N, N)   | (H, N, N)  score_mod(scaled), or None without a score function
+    masked   (N, N)   | (H, N, N)  modified (or scaled) + mask (−∞ where a key is hidden), or None
+    weights  (N, N)   | (H, N, N)  row softmax (with a sink in each denominator when sinks are given)
     output   (N, d_v) | (H, N, d_v) weights·V
     concat   (N, H·d_v)            the head outputs side by side (H > 1 only)
     projected (N, d_model_out)     concat·W_O (only when W_O is given)
@@ -19,24 +20,35 @@ head axis and ``heads[h]`` is a single-head :class:`Trace` of head ``h`` alone.
 Masks follow :func:`qkv.reference.attention_ref`: a boolean ``attn_mask`` is True where a query
 may attend; a float one is added to the scaled scores; a row with nothing left to attend to
 gets all-zero weights and a zero output.
+
+A score function (``score_mod``, FlexAttention's ``fn(score, batch, head, q_idx, kv_idx)``, see
+:mod:`qkv.score_mods`) rewrites the scaled scores before the masks; the trace keeps its output
+as ``modified`` and a plain description of it as ``score_mod`` (the callable itself is not kept,
+so a trace stays plain data). ``sinks`` ``(H,)`` are logits that join each row's softmax
+denominator with no value: the weights of a row then sum to 1 − :attr:`Trace.sink_share`.
+Evaluating a score function imports torch (in :mod:`qkv.reference.attention`, the oracle's own
+evaluation); a trace without one never does.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .attention import as_float64, combined_mask, softmax_rows
+from .attention import _score_mod64, _with_sinks, as_float64, combined_mask, softmax_rows
 from .masks import CausalArg, parse_causal
 
 __all__ = ["Trace", "trace", "SCHEMA_VERSION", "STEPS"]
 
-SCHEMA_VERSION = 1
-"""Version of the :meth:`Trace.to_dict` layout; readers accept dicts without it (written before it existed)."""
+SCHEMA_VERSION = 2
+"""Version of the :meth:`Trace.to_dict` layout; readers accept older dicts and dicts without it.
 
-STEPS: tuple[str, ...] = ("x", "q", "k", "v", "scores", "scaled", "masked", "weights", "output")
+2 added the ``modified`` step, ``score_mod``, ``sinks`` and ``sink_share``."""
+
+STEPS: tuple[str, ...] = ("x", "q", "k", "v", "scores", "scaled", "modified", "masked", "weights", "output")
 """Names of the per-pass steps, in the order they happen."""
 
 
@@ -76,6 +88,11 @@ class Trace:
     b_k: Optional[np.ndarray] = None
     b_v: Optional[np.ndarray] = None
     meta: dict[str, Any] = field(default_factory=dict)  # where the numbers came from, e.g. {"model": ..., "layer": 1}
+    modified: Optional[np.ndarray] = None  # score_mod(scaled), (N, N) | (H, N, N); None without a score function
+    # The score function as plain data: {"kind": "softcap" | "alibi" | "relative_bias" | "score_mod" |
+    # "function", "text": its describe() or name, and its numbers ("cap", "slopes", ...)}.
+    score_mod: Optional[dict[str, Any]] = None
+    sinks: Optional[np.ndarray] = None  # one sink logit per head of this trace, (H,) (a head's own trace: (1,))
 
     # -- construction -------------------------------------------------------------------
 
@@ -89,11 +106,14 @@ class Trace:
         is_causal: CausalArg = False,
         attn_mask: Any = None,
         tokens: Optional[Sequence[str]] = None,
+        score_mod: Any = None,
+        sinks: Any = None,
     ) -> "Trace":
         """Trace attention starting from given matrices ``q, k (N, d_k)`` and ``v (N, d_v)``.
 
         Use this to check a hand calculation: the steps from ``scores`` on are filled in,
-        ``x`` and the weight matrices are None.
+        ``x`` and the weight matrices are None. ``score_mod`` and ``sinks`` (one logit) are
+        those of :func:`trace`, for one head (head index 0).
         """
         q = _matrix(q, "q", "(N, d_k): one query row per token")
         k = _matrix(k, "k", "(N, d_k): one key row per token")
@@ -111,7 +131,10 @@ class Trace:
             )
         labels = _tokens(tokens, n, "q")
         allowed, bias, kinds = _masks(n, attn_mask, is_causal)
-        return _single_head(labels, None, q, k, v, allowed, bias, kinds, is_causal)
+        fn, info = _score_fn(score_mod, 1)
+        modified = None if fn is None else _modified(fn, [q], [k])[0]
+        return _single_head(labels, None, q, k, v, allowed, bias, kinds, is_causal,
+                            modified=modified, score_info=info, sinks=_sinks(sinks, 1))
 
     # -- derived facts ------------------------------------------------------------------
 
@@ -132,8 +155,19 @@ class Trace:
 
     @property
     def row_sums(self) -> np.ndarray:
-        """Sum of each weights row: 1, or 0 for a query whose every key is masked. (N,) | (H, N)."""
+        """Sum of each weights row: 1 (1 − :attr:`sink_share` with sinks), or 0 for a query whose
+        every key is masked. (N,) | (H, N)."""
         return self.weights.sum(axis=-1)
+
+    @property
+    def sink_share(self) -> np.ndarray:
+        """The part of each row's attention its head's sink absorbed, exp(sink − lse): 0 without
+        sinks, 1 for a row whose every key is masked. (N,) | (H, N)."""
+        if self.sinks is None:
+            return np.zeros_like(self.lse)
+        s = self.sinks.reshape(-1, 1) if self.lse.ndim == 2 else self.sinks.reshape(())
+        with np.errstate(invalid="ignore", over="ignore"):
+            return np.where(np.isneginf(s), 0.0, np.exp(s - self.lse))
 
     @property
     def top_keys(self) -> np.ndarray:
@@ -164,7 +198,8 @@ class Trace:
         return out
 
     def step(self, name: str) -> Optional[np.ndarray]:
-        """The array stored for step ``name`` (one of :data:`STEPS`, ``concat``, ``projected``)."""
+        """The array stored for step ``name`` (one of :data:`STEPS`, ``concat``, ``projected``;
+        ``modified`` and ``masked`` are None when the trace has no score function or no mask)."""
         if name not in STEPS + ("concat", "projected"):
             raise KeyError(f"unknown step {name!r}; the steps are {', '.join(STEPS)}, concat, projected")
         return getattr(self, name)
@@ -219,7 +254,8 @@ class Trace:
         """Plain lists and floats, ready for ``json.dumps(..., allow_nan=False)``.
 
         Masked (−∞) entries become ``None`` (JSON ``null``); :meth:`from_dict` reverses this.
-        ``precision`` rounds every float to that many decimals (None keeps full float64).
+        ``precision`` rounds every float of the steps to that many decimals (None keeps full
+        float64); the score function's description keeps its own numbers exact.
         The dict carries ``"schema_version"`` (:data:`SCHEMA_VERSION`) and ``"kind": "attention"``.
         """
         if precision is not None and (
@@ -242,7 +278,10 @@ class Trace:
             "mask": list(self.mask_kinds),
             "head": self.head,
             "steps": {name: js(getattr(self, name)) for name in STEPS + ("lse",)},
+            "score_mod": None if self.score_mod is None else _plain(self.score_mod),
+            "sinks": js(self.sinks),
             "row_sums": js(self.row_sums),
+            "sink_share": None if self.sinks is None else js(self.sink_share),
             "top_keys": self.top_keys.tolist(),
             "concat": js(self.concat),
             "projected": js(self.projected),
@@ -255,7 +294,8 @@ class Trace:
     def from_dict(cls, d: dict[str, Any]) -> "Trace":
         """Rebuild a trace from :meth:`to_dict` output (after a JSON round trip, too).
 
-        Dicts written before ``schema_version``, ``meta`` and the biases existed are read as well.
+        Dicts written before ``schema_version``, ``meta``, the biases, or the score function and
+        sinks (schema 1) existed are read as well.
         """
         if not isinstance(d, dict):
             raise TypeError(f"Trace.from_dict needs the dict that Trace.to_dict() returns, got {type(d).__name__}")
@@ -269,7 +309,7 @@ class Trace:
                 f"kind={d.get('kind')!r}: this is not an attention trace; a block trace is read by "
                 "qkv.reference.block"
             )
-        steps = {name: _from_json(d["steps"][name]) for name in STEPS + ("lse",)}
+        steps = {name: _from_json(d["steps"].get(name)) for name in STEPS + ("lse",)}
         params = d.get("params") or {}
         mats = {n: _from_json(params.get(n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")}
         return cls(
@@ -284,6 +324,8 @@ class Trace:
             concat=_from_json(d.get("concat")),
             projected=_from_json(d.get("projected")),
             meta=dict(d.get("meta") or {}),
+            score_mod=None if d.get("score_mod") is None else dict(d["score_mod"]),
+            sinks=_from_json(d.get("sinks")),
             **steps,  # type: ignore[arg-type]
             **mats,
         )
@@ -304,6 +346,8 @@ def trace(
     attn_mask: Any = None,
     tokens: Optional[Sequence[str]] = None,
     meta: Optional[dict[str, Any]] = None,
+    score_mod: Any = None,
+    sinks: Any = None,
 ) -> Trace:
     """Run self-attention on ``x`` in float64 and keep every intermediate step.
 
@@ -313,6 +357,12 @@ def trace(
     boolean (True = may attend) or float (added to the scaled scores). NumPy arrays, torch
     tensors or nested lists. ``tokens`` labels the rows (default ``t1 … tN``); ``meta`` records
     where the numbers came from (kept in :attr:`Trace.meta` and the JSON).
+
+    ``score_mod`` is a score function as in :func:`qkv.attention` (a :mod:`qkv.score_mods`
+    built-in such as ``Softcap(30)`` or ``ALiBi(alibi_slopes(H))``, or any
+    ``fn(score, batch, head, q_idx, kv_idx)``); head h of the trace is head h of the call, so
+    per-head slopes and table columns apply per head. ``sinks`` are sink logits, ``(H,)`` or one
+    number for every head. Both follow :func:`qkv.reference.attention_ref` exactly.
     """
     x = _matrix(x, "x", "(N, d_model): one row per token")
     n, d_model = x.shape
@@ -358,6 +408,8 @@ def trace(
             )
     labels = _tokens(tokens, n, "x")
     allowed, bias, kinds = _masks(n, attn_mask, is_causal)
+    fn, info = _score_fn(score_mod, num_heads)
+    sink_arr = _sinks(sinks, num_heads)
 
     q = x @ mats["w_q"]  # (N, H·d_k)
     k = x @ mats["w_k"]  # (N, H·d_k)
@@ -368,18 +420,24 @@ def trace(
         k = k + biases["b_k"]
     if biases["b_v"] is not None:
         v = v + biases["b_v"]
+    qs = [q[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]  # head h owns a contiguous block of columns
+    ks = [k[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]
+    modified = None if fn is None else _modified(fn, qs, ks)  # (H, N, N): head h sees head index h
     heads = [
         _single_head(
             labels,
             x,
-            q[:, h * d_k : (h + 1) * d_k],  # head h owns a contiguous block of columns
-            k[:, h * d_k : (h + 1) * d_k],
+            qs[h],
+            ks[h],
             v[:, h * d_v : (h + 1) * d_v],
             allowed,
             bias,
             kinds,
             is_causal,
             head=h if num_heads > 1 else None,
+            score_info=info,
+            modified=None if modified is None else modified[h],
+            sinks=None if sink_arr is None else sink_arr[h : h + 1],
         )
         for h in range(num_heads)
     ]
@@ -407,6 +465,9 @@ def trace(
         v=v,
         scores=stack("scores"),
         scaled=stack("scaled"),
+        modified=None if heads[0].modified is None else stack("modified"),
+        score_mod=info,
+        sinks=sink_arr,
         masked=None if heads[0].masked is None else stack("masked"),
         weights=stack("weights"),
         output=stack("output"),
@@ -444,16 +505,25 @@ def _single_head(
     kinds: tuple[str, ...],
     is_causal: CausalArg,
     head: Optional[int] = None,
+    *,
+    score_info: Optional[dict[str, Any]] = None,
+    modified: Optional[np.ndarray] = None,
+    sinks: Optional[np.ndarray] = None,
 ) -> Trace:
+    """One head's steps; ``modified`` is the score function's output on this head's scaled
+    scores (see :func:`_modified`), ``sinks`` this head's (1,) sink logit."""
     d_k = q.shape[1]
     scores = q @ k.T  # (N, N)
     scaled = scores / np.sqrt(d_k)
+    before_mask = scaled if modified is None else modified
     masked = None
     if bias is not None or allowed is not None:
-        masked = scaled if bias is None else scaled + bias
+        masked = before_mask if bias is None else before_mask + bias
         if allowed is not None:
             masked = np.where(allowed, masked, -np.inf)
-    weights, lse = softmax_rows(scaled if masked is None else masked)
+    weights, lse = softmax_rows(before_mask if masked is None else masked)
+    if sinks is not None:
+        weights, lse = _with_sinks(weights, lse, sinks)
     return Trace(
         tokens=tokens,
         x=x,
@@ -471,7 +541,85 @@ def _single_head(
         is_causal=is_causal,
         mask_kinds=kinds,
         head=head,
+        modified=modified,
+        score_mod=None if score_info is None else dict(score_info),
+        sinks=sinks,
     )
+
+
+def _remasked(t: Trace, is_causal: CausalArg, attn_mask: Any = None) -> Trace:
+    """Single-head trace ``t`` under other masks, reusing its scores, its score function's output
+    and its sink (for N × N self-attention the score function does not depend on the mask)."""
+    allowed, bias, kinds = _masks(t.n, attn_mask, is_causal)
+    return _single_head(list(t.tokens), None, t.q, t.k, t.v, allowed, bias, kinds, is_causal, head=t.head,
+                        modified=t.modified, score_info=t.score_mod, sinks=t.sinks)
+
+
+def _score_fn(score_mod: Any, num_heads: int) -> tuple[Any, Optional[dict[str, Any]]]:
+    """``score_mod`` checked against the call (a TypeError or ValueError that says what is wrong)
+    and described as plain data; torch is imported only when there is one."""
+    if score_mod is None:
+        return None, None
+    try:
+        from ..score_mods import ALiBi, RelativeBias, Softcap
+        from ..score_mods.base import ScoreMod, check_score_mod
+    except ImportError as e:
+        raise ImportError(f"score_mod= needs torch, which score functions are written in ({e})") from None
+    fn = check_score_mod(score_mod)
+    if not isinstance(fn, ScoreMod):
+        name = _fn_name(fn)
+        return fn, {"kind": "function", "name": name, "text": name}
+    fn.check_heads(num_heads)
+    kind = ("softcap" if isinstance(fn, Softcap) else "alibi" if isinstance(fn, ALiBi)
+            else "relative_bias" if isinstance(fn, RelativeBias) else "score_mod")
+    info: dict[str, Any] = {"kind": kind, "name": type(fn).__name__, "text": fn.describe()}
+    if fn.softcap is not None:
+        info["cap"] = float(fn.softcap)
+    if isinstance(fn, ALiBi):
+        info["slopes"] = [float(m) for m in fn.slopes.detach().double().cpu().tolist()]
+        info["symmetric"] = fn.symmetric
+    if isinstance(fn, RelativeBias):
+        info.update(buckets=int(fn.table.shape[0]), bidirectional=fn.bidirectional, max_distance=fn.max_distance)
+    return fn, info
+
+
+def _fn_name(fn: Any) -> str:
+    """What to call a user's score function: its name, a partial's function, or its class."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return "score_mod" if name == "<lambda>" else str(name)
+
+
+def _modified(fn: Any, qs: Sequence[np.ndarray], ks: Sequence[np.ndarray]) -> np.ndarray:
+    """``fn`` on every head's scaled scores at once, ``(H, N, N)``, through the oracle's own
+    evaluation: batch 0, query head h, query row i at position i and key j at j (self-attention,
+    so every alignment agrees)."""
+    scaled = np.stack([q @ k.T / np.sqrt(q.shape[1]) for q, k in zip(qs, ks)])  # as _single_head computes them
+    try:
+        out = np.array(_score_mod64(fn, scaled, "top_left"), dtype=np.float64)  # owned, not a broadcast view
+    except RuntimeError as e:  # a result that cannot broadcast to the scores
+        raise ValueError(f"score_mod must return one score per (batch, head, query, key) of shape {scaled.shape}: {e}") from None
+    if np.isnan(out).any() or np.isposinf(out).any():
+        raise ValueError("score_mod returned NaN or +inf; return finite scores, or -inf to hide a key")
+    return out
+
+
+def _sinks(sinks: Any, num_heads: int) -> Optional[np.ndarray]:
+    """Sink logits as ``(num_heads,)`` float64 (one number serves every head), or None."""
+    if sinks is None:
+        return None
+    arr = as_float64(sinks, "sinks")
+    if arr.ndim == 0:
+        arr = np.full(num_heads, float(arr))
+    if arr.ndim != 1 or arr.shape[0] != num_heads:
+        raise ValueError(
+            f"sinks has shape {tuple(arr.shape)} but the trace has {num_heads} head{'s' if num_heads != 1 else ''}; "
+            f"give one sink logit per head ({num_heads},) or one number for every head"
+        )
+    if np.isnan(arr).any() or np.isposinf(arr).any():
+        raise ValueError("sinks contains NaN or +inf; a sink is a finite logit (-inf: no sink for that head)")
+    return arr.copy()
 
 
 def _matrix(a: Any, name: str, expected: str) -> np.ndarray:

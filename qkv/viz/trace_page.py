@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 
 __all__ = ["render_trace_page", "save_trace_page", "page_data", "PAGE_SCHEMA_VERSION", "TOP_TERMS"]
 
-PAGE_SCHEMA_VERSION = 1
-"""Version of the JSON embedded in the page (``page_data``)."""
+PAGE_SCHEMA_VERSION = 2
+"""Version of the JSON embedded in the page (``page_data``); 2 added the score function
+(``score_mod``, the ``modified`` step and views) and ``sinks``."""
 TOP_TERMS = 8
 """A projection cell with more terms than this lists the largest ones and sums the rest."""
 _SIGNIFICANT = 10  # digits kept in the embedded JSON: far below any displayed precision
@@ -105,7 +106,9 @@ def page_data(
     ``rows``/``cols`` are the shown indices (None = the ellipsis), ``v`` the shown values and
     ``norm`` each row's Euclidean norm when columns were left out. Projection views carry
     ``cells``: per shown cell the largest terms ``[index, left, right]``, the rest's sum and
-    count, and the bias.
+    count, and the bias. ``score_mod`` describes the trace's score function (None without
+    one) and ``sinks`` holds each head's sink logit (None without sinks; null for a head whose
+    sink is −∞).
     """
     from ..reference.block import BlockTrace
     from ..reference.trace import Trace
@@ -151,6 +154,8 @@ def page_data(
         "causal": causal,
         "causal_toggle": toggle,
         "other_masks": other_masks,
+        "score_mod": None if att.score_mod is None else json.loads(json.dumps(att.score_mod)),
+        "sinks": None if att.sinks is None else [_round(s) for s in att.sinks],
         "steps": steps,
         "inputs": _inputs(att, block),
         "heads": [
@@ -195,7 +200,10 @@ def _steps(att: "Trace", block: Optional["BlockTrace"]) -> list[str]:
         steps.append("positional")
     elif att.x is not None:
         steps.append("x")
-    steps += ["qkv", "scores", "scaled", "mask", "weights", "output"]
+    steps += ["qkv", "scores", "scaled"]
+    if att.modified is not None:
+        steps.append("modified")
+    steps += ["mask", "weights", "output"]
     if att.num_heads > 1:
         steps.append("concat")
     if att.w_o is not None:
@@ -235,7 +243,7 @@ def _inputs(att: "Trace", block: Optional["BlockTrace"]) -> dict[str, Any]:
 
 def _variant(att: "Trace", block: Optional["BlockTrace"], causal: bool) -> dict[str, Any]:
     """The steps from the scores on, with the causal mask on or off (recomputed in float64)."""
-    from ..reference.trace import Trace
+    from ..reference.trace import Trace, _remasked
 
     causal_now = bool(parse_causal(att.is_causal)[0])
     same = causal_now == causal
@@ -249,14 +257,16 @@ def _variant(att: "Trace", block: Optional["BlockTrace"], causal: bool) -> dict[
         for i in range(att.num_heads):
             h = att.heads[i] if att.heads else att
             extra = None
+            base = h.scaled if h.modified is None else h.modified  # what the mask was added to
             if h.masked is not None and not causal_now:  # keep the trace's own mask under the toggle
-                extra = np.where(np.isfinite(h.masked), h.masked - h.scaled, -np.inf)
-            per_head.append(Trace.from_qkv(h.q, h.k, h.v, is_causal=causal, attn_mask=extra, tokens=att.tokens))
+                extra = np.where(np.isfinite(h.masked), h.masked - base, -np.inf)
+            per_head.append(_remasked(h, causal, extra))
     out: dict[str, Any] = {
         "heads": [
             {
                 "scores": _view(h.scores, features=False),
                 "scaled": _view(h.scaled, features=False),
+                "modified": None if h.modified is None else _view(h.modified, features=False),
                 "masked": None if h.masked is None else _view(h.masked, features=False),
                 "weights": _view(h.weights, features=False, scale="weights"),
                 "output": _view(h.output),

@@ -1,9 +1,9 @@
 """A glass-box trace as one static picture for slides (matplotlib, Agg backend: never a window).
 
 :func:`save_trace_png` draws, for a :class:`~qkv.reference.trace.Trace`, the flow
-X → Q, K, V → scores → ÷√d_k → mask → softmax → weights·V → output as labelled boxes and arrows,
-above annotated heatmaps of X, Q, K, V, the scaled (or masked) scores, the weights and the
-output of one head. For a :class:`~qkv.reference.block.BlockTrace` the figure also shows the
+X → Q, K, V → scores → ÷√d_k → (score function) → mask → softmax (with a sink) → weights·V →
+output as labelled boxes and arrows, above annotated heatmaps of X, Q, K, V, the scaled (or
+modified, or masked) scores, the weights and the output of one head. For a :class:`~qkv.reference.block.BlockTrace` the figure also shows the
 embeddings, the positional encoding, the residual connections, both LayerNorms and the
 feed-forward network. The narrated token's row is framed in every matrix that has one row per
 query. Small matrices carry their numbers in the cells; long ones are drawn without numbers and
@@ -134,6 +134,9 @@ _TEXT: dict[str, dict[str, str]] = {
         "title": "Self-attention of {n} tokens: {head}; token {i} \"{tok}\" framed",
         "block_title": "Encoder block of {n} tokens (d_model = {d}, d_ff = {f}); attention {head}; token {i} \"{tok}\" framed",
         "key": "key", "query": "query", "meta": "{model}", "meta_layer": ", layer {layer}", "meta_sep": ": ",
+        "modfn": "score fn\n{what}", "softmax_sink": "softmax\n+ sink", "fn_softcap": "softcap {c}", "fn_alibi": "ALiBi",
+        "fn_rel": "relative bias", "t_modified": "s′ = score_mod(scores / √d_k)\n{text}", "t_masked_mod": "s′ + mask",
+        "t_weights_sink": "weights = softmax with sink {s}\n(each row sums to less than 1)",
     },
     "zh": {
         "X": "输入 X", "Q": "查询 Q", "K": "键 K", "V": "值 V", "scores": "打分\nQ·Kᵀ",
@@ -152,6 +155,9 @@ _TEXT: dict[str, dict[str, str]] = {
         "title": "{n} 个词元的自注意力：{head}；红框为第 {i} 个词元“{tok}”",
         "block_title": "{n} 个词元的编码器块（d_model = {d}，d_ff = {f}）；注意力{head}；红框为第 {i} 个词元“{tok}”",
         "key": "键", "query": "查询", "meta": "{model}", "meta_layer": " 第 {layer} 层", "meta_sep": "：",
+        "modfn": "打分函数\n{what}", "softmax_sink": "softmax\n+ 汇聚项", "fn_softcap": "softcap {c}", "fn_alibi": "ALiBi",
+        "fn_rel": "相对位置偏置", "t_modified": "s′ = 打分函数(分数 / √d_k)\n{text}", "t_masked_mod": "s′ + 掩码",
+        "t_weights_sink": "权重 = 带汇聚项 {s} 的 softmax\n（每行之和小于 1）",
     },
 }
 
@@ -204,9 +210,20 @@ def _attention_panels(t: Any, ht: Any, x: Optional[np.ndarray], tx: dict[str, st
     for name in ("q", "k", "v"):
         a = getattr(ht, name)
         out.append(_Panel(name, tx["t_" + name], a, toks, dims(a), i if name == "q" else None))
-    src = "masked" if ht.masked is not None else "scaled"
-    out.append(_Panel(src, tx["t_" + src], getattr(ht, src), toks, toks, i))
-    out.append(_Panel("weights", tx["t_weights"], ht.weights, toks, toks, i, weights=True))
+    if ht.modified is not None:
+        text = (ht.score_mod or {}).get("text", "")
+        out.append(_Panel("modified", tx["t_modified"].format(text=text), ht.modified, toks, toks, i))
+        if ht.masked is not None:
+            out.append(_Panel("masked", tx["t_masked_mod"], ht.masked, toks, toks, i))
+    else:
+        src = "masked" if ht.masked is not None else "scaled"
+        out.append(_Panel(src, tx["t_" + src], getattr(ht, src), toks, toks, i))
+    title = tx["t_weights"]
+    if ht.sinks is not None:
+        from qkv.reference.render import short
+
+        title = tx["t_weights_sink"].format(s=short(float(ht.sinks[0])))
+    out.append(_Panel("weights", title, ht.weights, toks, toks, i, weights=True))
     out.append(_Panel("output", tx["t_output"], ht.output, toks, dims(ht.output), i))
     if t.projected is not None:
         out.append(_Panel("projected", tx["t_projected"], t.projected, toks, dims(t.projected), i))
@@ -238,7 +255,26 @@ def _arrow(ax: Any, a: Any, b: Any, *, start: tuple[float, float] = (1.0, 0.5), 
                                 linestyle="--" if dashed else "-"))
 
 
-def _attention_flow(ax: Any, tx: dict[str, str], masked: bool) -> None:
+def _score_fn_label(info: Optional[dict[str, Any]], tx: dict[str, str]) -> Optional[str]:
+    """The flow box of a score function, e.g. "score fn / softcap 30"; None without one."""
+    if info is None:
+        return None
+    from qkv.reference.render import short
+
+    kind = info.get("kind")
+    if kind == "softcap" and "cap" in info:
+        what = tx["fn_softcap"].format(c=short(float(info["cap"])))
+    elif kind == "alibi":
+        what = tx["fn_alibi"]
+    elif kind == "relative_bias":
+        what = tx["fn_rel"]
+    else:
+        what = str(info.get("name", "score_mod"))
+    return tx["modfn"].format(what=what)
+
+
+def _attention_flow(ax: Any, tx: dict[str, str], masked: bool, score_fn: Optional[str] = None,
+                    sink: bool = False) -> None:
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.axis("off")
@@ -247,15 +283,18 @@ def _attention_flow(ax: Any, tx: dict[str, str], masked: bool) -> None:
     qkv = {name: _box(ax, xs[1], y, tx[name], "#fde8d8") for name, y in (("Q", 0.85), ("K", 0.5), ("V", 0.15))}
     for b in qkv.values():
         _arrow(ax, x_box, b)
-    chain = [("scores", "#eef7e8"), ("scale", "#eef7e8"), ("mask" if masked else "nomask", "#eef7e8"),
-             ("softmax", "#f3e8fc"), ("sum", "#fff6d6"), ("out", "#e8eefc")]
-    boxes = [_box(ax, xs[k + 2], 0.5, tx[key], color) for k, (key, color) in enumerate(chain)]
+    chain = [(tx["scores"], "#eef7e8"), (tx["scale"], "#eef7e8")]
+    if score_fn is not None:
+        chain.append((score_fn, "#e8f4f7"))
+    chain += [(tx["mask" if masked else "nomask"], "#eef7e8"), (tx["softmax_sink" if sink else "softmax"], "#f3e8fc"),
+              (tx["sum"], "#fff6d6"), (tx["out"], "#e8eefc")]
+    boxes = [_box(ax, xs[k + 2], 0.5, text, color) for k, (text, color) in enumerate(chain)]
     for a, b in zip(boxes, boxes[1:]):
         _arrow(ax, a, b)
     _arrow(ax, qkv["Q"], boxes[0])
     _arrow(ax, qkv["K"], boxes[0])
     # V skips the scoring steps: along the bottom, then up into the weighted sum
-    _arrow(ax, qkv["V"], boxes[4], end=(0.5, 0.0), style="angle,angleA=0,angleB=90,rad=0")
+    _arrow(ax, qkv["V"], boxes[-2], end=(0.5, 0.0), style="angle,angleA=0,angleB=90,rad=0")
 
 
 def _block_flow(ax: Any, tx: dict[str, str]) -> None:
@@ -382,7 +421,8 @@ def _draw(plt: Any, trace: Any, block_cls: type, lang: str, head: Optional[int],
                           hspace=0.7, wspace=0.35, left=0.05, right=0.98, top=0.93, bottom=0.06)
     if is_block:
         _block_flow(fig.add_subplot(gs[0, :]), tx)
-    _attention_flow(fig.add_subplot(gs[flows - 1, :]), tx, ht.masked is not None)
+    _attention_flow(fig.add_subplot(gs[flows - 1, :]), tx, ht.masked is not None, _score_fn_label(ht.score_mod, tx),
+                    ht.sinks is not None)
     for k, p in enumerate(panels):
         ax = fig.add_subplot(gs[flows + k // ncols, k % ncols])
         _heatmap(fig, ax, p, tx, precision)

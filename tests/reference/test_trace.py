@@ -415,7 +415,7 @@ def test_to_dict_schema_meta_biases_and_precision(rng):
     meta = {"model": "m", "layer": np.int64(1), "head": 2, "source": "model"}
     t = trace(x, wq, wk, wv, b_q=rng.normal(size=3), meta=meta)
     d = json.loads(json.dumps(t.to_dict(), allow_nan=False))
-    assert d["schema_version"] == 1 and d["kind"] == "attention"
+    assert d["schema_version"] == 2 and d["kind"] == "attention"
     assert d["meta"] == {"model": "m", "layer": 1, "head": 2, "source": "model"}
     assert len(d["params"]["b_q"]) == 3 and d["params"]["b_k"] is None
     back = Trace.from_dict(d)

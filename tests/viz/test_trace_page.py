@@ -426,3 +426,68 @@ def test_block_page_walks_the_whole_block(browser, tmp_path):
     _hover(browser, "block_output", 2, 0)
     _close(_nums(browser, ".total"), [b.output[2, 0]])
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_score_function_step_and_sinks_explain_themselves(browser, tmp_path):
+    from selenium.webdriver.support.ui import Select
+
+    pytest.importorskip("torch")
+    from qkv.score_mods import Softcap
+
+    t = sentence_trace(SENTENCE, heads=2, score_mod=Softcap(1.0), sinks=[0.5, -1.0])
+    _open(browser, t, tmp_path / "softcap.html", token=1)
+    steps = [b.get_attribute("data-step") for b in _by(browser, "#step-list button")]
+    assert steps[3:6] == ["scaled", "modified", "mask"]
+    assert "score function: softcap 1·tanh(s/1) · sinks 0.5, -1" in _by(browser, "#page-sub")[0].text
+    _step(browser, "modified")
+    h, i, j = t.heads[0], 1, 2
+    assert "s′ = 1 · tanh(s / 1)" in _by(browser, "#step-formula")[0].text
+    assert "squashes every score smoothly into (−1, 1)" in _by(browser, "#narrative")[0].text
+    shown = [_num(c.text) for c in _by(browser, 'td[data-m="modified"][data-r="1"]')]
+    _close(shown, h.modified[1])
+    _hover(browser, "modified", i, j)
+    _close(_nums(browser, ".total"), [h.modified[i, j]])
+
+    _step(browser, "weights")
+    assert "exp(sink_h − max_i)" in _by(browser, "#step-formula")[0].text
+    share = 100 * h.sink_share[i]
+    assert f"absorbs {share:.1f}% of row {i}'s attention" in _by(browser, "#narrative")[0].text
+    _hover(browser, "weights", i, j)
+    row = h.modified[i]
+    e = np.exp(row - row.max())
+    _close(_nums(browser, ".exp .e"), e)
+    _close(_nums(browser, ".sink .e"), [np.exp(0.5 - row.max())])
+    _close(_nums(browser, ".sum") + _nums(browser, ".total"), [e.sum() + np.exp(0.5 - row.max()), h.weights[i, j]])
+
+    _by(browser, "#causal-toggle")[0].click()  # the score function's output stays; the mask now follows it
+    _step(browser, "mask")
+    assert "s′ + M" in _by(browser, "#step-formula")[0].text
+    _hover(browser, "masked", 2, 1)
+    assert "modified score passes unchanged" in _by(browser, "#explain-body")[0].text
+    causal = sentence_trace(SENTENCE, heads=2, causal=True, score_mod=Softcap(1.0), sinks=[0.5, -1.0])
+    _step(browser, "weights")
+    _close([_num(c.text) for c in _by(browser, 'td[data-m="weights"][data-r="2"]')], causal.heads[0].weights[2])
+
+    Select(_by(browser, "#lang-select")[0]).select_by_value("zh")
+    assert "吸收了第 1 行" in _by(browser, "#narrative")[0].text
+    _step(browser, "modified")
+    assert _by(browser, "#step-title")[0].text == "打分函数" and "平滑地压进" in _by(browser, "#narrative")[0].text
+    assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_alibi_slope_follows_the_head(browser, tmp_path):
+    from selenium.webdriver.support.ui import Select
+
+    pytest.importorskip("torch")
+    from qkv.score_mods import ALiBi, alibi_slopes
+
+    t = sentence_trace(SENTENCE, heads=2, score_mod=ALiBi(alibi_slopes(2), symmetric=True))
+    _open(browser, t, tmp_path / "alibi.html")
+    _step(browser, "modified")
+    assert "head 0: m = 0.0625" in _by(browser, "#step-formula")[0].text
+    Select(_by(browser, "#head-select")[0]).select_by_value("1")
+    assert "head 1: m = 0.00391" in _by(browser, "#step-formula")[0].text
+    assert "penalises farther keys by slope·distance" in _by(browser, "#narrative")[0].text
+    _hover(browser, "modified", 0, 3)
+    assert "0.00391 · |3 − 0|" in _by(browser, "#explain-body")[0].text
+    _close(_nums(browser, ".total"), [t.heads[1].modified[0, 3]])

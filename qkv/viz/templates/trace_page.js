@@ -82,6 +82,27 @@
       c_pos: "Position {i}, column {c}: {fn}({i} / 10000^({k}/{d})) = {fn}({angle})",
       c_sum2: "{a} + {b}", c_norm: "(r − μ) / σ · γ + β, with r = {name}[{i}, {c}], μ, σ of row {i}, γ, β of column {c}",
       c_relu: "max(0, {h})", c_norm_col: "Length of the whole row {i} (all {n} columns).",
+      // a score function (the "modified" step) and sinks
+      s_modified: "Score function", f_modified: "score_mod", m_modified: "modified scores s′",
+      m_modified_nomask: "modified scores s′ (no mask)",
+      e_modified_softcap: "s′ = {c} · tanh(s / {c})   (softcap: every score inside (−{c}, {c}))",
+      e_modified_alibi: "s′ = s + m_h · (j − i)   (ALiBi; head {h}: m = {m})",
+      e_modified_alibi_sym: "s′ = s − m_h · |j − i|   (ALiBi; head {h}: m = {m})",
+      e_modified_rel: "s′ = s + table[bucket(j − i), h]   ({text})",
+      e_modified_fn: "s′ = {name}(s, batch, head, q_idx, kv_idx)", e_modified_other: "s′ = score_mod(s)   ({text})",
+      e_mask_mod: "s′ + M,   M[i, j] = −∞ where query i may not see key j",
+      n_mod_softcap: "Softcapping squashes every score smoothly into (−{c}, {c}): scores far below {c} barely move and large ones flatten out near ±{c}, so no single key can run away with the softmax. The scores of “{tok}” ran from {lo} to {hi}; now they run from {lo2} to {hi2}.",
+      n_mod_alibi: "ALiBi penalises farther keys by slope·distance. Head {h}'s slope is m = {m}, so a key d positions before “{tok}” loses m·d (a key after it gains m·d, which a causal mask usually hides). Nearby tokens are favoured without any position embedding.",
+      n_mod_alibi_sym: "ALiBi penalises farther keys by slope·distance. Head {h}'s slope is m = {m}, so a key d positions away from “{tok}”, on either side, loses m·d. Nearby tokens are favoured without any position embedding.",
+      n_mod_rel: "A relative position bias adds a learned number for each query–key distance ({text}). For “{tok}” the numbers added run from {lo} to {hi}.",
+      n_mod_fn: "The score function {name} is called on every scaled score, with its batch, head, query and key indices, and returns a new score. In the row of “{tok}” the largest change is {d}.",
+      c_mod: "s′[{i}, {j}]: the score function on the scaled score of “{tok}” and “{key}”",
+      c_mod_softcap: "{c} · tanh({s} / {c}) = {c} · tanh({x})", c_mod_alibi: "{s} + {m} · ({j} − {i})",
+      c_mod_alibi_sym: "{s} − {m} · |{j} − {i}|", c_mod_add: "scaled score + what the function added",
+      c_visible_mod: "Visible: the modified score passes unchanged.",
+      e_weights_sink: "A[i, j] = exp(s_ij − max_i) / (Σ_j exp(s_ij − max_i) + exp(sink_h − max_i))",
+      n_weights_sink: " This head has a sink (logit {s}): it joins the denominator but has no value, so it absorbs {pct}% of row {i}'s attention and the row sums to {sum}, not 1.",
+      c_sink: "sink", c_sink_value: "no value", sub_score: " · score function: {text}", sub_sinks: " · sinks {v}",
     },
     zh: {
       title: "自注意力逐步演示", title_block: "编码器块逐步演示",
@@ -152,6 +173,26 @@
       c_pos: "位置 {i}，第 {c} 列：{fn}({i} / 10000^({k}/{d})) = {fn}({angle})",
       c_sum2: "{a} + {b}", c_norm: "(r − μ) / σ · γ + β，其中 r = {name}[{i}, {c}]，μ、σ 来自第 {i} 行，γ、β 来自第 {c} 列",
       c_relu: "max(0, {h})", c_norm_col: "整个第 {i} 行（全部 {n} 列）的长度。",
+      s_modified: "打分函数", f_modified: "打分函数", m_modified: "修改后的打分 s′",
+      m_modified_nomask: "修改后的打分 s′（无掩码）",
+      e_modified_softcap: "s′ = {c} · tanh(s / {c})   （softcap：每个分数都落在 (−{c}, {c}) 之内）",
+      e_modified_alibi: "s′ = s + m_h · (j − i)   （ALiBi；头 {h}：m = {m}）",
+      e_modified_alibi_sym: "s′ = s − m_h · |j − i|   （ALiBi；头 {h}：m = {m}）",
+      e_modified_rel: "s′ = s + table[bucket(j − i), h]   （{text}）",
+      e_modified_fn: "s′ = {name}(s, batch, head, q_idx, kv_idx)", e_modified_other: "s′ = score_mod(s)   （{text}）",
+      e_mask_mod: "s′ + M，   查询 i 不能看到键 j 时 M[i, j] = −∞",
+      n_mod_softcap: "softcap 把每个分数平滑地压进 (−{c}, {c})：远小于 {c} 的分数几乎不变，大的分数在 ±{c} 附近变平，这样没有哪个键能独占 softmax。“{tok}”的分数原来在 {lo} 到 {hi} 之间，现在在 {lo2} 到 {hi2} 之间。",
+      n_mod_alibi: "ALiBi 按“斜率 × 距离”惩罚较远的键。头 {h} 的斜率 m = {m}，所以在“{tok}”之前相隔 d 个位置的键减去 m·d（在它之后的键反而加上 m·d，通常被因果掩码遮住）。这样不需要位置编码，也会偏向附近的词元。",
+      n_mod_alibi_sym: "ALiBi 按“斜率 × 距离”惩罚较远的键。头 {h} 的斜率 m = {m}，所以无论在前还是在后，与“{tok}”相隔 d 个位置的键都减去 m·d。这样不需要位置编码，也会偏向附近的词元。",
+      n_mod_rel: "相对位置偏置按查询与键的距离，加上一个学到的数（{text}）。“{tok}”这一行加上的数在 {lo} 到 {hi} 之间。",
+      n_mod_fn: "打分函数 {name} 作用在每个缩放后的分数上（同时拿到批次、头、查询和键的编号），返回新的分数。“{tok}”这一行变化最大的是 {d}。",
+      c_mod: "s′[{i}, {j}]：打分函数作用在“{tok}”与“{key}”缩放后的分数上",
+      c_mod_softcap: "{c} · tanh({s} / {c}) = {c} · tanh({x})", c_mod_alibi: "{s} + {m} · ({j} − {i})",
+      c_mod_alibi_sym: "{s} − {m} · |{j} − {i}|", c_mod_add: "缩放后的分数 + 函数加上的数",
+      c_visible_mod: "可见：修改后的分数原样通过。",
+      e_weights_sink: "A[i, j] = exp(s_ij − max_i) / (Σ_j exp(s_ij − max_i) + exp(sink_h − max_i))",
+      n_weights_sink: "这个头有一个汇聚项（sink，logit {s}）：它加进分母却没有值，所以吸收了第 {i} 行 {pct}% 的注意力，这一行的和是 {sum}，而不是 1。",
+      c_sink: "汇聚项", c_sink_value: "没有值", sub_score: " · 打分函数：{text}", sub_sinks: " · 汇聚项（sink）{v}",
     },
   };
 
@@ -174,6 +215,7 @@
     if (/^-0\.?0*$/.test(s)) s = s.slice(1); // never show "-0.000"
     return s;
   }
+  function short(v) { return fmt(v).replace(/(\.\d*?)0+$/, "$1").replace(/\.$/, ""); } // 30.000 → 30, 0.500 → 0.5
   function fmtR(v) { return v !== null && v < 0 ? "(" + fmt(v) + ")" : fmt(v); } // right operand: 1 − (−2), not 1 − −2
   function tok(i) { return esc(D.tokens[i]); }
 
@@ -192,11 +234,13 @@
     return ri < 0 || ci < 0 ? undefined : m.v[ri][ci];
   }
   function row(m, i) { return m.v[m.rows.indexOf(i)]; }
+  function beforeMask() { return view("modified") || view("scaled"); } // what the mask is added to
+  function sinkOf(h) { return D.sinks ? D.sinks[h] : null; } // null: no sink (or a sink of −∞)
 
   var STEP_MATS = {
     // each step shows what it produces, after the operands it reads where that helps
     positional: ["embeddings", "positional", "x"], x: ["x"], qkv: ["q", "k", "v"], scores: ["q", "k", "scores"],
-    scaled: ["scores", "scaled"], mask: ["masked"], weights: ["masked", "weights"], output: ["weights", "v", "output"], concat: ["concat"],
+    scaled: ["scores", "scaled"], modified: ["scaled", "modified"], mask: ["masked"], weights: ["masked", "weights"], output: ["weights", "v", "output"], concat: ["concat"],
     projected: ["projected"], residual1: ["residual1"], norm1: ["norm1"], ffn: ["ffn_hidden", "ffn_relu", "ffn_out"],
     residual2: ["residual2"], norm2: ["block_output"],
   };
@@ -229,16 +273,16 @@
   }
   function caption(name) {
     var key = "m_" + name;
-    if (name === "masked" && !view("masked")) key = "m_unmasked";
+    if (name === "masked" && !view("masked")) key = view("modified") ? "m_modified_nomask" : "m_unmasked";
     var s = t(key);
-    var perHead = ["q", "k", "v", "scores", "scaled", "masked", "weights", "output"].indexOf(name) >= 0;
+    var perHead = ["q", "k", "v", "scores", "scaled", "modified", "masked", "weights", "output"].indexOf(name) >= 0;
     if (perHead && D.num_heads > 1) s += t("of_head", { h: S.head });
     return s;
   }
   function matrixHTML(name) {
     var m = view(name);
     var shownName = name;
-    if (name === "masked" && !m) { m = view("scaled"); shownName = "masked"; }
+    if (name === "masked" && !m) { m = beforeMask(); shownName = "masked"; }
     if (!m) return "";
     var mx = maxAbs(m), maskedRef = null;
     if (name === "weights") maskedRef = view("masked");
@@ -362,6 +406,7 @@
       var r = row(view("scaled"), i).filter(function (v) { return v !== null; });
       return t("n_scaled", p({}, base, { root: fmt(Math.sqrt(D.d_k)), lo: fmt(Math.min.apply(null, r)), hi: fmt(Math.max.apply(null, r)) }));
     }
+    if (id === "modified") return modifiedNarrative(base);
     if (id === "mask") {
       var txt;
       if (S.causal) txt = t("n_mask_on", base) + (i === n - 1 ? t("n_mask_last") : t("n_mask_later", { m: n - 1 - i }));
@@ -374,7 +419,9 @@
     if (id === "weights") {
       if (total === 0) return t("n_weights_none", base);
       var second = wo.length > 1 ? t("n_weights_second", { k2: tok(wo[1]), w2: fmt(w[wo[1]]) }) : "";
-      return t("n_weights", p({}, base, { k1: tok(wo[0]), w1: fmt(w[wo[0]]), pct: (100 * w[wo[0]]).toFixed(1), second: second, sum: fmt(total) }));
+      var nw = t("n_weights", p({}, base, { k1: tok(wo[0]), w1: fmt(w[wo[0]]), pct: (100 * w[wo[0]]).toFixed(1), second: second, sum: fmt(total) }));
+      if (sinkOf(h) !== null) nw += t("n_weights_sink", { s: fmt(sinkOf(h)), pct: (100 * (1 - total)).toFixed(1), i: i, sum: fmt(total) });
+      return nw;
     }
     if (id === "output") {
       if (total === 0) return t("n_weights_none", base);
@@ -400,7 +447,38 @@
     }
     return "";
   }
+  function finite(vals) { return vals.filter(function (v) { return v !== null; }); }
+  function modifiedNarrative(base) {
+    var sm = D.score_mod, i = S.token, p = Object.assign;
+    var before = row(view("scaled"), i), after = row(view("modified"), i);
+    if (sm.kind === "softcap") {
+      var b = finite(before), a = finite(after);
+      return t("n_mod_softcap", p({}, base, { c: short(sm.cap), lo: fmt(Math.min.apply(null, b)), hi: fmt(Math.max.apply(null, b)),
+        lo2: fmt(Math.min.apply(null, a)), hi2: fmt(Math.max.apply(null, a)) }));
+    }
+    if (sm.kind === "alibi") {
+      return t(sm.symmetric ? "n_mod_alibi_sym" : "n_mod_alibi", p({}, base, { h: S.head, m: fmtSlope(sm.slopes[S.head]) }));
+    }
+    var added = [];
+    after.forEach(function (v, j) { if (v !== null && before[j] !== null) added.push(v - before[j]); });
+    if (sm.kind === "relative_bias") {
+      return t("n_mod_rel", p({}, base, { text: esc(sm.text), lo: fmt(Math.min.apply(null, added)), hi: fmt(Math.max.apply(null, added)) }));
+    }
+    var big = added.reduce(function (m, d) { return Math.abs(d) > Math.abs(m) ? d : m; }, 0);
+    return t("n_mod_fn", p({}, base, { name: esc(sm.kind === "function" ? sm.name : sm.text), d: fmtR(big) }));
+  }
+  function fmtSlope(m) { return String(Number(m.toPrecision(3))); } // ALiBi slopes reach 1/256: keep 3 digits, not 3 decimals
   function formula(id) {
+    if (id === "modified") {
+      var sm = D.score_mod;
+      if (sm.kind === "softcap") return t("e_modified_softcap", { c: short(sm.cap) });
+      if (sm.kind === "alibi") return t(sm.symmetric ? "e_modified_alibi_sym" : "e_modified_alibi", { h: S.head, m: fmtSlope(sm.slopes[S.head]) });
+      if (sm.kind === "relative_bias") return t("e_modified_rel", { text: sm.text });
+      if (sm.kind === "function") return t("e_modified_fn", { name: sm.name });
+      return t("e_modified_other", { text: sm.text });
+    }
+    if (id === "mask" && view("modified")) return t("e_mask_mod");
+    if (id === "weights" && sinkOf(S.head) !== null) return t("e_weights_sink");
     if (id === "qkv") {
       return t("e_qkv", { bq: D.bias.q ? " + b_Q" : "", bk: D.bias.k ? " + b_K" : "", bv: D.bias.v ? " + b_V" : "" });
     }
@@ -442,7 +520,7 @@
   }
 
   function explainCell(name, ri, ci) {
-    var m = name === "masked" && !view("masked") ? view("scaled") : view(name);
+    var m = name === "masked" && !view("masked") ? beforeMask() : view(name);
     var i = m.rows[ri];
     if (ci === "norm") return "<p>" + esc(t("c_norm_col", { i: i, n: m.shape[1] })) + "</p>" + totalLine(m.norm[ri]);
     var c = m.cols[ci], v = m.v[ri][ci], H = S.head;
@@ -467,18 +545,31 @@
         '<p class="eq"><span class="num">' + fmt(s) + '</span> / √' + D.d_k + ' = <span class="num">' + fmt(s) + "</span> / <span class=\"root\">" +
         fmt(root) + '</span> = <span class="total">' + fmt(v) + "</span></p>";
     }
+    if (name === "modified") {
+      var sm = D.score_mod, s0 = at(view("scaled"), i, c), add = v === null || s0 === null ? null : v - s0;
+      var head = '<p class="what">' + t("c_mod", { i: i, j: c, tok: tok(i), key: tok(c) }) + "</p>";
+      if (v === null) return head + totalLine(null);
+      if (sm.kind === "softcap") {
+        return head + '<p class="eq">' + t("c_mod_softcap", { c: short(sm.cap), s: fmt(s0), x: fmt(s0 / sm.cap) }) + ' = <span class="total">' + fmt(v) + "</span></p>";
+      }
+      if (sm.kind === "alibi") {
+        return head + '<p class="eq">' + t(sm.symmetric ? "c_mod_alibi_sym" : "c_mod_alibi", { s: fmt(s0), m: fmtSlope(sm.slopes[H]), i: i, j: c }) +
+          ' = <span class="total">' + fmt(v) + "</span></p>";
+      }
+      return head + "<p>" + esc(t("c_mod_add")) + '</p><p class="eq">' + fmt(s0) + " + " + fmtR(add) + ' = <span class="total">' + fmt(v) + "</span></p>";
+    }
     if (name === "masked") {
-      var scaled = at(view("scaled"), i, c);
+      var scaled = at(beforeMask(), i, c);
       if (v === null) {
         var why = S.causal && c > i ? t("c_hidden_causal", { i: i, j: c, tok: tok(i), key: tok(c) }) : esc(t("c_hidden_mask"));
         return '<p class="what hidden">' + why + "</p>" + totalLine(null);
       }
       var bias = v - scaled;
-      if (Math.abs(bias) < 1e-12) return "<p>" + esc(t("c_visible")) + '</p><p class="eq">' + fmt(scaled) + " + 0 = " + fmt(v) + "</p>" + totalLine(v);
+      if (Math.abs(bias) < 1e-12) return "<p>" + esc(t(view("modified") ? "c_visible_mod" : "c_visible")) + '</p><p class="eq">' + fmt(scaled) + " + 0 = " + fmt(v) + "</p>" + totalLine(v);
       return "<p>" + esc(t("c_bias_add")) + '</p><p class="eq">' + fmt(scaled) + " + " + fmtR(bias) + " = " + fmt(v) + "</p>" + totalLine(v);
     }
     if (name === "weights") {
-      var src = view("masked") || view("scaled"), srow = row(src, i);
+      var src = view("masked") || beforeMask(), srow = row(src, i);
       var what = '<p class="what">' + t("c_weight", { i: i, j: c, tok: tok(i), key: tok(c) }) + "</p>";
       if (srow[c] === null) return what + "<p>" + t("c_weight_masked", { key: tok(c) }) + "</p>" + totalLine(0);
       var vis = srow.filter(function (x) { return x !== null; });
@@ -492,6 +583,13 @@
       var lis = exps.map(function (e) {
         return '<li class="exp" data-index="' + e[0] + '"><span class="j">[' + e[0] + ']</span> exp(' + fmt(e[1]) + " − " + fmt(mx) + ") = <span class=\"e\">" + fmt(e[2]) + "</span> · " + tok(e[0]) + "</li>";
       });
+      var sink = sinkOf(H);
+      if (sink !== null) { // one more term in the denominator, with no value behind it
+        var es = Math.exp(sink - mx);
+        sum += es;
+        lis.push('<li class="sink"><span class="j">[' + esc(t("c_sink")) + "]</span> exp(" + fmt(sink) + " − " + fmt(mx) + ') = <span class="e">' +
+          fmt(es) + "</span> · " + esc(t("c_sink_value")) + "</li>");
+      }
       return what + '<p class="eq">' + esc(t("c_max")) + ' = <span class="max">' + fmt(mx) + "</span></p>" +
         "<p>" + esc(t("c_exps")) + "</p>" + termList(lis) +
         '<p class="eq">' + esc(t("c_sum")) + ' Σ = <span class="sum">' + fmt(sum) + "</span></p>" +
@@ -553,6 +651,8 @@
     if (D.d_model !== null) sub += t("sub_model", { d: D.d_model });
     if (D.num_heads > 1) sub += t("sub_heads", { h: D.num_heads });
     if (D.d_ff !== null) sub += t("sub_ff", { f: D.d_ff });
+    if (D.score_mod) sub += t("sub_score", { text: D.score_mod.text });
+    if (D.sinks) sub += t("sub_sinks", { v: D.sinks.map(function (x) { return x === null ? "−∞" : short(x); }).join(", ") });
     document.getElementById("page-sub").textContent = sub;
     document.getElementById("counting").textContent = t("counting");
     document.getElementById("prev").textContent = t("prev");
