@@ -5,7 +5,9 @@
 - :func:`attention_stats` — entropy, top-k, mean distance, sink and previous-token weights of
   every row in one tiled pass, never holding ``Nq × Nk``.
 - :func:`record` — capture ``q``/``k``/``v``/``scores``/``weights``/``lse``/``output`` (or only
-  statistics) from every :class:`qkv.nn.MultiHeadAttention` in a model during a forward pass.
+  statistics) from every :class:`qkv.nn.MultiHeadAttention` in a model during a forward pass;
+  :func:`observed_map` / :func:`observed_stats` — the same from a Hugging Face model's calls
+  (:func:`qkv.hf.observe`), with the call's score function and sinks.
 - :func:`trace_model` — one real head of a BERT model (default all-MiniLM-L6-v2) as a float64
   glass-box :class:`qkv.reference.Trace`, every step kept.
 - :func:`head_summary` — rank and classify heads (previous-token, sink, broad, self).
@@ -13,7 +15,7 @@
   compute during a forward pass (qkv.nn models and Hugging Face models on qkv) and measure it.
 """
 
-from .capture import POINTS, Recording, record
+from .capture import POINTS, Recording, observed_arguments, observed_map, observed_stats, record
 from .intervene import (
     EDIT_POINTS,
     PatchingEffects,
@@ -37,6 +39,9 @@ __all__ = [
     "AttentionStats",
     "record",
     "Recording",
+    "observed_arguments",
+    "observed_map",
+    "observed_stats",
     "POINTS",
     "head_summary",
     "HeadSummary",

@@ -19,6 +19,11 @@ Every :class:`qkv.nn.MultiHeadAttention` has capture points, named ``<module pat
 maps are rebuilt from it for the chosen ``heads`` and ``rows`` only. With
 ``stats=True`` they are not kept at all; :func:`qkv.inspect.attention_stats` summarises every
 row instead, in ``O(N · topk)`` memory — for long inputs.
+
+A call's ``score_mod`` and ``sinks`` (when the module passes them with its masks) go to every
+map and statistic, so ``scores``/``weights``/``lse`` are the ones the model uses.
+:func:`observed_map` and :func:`observed_stats` do the same for the calls a
+:func:`qkv.hf.observe` observer receives from Hugging Face models running on qkv.
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ from torch import nn
 
 from ..nn.attention import MultiHeadAttention
 from ..call import validate_qk
-from .maps import Index, attention_map, attention_scores, fused_lse
+from .maps import BLOCK, Index, attention_map, attention_scores, fused_lse
 from .stats import AttentionStats, attention_stats, attention_with_stats
 
-__all__ = ["POINTS", "Recording", "record"]
+__all__ = ["POINTS", "Recording", "record", "observed_arguments", "observed_map", "observed_stats"]
 
 POINTS: tuple[str, ...] = ("q", "k", "v", "scores", "weights", "lse", "output")
 _MAPS = ("scores", "weights")
@@ -158,7 +163,8 @@ class _Hook:
         need_lse = "lse" in self.wanted or "weights" in self.wanted
         if lse is None and need_lse:  # not asked of the model's call (reuse_lse=False), or it could not give one
             m = masks
-            call = validate_qk(query, key, m["attn_mask"], m["is_causal"], None, m["enable_gqa"], m["window"], m["key_padding_mask"])
+            call = validate_qk(query, key, m["attn_mask"], m["is_causal"], None, m["enable_gqa"], m["window"], m["key_padding_mask"],
+                               score_mod=m.get("score_mod"), sinks=m.get("sinks"))  # fmt: skip
             lse = fused_lse(call)
         if "lse" in self.wanted and lse is not None:
             self._store("lse", lse)
@@ -169,6 +175,42 @@ class _Hook:
             )
         if "scores" in self.wanted:
             self.rec._data[self._name("scores")] = attention_scores(query, key, heads=o["heads"], rows=o["rows"], **masks)
+
+
+def observed_arguments(call: Any) -> dict[str, Any]:
+    """The attention arguments of an observed call (a :class:`qkv.hf.HFAttentionCall`: its
+    mask, causal rule, window, scale, GQA, score function and sinks) for the map and
+    statistics functions; ``lse`` not included."""
+    return dict(
+        attn_mask=call.attn_mask, is_causal=call.is_causal, window=call.window, scale=call.scale,
+        enable_gqa=call.query.shape[-3] != call.key.shape[-3],
+        # (calls recorded before HFAttentionCall carried them have neither)
+        score_mod=getattr(call, "score_mod", None), sinks=getattr(call, "sinks", None),
+    )  # fmt: skip
+
+
+def observed_map(call: Any, *, heads: Index = None, rows: Index = None, block: int = BLOCK) -> torch.Tensor:
+    """The weights ``(B, h, r, Nk)`` the model used in an observed call (a
+    :class:`qkv.hf.HFAttentionCall`), rebuilt tile by tile from its lse by
+    :func:`~qkv.inspect.attention_map` with every argument of the call::
+
+        with qkv.hf.observe(lambda c: maps.append(qkv.inspect.observed_map(c, rows=[-1]))):
+            model(**inputs)
+    """
+    # check_lse=False: the lse is the call's own, and an observer must not raise inside the model
+    return attention_map(call.query, call.key, heads=heads, rows=rows, lse=call.lse, block=block, check_lse=False,
+                         **observed_arguments(call))  # fmt: skip
+
+
+def observed_stats(
+    call: Any, *, topk: int = 5, key_positions: Sequence[int] = (0,), relative_positions: Sequence[int] = (-1, 0)
+) -> AttentionStats:
+    """:func:`~qkv.inspect.attention_stats` of an observed call (a :class:`qkv.hf.HFAttentionCall`),
+    from its lse and with every argument of the call."""
+    return attention_stats(
+        call.query, call.key, lse=call.lse, topk=topk, key_positions=key_positions,
+        relative_positions=relative_positions, check_lse=False, **observed_arguments(call),
+    )  # fmt: skip
 
 
 def _plan(model: nn.Module, patterns: Sequence[str]) -> dict[str, tuple[MultiHeadAttention, set[str]]]:

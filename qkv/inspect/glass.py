@@ -124,6 +124,13 @@ def trace_model(
         raise ValueError(f"text has {len(ids)} word pieces (with [CLS] and [SEP]) but the limit is {limit} ({why})")
 
     attn = m.encoder.layers[layer].self_attn
+    for arg, what in (("score_mod", "a score function"), ("sinks", "attention sinks")):
+        # the trace computes softmax(q·kᵀ·scale): it would show other weights than the model's
+        if getattr(attn, arg, None) is not None:
+            raise NotImplementedError(
+                f"layer {layer}'s attention has {what} ({arg}=), which the glass-box trace does not model; "
+                "use qkv.inspect.attention_map for its exact weights"
+            )
     d_model = int(attn.d_model)
     dh = int(attn.head_dim)
     kv = head // (attn.num_heads // attn.num_kv_heads)  # the key/value head this query head reads

@@ -11,11 +11,16 @@ A fused forward pass (``qkv.attention(..., return_lse=True)``) yields one number
 ``p_j = exp(s_j - lse)``, so the map of a few rows or heads costs ``r × Nk`` scores and
 never the ``Nq × Nk`` matrix. Mask rules are not re-derived here: positional rules come from
 :class:`~qkv.reference.masks.PositionalMask`, the other masks from :class:`~qkv.masks.MaskTiles`.
+
+A score function (``score_mod``, :mod:`qkv.score_mods`) is applied to each tile's scaled scores
+before the masks, as every backend applies it, so ``s`` above is the modified score. With
+``sinks`` the lse includes the sink (``lse' = log(e^lse + e^sink)``), so ``exp(s - lse')`` are
+the weights the model uses: a row sums to ``1 - exp(sink - lse')``, the sink's share.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -23,6 +28,8 @@ from ..backends.base import half_to_float
 from ..call import AttentionCall, validate_qk
 from ..functional import attention
 from ..masks import MaskTiles
+from ..score_mods.base import BoundScore, apply_form
+from ..sinks import grouped_sinks
 
 __all__ = ["attention_map", "attention_scores"]
 
@@ -49,6 +56,8 @@ def fused_lse(call: AttentionCall, backend: str = "auto") -> torch.Tensor:
         key_padding_mask=call.key_padding_mask,
         return_lse=True,
         backend=backend,
+        score_mod=call.score_mod,
+        sinks=call.sinks,
     )
     return lse
 
@@ -87,6 +96,17 @@ def grouped_lse(call: AttentionCall, lse: torch.Tensor, check: bool = True) -> t
     return full.reshape(b, call.hk, call.group, call.nq)
 
 
+def sink_share(sinks: Optional[torch.Tensor], lse: torch.Tensor) -> Optional[torch.Tensor]:
+    """``exp(sink - lse')``: the share of each row's attention that its sink takes, for an lse
+    that includes the sink (``sinks`` broadcasting against ``lse``); 0 for a ``-inf`` sink, and at
+    most 1 (an lse below its sink belongs to another call; the row-sum check says so)."""
+    if sinks is None:
+        return None
+    s = sinks.to(lse.dtype)
+    none = torch.isneginf(s).expand_as(lse) | torch.isneginf(lse)
+    return torch.where(none, torch.zeros_like(lse), torch.exp(torch.where(none, 0.0, (s - lse).clamp(max=0.0))))
+
+
 def check_row_sums(
     total: torch.Tensor,
     live: torch.Tensor,
@@ -94,8 +114,10 @@ def check_row_sums(
     lse_dtype: torch.dtype,
     heads: Optional[torch.Tensor] = None,
     rows: Optional[torch.Tensor] = None,
+    share: Optional[torch.Tensor] = None,
 ) -> None:
-    """Raise when a row that may attend some key has weights ``exp(s - lse)`` summing far from 1.
+    """Raise when a row that may attend some key has weights ``exp(s - lse)`` summing far from 1
+    (far from ``1 - share`` with sinks: ``share`` is :func:`sink_share`, ``(B, h, r)``).
 
     ``total``, ``live`` (the row has an allowed key) and ``lse`` are ``(B, h, r)``; ``heads`` and
     ``rows`` map positions to the caller's indices (default: the positions themselves). A wrong
@@ -103,6 +125,8 @@ def check_row_sums(
     The tolerance covers an lse from another backend (TF32 products on a GPU: ~1e-3 of the
     logits) and the lse's own dtype; a NaN sum (NaN inputs) is left to show in the result.
     """
+    if share is not None:
+        total = total + share
     tol = 0.02 + (2e-3 + torch.finfo(lse_dtype).eps) * lse.abs()
     bad = live & ((total.log().abs() > tol) | ~torch.isfinite(lse))
     if bool(bad.any()):
@@ -112,7 +136,7 @@ def check_row_sums(
         raise ValueError(
             f"lse does not belong to this query/key/mask: in {int(bad.sum())} row(s) the weights exp(score - lse) "
             f"sum far from 1 (batch {b}, head {head}, row {row}: sum {float(total[b, h, r]):.4g} with lse "
-            f"{float(lse[b, h, r]):.4g}); {_LSE_HINT}, with the same masks, scale and enable_gqa"
+            f"{float(lse[b, h, r]):.4g}); {_LSE_HINT}, with the same masks, scale, enable_gqa, score_mod and sinks"
         )
 
 
@@ -136,8 +160,22 @@ class _Selection:
 
     def __init__(self, call: AttentionCall, heads: torch.Tensor) -> None:
         self.tiles = MaskTiles.from_call(call)
+        self.heads = heads
         self.kv_of = heads // call.group  # key/value head of each chosen query head
         self.g_of = heads % call.group  # its index inside the group
+
+    def score(self, s: torch.Tensor, rows: torch.Tensor, k0: int) -> torch.Tensor:
+        """The call's score function on a tile ``s (B, h, r, bk)`` of chosen heads and rows (or s)."""
+        bound = self.tiles.score
+        if bound is None:
+            return s
+        dev = s.device
+        b, h, r, w = s.shape
+        batch = torch.arange(b, device=dev).view(b, 1, 1, 1)
+        head = self.heads.to(dev).view(1, h, 1, 1)  # query head indices, as the contract has them
+        qi = rows.to(dev).view(1, 1, r, 1)
+        ki = torch.arange(k0, k0 + w, device=dev).view(1, 1, 1, w)
+        return _score_tile(bound, s, batch, head, qi, ki)
 
     def heads_of(self, t: torch.Tensor) -> torch.Tensor:
         """``(B|1, Hk|1, G|1, ...)`` → ``(B|1, h|1, ...)`` picking the chosen heads."""
@@ -194,6 +232,7 @@ def _walk(
     qh = sel.heads_of(q)  # (B, h, Nq, D): a copy of the chosen heads only
     kh = k[:, sel.kv_of, 0]  # (B, h, Nk, D)
     b, nh, nr = q.shape[0], heads.numel(), rows.numel()
+    sink_h = None if call.sinks is None else grouped_sinks(call.sinks, call.hk, call.group)  # (1, Hk, G, 1)
     fill = 0.0 if lse is not None else float("-inf")  # keys no row may see: weight 0 / score -inf
     out = q.new_full((b, nh, nr, call.nk), fill)
     if lse is not None:
@@ -207,7 +246,7 @@ def _walk(
         r_lo, r_hi = int(r.min()), int(r.max()) + 1
         qr = qh[:, :, r.to(q.device)] * call.scale  # (B, h, r, D)
         for k0, k1 in sel.key_blocks(r_lo, r_hi, max(1, block)):
-            s = qr @ kh[:, :, k0:k1].transpose(-1, -2)  # (B, h, r, bk)
+            s = sel.score(qr @ kh[:, :, k0:k1].transpose(-1, -2), r, k0)  # (B, h, r, bk)
             allowed, bias = sel.tile(r, r_lo, r_hi, k0, k1)
             if bias is not None:
                 s = s + bias
@@ -221,8 +260,26 @@ def _walk(
             out[:, :, r0 : r0 + r.numel(), k0:k1] = s
     if lse is not None and check:
         lr = sel.heads_of(lse)[:, :, rows.to(q.device)]  # (B, h, r) as the caller gave it
-        check_row_sums(out.sum(-1), rowmax > float("-inf"), lr.to(q.dtype), lse.dtype, heads, rows)
+        share = None if sink_h is None else sink_share(sel.heads_of(sink_h), lr.to(q.dtype))
+        check_row_sums(out.sum(-1), rowmax > float("-inf"), lr.to(q.dtype), lse.dtype, heads, rows, share)
     return out
+
+
+def _score_tile(bound: BoundScore, s: torch.Tensor, batch: torch.Tensor, head: torch.Tensor, qi: torch.Tensor,
+                ki: torch.Tensor) -> torch.Tensor:
+    """:meth:`BoundScore.apply` for index tensors of any layout (chosen heads, arbitrary rows)."""
+    out = apply_form(bound.form, s, head, qi, ki, bound.nq) if bound.form is not None else bound.fn(s, batch, head, qi, ki)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"score_mod returned {type(out).__name__}; it must return the new scores as a tensor")
+    if out.shape != s.shape:
+        try:
+            out = out.expand(s.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"score_mod returned shape {tuple(out.shape)} for scores of shape {tuple(s.shape)}; it must "
+                "return one score per (batch, head, query, key), e.g. score + bias[head, q_idx - kv_idx]"
+            ) from None
+    return out.to(s.dtype)
 
 
 def _finish(call: AttentionCall, out: torch.Tensor) -> torch.Tensor:
@@ -247,6 +304,8 @@ def attention_map(
     key_padding_mask: Optional[torch.Tensor] = None,
     block: int = BLOCK,
     check_lse: bool = True,
+    score_mod: Any = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact softmax weights of chosen heads and query rows, without the ``Nq × Nk`` matrix.
 
@@ -260,14 +319,17 @@ def attention_map(
     fused forward pass computes it. Each weight is then ``exp(s - lse)``, computed in tiles of
     ``block`` rows × ``block`` keys, so only the requested ``r × Nk`` weights are ever stored.
     Masked keys and fully masked rows weigh 0. ``heads``/``rows`` take an int, a slice, a
-    sequence or a tensor of indices (negative ones count from the end).
+    sequence or a tensor of indices (negative ones count from the end). ``score_mod`` and
+    ``sinks`` mean what they mean in :func:`qkv.attention`: the weights are those it uses (with
+    sinks a row sums to less than 1, and a given lse must include them, as ``qkv.attention``'s does).
 
     A given ``lse`` is checked: dtype, device, shape, no NaN/+inf, and — as the chosen rows are
     computed — that each row's weights sum to 1 (else ``ValueError``: the lse is another call's).
     ``check_lse=False`` keeps the first four only, for an lse computed from these very tensors
     (:func:`~qkv.inspect.record` does so: NaN from a diverged model is recorded, not raised).
     """
-    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
+    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask,
+                       score_mod=score_mod, sinks=sinks)  # fmt: skip
     check = lse is not None and check_lse
     lse_g = grouped_lse(call, fused_lse(call) if lse is None else lse, check=check)
     h, r = as_index(heads, call.hq, "heads"), as_index(rows, call.nq, "rows")
@@ -287,11 +349,15 @@ def attention_scores(
     window: Window = None,
     key_padding_mask: Optional[torch.Tensor] = None,
     block: int = BLOCK,
+    score_mod: Any = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The scaled, masked scores ``q·kᵀ·scale + bias`` (``-inf`` where masked) of chosen heads and rows.
+    """The scaled, masked scores ``score_mod(q·kᵀ·scale) + bias`` (``-inf`` where masked) of chosen heads and rows.
 
-    Shapes as :func:`attention_map`: ``(..., h, r, Nk)``; no log-sum-exp is needed.
+    Shapes as :func:`attention_map`: ``(..., h, r, Nk)``; no log-sum-exp is needed. ``sinks`` do
+    not change the scores (they are accepted, and checked, so that one call's arguments fit both).
     """
-    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
+    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask,
+                       score_mod=score_mod, sinks=sinks)  # fmt: skip
     h, r = as_index(heads, call.hq, "heads"), as_index(rows, call.nq, "rows")
     return _finish(call, _walk(call, h, r, None, block))

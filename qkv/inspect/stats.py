@@ -24,7 +24,19 @@ Without an lse the same pass finds it online, rescaling every sum as a row's max
 On a CPU each tile's statistics (float32 and float64) are one pass of a C kernel,
 ``qkv/csrc/stats_tile.c`` (:mod:`qkv.backends.native`), that computes these same sums; the
 torch formulation below serves other devices and machines without a C compiler, and is tested
-against it. :func:`attention_with_stats` also accumulates ``P·V`` from the same tiles.
+against it. The C kernel that scores tiles itself (``qkv_attention_stats_*``) does not apply
+score functions: with one, the tiles are scored in torch and the per-tile C kernel (or the
+torch formulation) takes them from there. :func:`attention_with_stats` also accumulates ``P·V``
+from the same tiles.
+
+A score function (``score_mod``) is applied to each tile's scores in natural units before the
+masks, as the chunked backend applies it; the tile then goes on in log2 units. With ``sinks``
+every statistic describes the weights the model uses, ``p' = p · (1 - σ)`` where
+``σ = exp(sink - lse')`` is the row's **sink share** (``lse' = logaddexp(lse, sink)``): sums of
+weights scale by ``1 - σ``, and the entropy is that of the whole distribution, the sink one more
+outcome (``H' = (1 - σ)·H + h(σ)``, ``h`` the binary entropy). An lse given for such a call
+includes its sink (as ``qkv.attention(..., sinks=..., return_lse=True)`` returns it), so each
+tile already holds ``log2 p'`` and only ``-σ ln σ`` joins the entropy.
 """
 
 from __future__ import annotations
@@ -40,7 +52,8 @@ from ..backends.chunked_native import LN2, LOG2E
 from ..masks import MaskTiles
 from ..nonfinite import guard, surely_finite
 from ..call import validate, validate_qk
-from .maps import Window, check_row_sums, grouped_lse
+from ..sinks import grouped_sinks
+from .maps import Window, check_row_sums, grouped_lse, sink_share
 
 __all__ = ["AttentionStats", "attention_stats", "attention_with_stats"]
 
@@ -79,7 +92,12 @@ class AttentionStats:
         relative_weights  (..., Hq, Nq, R)  weight on key ``pos(i) + relative_positions[r]``
         n_keys            (..., Hq, Nq)     how many keys the row may attend (mask-allowed)
         lse               (..., Hq, Nq)     log-sum-exp of the scores (-inf for an empty row), or None
-                                            when the caller gave it
+                                            when the caller gave it; with sinks it includes them
+        sink_share        (..., Hq, Nq)     the share of the row's attention its sink takes (calls
+                                            with ``sinks``, else None); the weights above sum to
+                                            ``1 - sink_share``
+
+    With sinks the entropy is that of the keys and the sink together (the sink one more outcome).
     """
 
     entropy: torch.Tensor
@@ -91,6 +109,7 @@ class AttentionStats:
     relative_weights: torch.Tensor
     n_keys: torch.Tensor
     lse: Optional[torch.Tensor] = None  # (..., Hq, Nq) natural log-sum-exp, when the pass computed it (no lse given)
+    sink_share: Optional[torch.Tensor] = None  # (..., Hq, Nq) exp(sink - lse'), for calls with sinks
     key_positions: tuple[int, ...] = ()
     relative_positions: tuple[int, ...] = ()
     query_offset: int = 0  # key position of query row 0
@@ -100,8 +119,9 @@ class AttentionStats:
 
     @property
     def normalized_entropy(self) -> torch.Tensor:
-        """Entropy / log(n_keys) in [0, 1] (1 = uniform over the allowed keys; 0 for rows with < 2 keys)."""
-        n = self.n_keys.to(self.entropy.dtype)
+        """Entropy / log(n) in [0, 1] with n the row's outcomes, ``n_keys`` (and the sink, with
+        sinks): 1 = uniform over them; 0 for rows with < 2 outcomes."""
+        n = self.n_keys.to(self.entropy.dtype) + (0 if self.sink_share is None else 1)
         return torch.where(n > 1, self.entropy / torch.log(n.clamp(min=2)), torch.zeros_like(self.entropy))
 
     @property
@@ -112,8 +132,9 @@ class AttentionStats:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested lists, for JSON."""
         out: dict[str, Any] = {name: getattr(self, name).tolist() for name in self.ARRAYS}
-        if self.lse is not None:
-            out["lse"] = self.lse.tolist()
+        for name in ("lse", "sink_share"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name).tolist()
         out.update(key_positions=list(self.key_positions), relative_positions=list(self.relative_positions), query_offset=self.query_offset)
         return out
 
@@ -126,9 +147,11 @@ class AttentionStats:
         def mean(x: torch.Tensor) -> torch.Tensor:
             return (x.reshape(ent.shape) * valid).sum((0, 2)) / denom
 
-        lines = [repr(self), "head  entropy  max_w  distance"]
+        # with sinks, every row counts for the sink share (a row without keys gives the sink all)
+        sink = None if self.sink_share is None else self.sink_share.reshape(ent.shape).mean((0, 2))
+        lines = [repr(self), "head  entropy  max_w  distance" + ("" if sink is None else "   sink")]
         for h, (e, m, d) in enumerate(zip(mean(self.entropy), mean(self.max_weight), mean(self.mean_distance))):
-            lines.append(f"{h:>4}  {float(e):7.3f}  {float(m):5.3f}  {float(d):8.1f}")
+            lines.append(f"{h:>4}  {float(e):7.3f}  {float(m):5.3f}  {float(d):8.1f}" + ("" if sink is None else f"  {float(sink[h]):5.3f}"))
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -137,7 +160,8 @@ class AttentionStats:
     def __repr__(self) -> str:
         return (
             f"AttentionStats(shape={self.shape}, topk={self.topk_indices.shape[-1]}, "
-            f"key_positions={self.key_positions}, relative_positions={self.relative_positions})"
+            f"key_positions={self.key_positions}, relative_positions={self.relative_positions}"
+            + ("" if self.sink_share is None else ", sinks") + ")"
         )
 
 
@@ -169,6 +193,8 @@ def attention_stats(
     block_k: Optional[int] = None,
     check_lse: bool = True,
     backend: str = "auto",
+    score_mod: Any = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> AttentionStats:
     """Entropy, top-k, mean distance and chosen-key weights of every query row, in one tiled pass.
 
@@ -183,17 +209,21 @@ def attention_stats(
     and one tile of ``block_q × block_k`` scores per head group — never ``Nq × Nk``.
     ``key_positions`` may be negative (``-1`` = the last key). A given ``lse`` is checked as in
     :func:`~qkv.inspect.attention_map` (dtype, device, shape, NaN/+inf, rows summing to 1;
-    ``check_lse=False``: the first four only).
+    ``check_lse=False``: the first four only). ``score_mod`` and ``sinks`` mean what they mean
+    in :func:`qkv.attention`; the statistics are those of the weights it uses (see the module
+    docstring for sinks: ``stats.sink_share``, and a given lse must include the sinks).
 
     ``backend``: ``"torch"`` (the tiled pass in torch operations), ``"triton"`` (a fused one-pass
     kernel, :func:`qkv.backends.triton.kernels._stats_kernel`; CUDA, or Triton's CPU interpreter),
     or ``"auto"`` (triton on CUDA when it is installed, else torch). The triton kernel always
-    finds the lse itself and keeps its sums in float32.
+    finds the lse itself and keeps its sums in float32; it applies no score function (auto then
+    takes torch).
     """
     if topk < 0:
         raise ValueError(f"topk={topk} must be >= 0")
     block_q, block_k = check_tile_size("block_q", block_q), check_tile_size("block_k", block_k)
-    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask)
+    call = validate_qk(query, key, attn_mask, is_causal, scale, enable_gqa, window, key_padding_mask,
+                       score_mod=score_mod, sinks=sinks)  # fmt: skip
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={backend!r} is not a statistics backend; use 'auto', 'torch' or 'triton'")
     if backend == "triton" or (backend == "auto" and call.device.type == "cuda" and _triton_ok(call) is None):
@@ -220,6 +250,8 @@ def attention_with_stats(
     relative_positions: Sequence[int] = (-1, 0),
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
+    score_mod: Any = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, AttentionStats]:
     """The attention output and the statistics of its weights, from one tiled pass.
 
@@ -239,7 +271,8 @@ def attention_with_stats(
     if topk < 0:
         raise ValueError(f"topk={topk} must be >= 0")
     block_q, block_k = check_tile_size("block_q", block_q), check_tile_size("block_k", block_k)
-    call = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window, key_padding_mask=key_padding_mask)
+    call = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window,
+                    key_padding_mask=key_padding_mask, score_mod=score_mod, sinks=sinks)  # fmt: skip
     out, stats = _tiled_stats(call, None, False, topk, key_positions, relative_positions, block_q, block_k, with_output=True)
     assert out is not None and stats.lse is not None
     # qkv.attention's rule for non-finite inputs (qkv.nonfinite), for the statistics too
@@ -247,11 +280,13 @@ def attention_with_stats(
     assert lse is not None
     bad = torch.isnan(lse) & ~torch.isnan(stats.lse)
     if bool(bad.any()):
-        _nan_rows({name: getattr(stats, name) for name in AttentionStats.ARRAYS}, bad)
+        names = AttentionStats.ARRAYS + (() if stats.sink_share is None else ("sink_share",))
+        _nan_rows({name: getattr(stats, name) for name in names}, bad)
     stats.lse = lse
     return out, stats
 
 
+@torch.no_grad()  # statistics are not differentiable: no graph through the tiles, sinks or score tensors
 def _tiled_stats(
     call: Any, lse: Optional[torch.Tensor], check_lse: bool, topk: int, key_positions: Sequence[int],
     relative_positions: Sequence[int], block_q: Optional[int], block_k: Optional[int], with_output: bool = False,
@@ -266,6 +301,7 @@ def _tiled_stats(
     q, k, v = half_to_float(q), half_to_float(k), half_to_float(v)
     b, hk, g, nq, _ = q.shape
     out_g = torch.zeros(b, hk, g, nq, call.dv, dtype=q.dtype, device=q.device) if with_output else None
+    sinks_g = None if call.sinks is None else grouped_sinks(call.sinks, hk, g).to(q.dtype)  # (1, Hk, G, 1)
     kk = min(topk, call.nk)
     new = lambda *tail, fill=0.0, dtype=q.dtype: torch.full((b, hk, g, nq, *tail), fill, dtype=dtype, device=q.device)  # noqa: E731
     res = {
@@ -294,7 +330,9 @@ def _tiled_stats(
             )  # fmt: skip
     if check:
         flat = lambda t: t.reshape(b, hk * g, nq)  # noqa: E731  (B, Hq, Nq): head hk·G + g
-        check_row_sums(flat(res["total"]), flat(res["n_keys"] > 0), flat(lse_g.to(q.dtype)), lse_g.dtype)
+        share = sink_share(sinks_g, lse_g.to(q.dtype))  # the rows' weights sum to 1 - share
+        check_row_sums(flat(res["total"]), flat(res["n_keys"] > 0), flat(lse_g.to(q.dtype)), lse_g.dtype,
+                       share=None if share is None else flat(share))  # fmt: skip
     lse_out = None
     if online:
         # the sums hold 2^(s - m) with m the row maximum (log2 units): normalise by l = Σ 2^(s - m)
@@ -329,6 +367,8 @@ def _tiled_stats(
     )
     if lse_out is not None:
         out["lse"] = lse_out
+    if sinks_g is not None:
+        _with_sinks(out, sinks_g, lse_g, out_g)
     _nan_rows(out, nan)  # a NaN score makes the row's maximum NaN
     if not surely_finite(q, k):  # qkv.nonfinite: a bad row's n_keys is what its masks allow
         bad = ~torch.isfinite(q).all(-1) | ~torch.isfinite(k).flatten(2).all(-1)[:, :, None, None]  # (B, Hk, G, Nq)
@@ -374,7 +414,14 @@ def _stats_heads(
     online = lse is None
     fused = _native_kernel(q)
     lse2 = None
-    if online or fused is not None:
+    scored = tiles.score is not None
+    if scored:
+        # the score function's contract is natural units: tiles are q·scale·kᵀ, taken to log2 units
+        # after it (_tile_scores), and a given lse is subtracted there
+        q_aug, k_aug = q * scale, k.transpose(-1, -2)
+        if not online:
+            lse2 = lse * LOG2E if fused is not None else (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)
+    elif online or fused is not None:
         q_aug = q * (scale * LOG2E)  # (b, h, G, Nq, D): q_aug·kᵀ = s·log2e
         k_aug = k.transpose(-1, -2)  # (b, h, 1, D, Nk)
         if not online:
@@ -410,7 +457,8 @@ def _stats_heads(
         for k0, k1 in _key_blocks(tiles, q0, q1, bk):
             first_k = k0 if first_k is None else first_k
             w = k1 - k0
-            t, masked = _tile_scores(qa, k_aug, tiles, q0, q1, k0, k1)  # (b, h, G, n, w) = log2 p
+            sub = lse2[..., q0:q1] if scored and not online else None
+            t, masked = _tile_scores(qa, k_aug, tiles, q0, q1, k0, k1, sub)  # (b, h, G, n, w) = log2 p
             if masked:
                 cnt += (t != _NEG_INF).sum(-1)  # float -inf biases mask as bool masks do
             else:
@@ -477,17 +525,62 @@ def _stats_heads(
 
 
 def _tile_scores(
-    qa: torch.Tensor, k_aug: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int
+    qa: torch.Tensor, k_aug: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int,
+    lse2: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, bool]:
     """One tile ``qa · k_augᵀ`` (contiguous ``(b, h, G, n, w)``, log2 units) with the tile's
-    float bias added and its disallowed keys at ``-inf``; and whether any mask applied."""
+    float bias added and its disallowed keys at ``-inf``; and whether any key may be ``-inf``.
+
+    With a score function ``qa · k_augᵀ`` is ``s = q·kᵀ·scale`` (natural units): the tile is then
+    ``(score_mod(s) + bias)·log2e``, less ``lse2`` ``(b, h, G, n)`` when given."""
     allowed, bias = tiles.tile(q0, q1, k0, k1)
     t = qa @ k_aug[..., k0:k1]
-    if bias is not None:
+    if tiles.score is not None:
+        t = tiles.score.apply(t, q0, k0)  # out of place: the function may return a view or its input
+        if bias is not None:
+            t = t + bias
+        t = t * LOG2E if lse2 is None else t * LOG2E - lse2.unsqueeze(-1)
+    elif bias is not None:
         t.add_(bias, alpha=LOG2E)  # the bias in log2 units
     if allowed is not None:
         t.masked_fill_(~allowed, _NEG_INF)
-    return t, allowed is not None or bias is not None
+    # a score function may itself send a key to -inf
+    return t, allowed is not None or bias is not None or tiles.score is not None
+
+
+def _with_sinks(out: dict[str, torch.Tensor], sinks: torch.Tensor, lse: Optional[torch.Tensor],
+                output: Optional[torch.Tensor] = None) -> None:
+    """Statistics ``out`` (grouped or not; ``sinks`` broadcasts against the rows) made those of
+    the weights with the sinks, in place, and ``out["sink_share"]`` added.
+
+    ``lse`` is the caller's, sinks included: the tiles held ``log2 p'`` and only the sink's own
+    ``-σ ln σ`` joins the entropy. Without it ``out`` describes the keys alone, with ``out["lse"]``
+    theirs: with ``x = sink - lse``, ``σ = sigmoid(x)``, the weights scale by ``1 - σ = sigmoid(-x)``,
+    ``H' = (1 - σ)·(H + softplus(x)) + σ·softplus(-x)`` and ``lse' = lse + softplus(x)``; ``output``
+    ``(…, Nq, Dv)`` (the attention output) scales by ``1 - σ`` too."""
+    if lse is not None:
+        share = sink_share(sinks, lse.to(out["entropy"].dtype))
+        assert share is not None
+        out["entropy"] = out["entropy"] - torch.special.xlogy(share, share)
+        out["sink_share"] = share
+        return
+    keys_lse = out["lse"]
+    s = sinks.to(keys_lse.dtype)
+    x = torch.where(torch.isneginf(s).expand_as(keys_lse), _NEG_INF, s - keys_lse)  # +inf: a row without keys
+    share, keep = torch.sigmoid(x), torch.sigmoid(-x)
+    zero = torch.zeros_like(x)
+    ent = keep * out["entropy"]
+    ent = ent + torch.where(keep > 0, keep * torch.nn.functional.softplus(x), zero)
+    ent = ent + torch.where(share > 0, share * torch.nn.functional.softplus(-x), zero)
+    out["entropy"] = ent
+    for name in ("max_weight", "mean_distance"):
+        out[name] = out[name] * keep
+    for name in ("topk_weights", "key_weights", "relative_weights"):
+        out[name] = out[name] * keep.unsqueeze(-1)
+    if output is not None:
+        output.mul_(keep.unsqueeze(-1))
+    out["lse"] = torch.where(torch.isposinf(x), s.expand_as(keys_lse), keys_lse + torch.nn.functional.softplus(x))
+    out["sink_share"] = share
 
 
 def _mask_counts(tiles: MaskTiles, shape: torch.Size, rows_per_block: int = 256) -> torch.Tensor:
@@ -537,15 +630,16 @@ def _fused_native(
     out_g: Optional[torch.Tensor], block_q: int, block_k: int,
 ) -> bool:  # fmt: skip
     """The whole tiled pass as one C call (``qkv_attention_stats_*``, csrc/stats_tile_impl.h),
-    when the native kernels and torch's BLAS are at hand and no ``attn_mask`` is given (the
-    kernel applies the causal/window band and key padding itself); False otherwise.
+    when the native kernels and torch's BLAS are at hand and neither an ``attn_mask`` nor a score
+    function is given (the kernel applies the causal/window band and key padding itself); False
+    otherwise.
 
     q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``, v ``(B, Hk, 1, Nk, Dv)`` or None; ``res``
     and ``out_g`` (the output's numerator, normalised here) are filled in place. Each thread
     scores a ``block_q × block_k`` tile with one gemm into a buffer that stays in its cache,
     where the tiled torch path writes tiles of every head to memory and reads them back.
     """
-    if tiles.attn is not None or _native_kernel(q) is None:
+    if tiles.attn is not None or tiles.score is not None or _native_kernel(q) is None:
         return False
     from ..backends import chunked_native, native
 
@@ -674,8 +768,11 @@ def _merge_entries(flat_v: torch.Tensor, flat_i: torch.Tensor, rows: torch.Tenso
 
 
 def _triton_ok(call: Any) -> Optional[str]:
-    """Why the triton statistics kernel cannot run this call, or None."""
+    """Why the triton statistics kernel cannot run this call, or None (sinks are applied after it)."""
     from ..backends import BACKENDS
+
+    if call.score_mod is not None:
+        return "its statistics kernel applies no score function"
 
     tb = BACKENDS["triton"]
     why = tb.available()
@@ -685,6 +782,7 @@ def _triton_ok(call: Any) -> Optional[str]:
     return "; ".join(reasons) or None
 
 
+@torch.no_grad()
 def _triton_stats(call: Any, topk: int, key_positions: Sequence[int], relative_positions: Sequence[int]) -> AttentionStats:
     from ..backends.triton.backend import triton_stats
 
@@ -695,6 +793,8 @@ def _triton_stats(call: Any, topk: int, key_positions: Sequence[int], relative_p
     lo, hi = call.positional.band()
     res = triton_stats(q, k, call.grouped_attn_mask(), None if kp is None else kp[:, 0, 0, 0, :], call.scale, lo, hi,
                        call.positional.offset, min(topk, call.nk), kpos, rel)
+    if call.sinks is not None:
+        _with_sinks(res, grouped_sinks(call.sinks, call.hk, call.group).to(res["entropy"].dtype), None)
     res = {name: call.ungroup(t) for name, t in res.items()}
     return AttentionStats(
         **res, key_positions=kpos, relative_positions=rel, query_offset=call.positional.offset,

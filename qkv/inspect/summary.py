@@ -7,9 +7,11 @@ the score is defined:
     sink       mean weight on key 0 (the first token, where many heads park attention)
     broad      mean entropy / log(number of allowed keys): 1 = uniform over what it may see
     self       mean weight on the query's own position (relative position 0)
+    sink_share mean share of each row's attention its sink logit takes (only for calls with
+               ``sinks``, e.g. GPT-OSS: there the weights on keys sum to 1 - sink_share)
 
 The kind is the highest score's name (``previous-token``, ``first-token``, ``broad``,
-``self``); the table is ranked by that score, most clear-cut heads first.
+``self``, ``sink-logit``); the table is ranked by that score, most clear-cut heads first.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from .stats import AttentionStats
 
 __all__ = ["HeadSummary", "head_summary"]
 
-KINDS = {"previous": "previous-token", "sink": "first-token", "broad": "broad", "self": "self"}
+KINDS = {"previous": "previous-token", "sink": "first-token", "broad": "broad", "self": "self", "sink_share": "sink-logit"}
 
 
 class HeadSummary(list):
     """A ranked list of dicts, one per (module, head): ``module``, ``head``, ``kind``, ``score``,
-    the four scores ``previous``/``sink``/``broad``/``self``, ``entropy`` (nats), ``max_weight``,
-    ``mean_distance`` and, when tokens were given, ``top_token`` (the key token most often
-    attended most)."""
+    the four scores ``previous``/``sink``/``broad``/``self`` (and ``sink_share`` for calls with
+    sinks), ``entropy`` (nats), ``max_weight``, ``mean_distance`` and, when tokens were given,
+    ``top_token`` (the key token most often attended most)."""
 
     COLUMNS = ("module", "head", "kind", "score", "previous", "sink", "broad", "self", "entropy", "mean_distance")
 
@@ -37,14 +39,14 @@ class HeadSummary(list):
         return [dict(r) for r in self]
 
     def to_string(self, limit: Optional[int] = None) -> str:
-        cols = list(self.COLUMNS) + (["top_token"] if self and "top_token" in self[0] else [])
+        cols = list(self.COLUMNS) + [c for c in ("sink_share", "top_token") if self and c in self[0]]
         rows = [[_fmt(r.get(c, "")) for c in cols] for r in self[:limit]]
         widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
         line = lambda cells: "  ".join(str(x).rjust(w) for x, w in zip(cells, widths))  # noqa: E731
         return "\n".join([line(cols)] + [line(r) for r in rows])
 
     def _repr_html_(self) -> str:
-        cols = [c for c in self.COLUMNS if not self or c in self[0]]
+        cols = [c for c in (*self.COLUMNS, "sink_share") if (not self and c != "sink_share") or (self and c in self[0])]
         head = "".join(f"<th>{c}</th>" for c in cols)
         body = "".join("<tr>" + "".join(f"<td>{_fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in self)
         return f"<table><tr>{head}</tr>{body}</table>"
@@ -83,6 +85,8 @@ def _heads(st: AttentionStats, module: str, tokens: Optional[Sequence[str]]) -> 
         "sink": _mean(flat(st.key_weights)[..., st.key_positions.index(0)], live) if 0 in st.key_positions else None,
         "broad": _mean(flat(st.normalized_entropy), n_keys > 1),
         "self": rel(0),
+        # every row counts: one that sees no key gives its sink everything
+        "sink_share": None if st.sink_share is None else _mean(flat(st.sink_share), torch.ones_like(live)),
     }
     scores = {k: v for k, v in scores.items() if v is not None}
     ent, mw, dist = (_mean(flat(getattr(st, f)), live) for f in ("entropy", "max_weight", "mean_distance"))
