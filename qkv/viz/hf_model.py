@@ -121,17 +121,14 @@ class HFExplainModel:
         import torch
 
         from ..hf import observe
-        from ..inspect import attention_map
+        from ..inspect import observed_map
 
         maps: list[Any] = []
         vectors: list[tuple[Any, Any]] = []
 
         def on_call(c: Any) -> None:
             vectors.append((c.query.detach(), c.key.detach()))
-            maps.append(attention_map(
-                c.query, c.key, lse=c.lse, attn_mask=c.attn_mask, is_causal=c.is_causal, window=c.window,
-                scale=c.scale, enable_gqa=c.query.shape[1] != c.key.shape[1], check_lse=False,
-            ).float())  # fmt: skip  (1, H, N, N)
+            maps.append(observed_map(c).float())  # (1, H, N, N): every argument of the call, score function and sinks too
 
         with torch.inference_mode(), observe(on_call):
             self.model(**self._inputs(input_ids, attention_mask, token_type_ids))

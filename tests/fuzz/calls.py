@@ -500,10 +500,7 @@ def _draw(seed: int, case: str) -> Spec:
                 extra = [n for n, on in (("mod", spec.score in ("alibi", "relbias", "fn")), ("sinks", spec.sinks)) if on and rng.random() < 0.7]
                 spec.grad = (*spec.grad, *extra)
     # the forward call through qkv.inspect.attention_with_stats (no gradient, keyword arguments)
-    if (
-        not triton and not spec.grad and not spec.positional and spec.window_alignment is None
-        and spec.score is None and not spec.sinks and rng.random() < 0.12
-    ):  # fmt: skip
+    if not triton and not spec.grad and not spec.positional and spec.window_alignment is None and rng.random() < 0.12:
         spec.backend = "stats"
     return spec
 
