@@ -389,12 +389,15 @@ from qkv.backends.triton.backend import launch_config
 
 def compile_one(fn, dt, consts, cfg, mask_dt):
     ptr = {"Q", "K", "V", "Out", "DOut", "DK", "DV_", "DQ"}
+    # score functions and sinks off (tests/backends/test_triton_score_mods.py compiles them on)
+    off = dict(SOFTCAP=False, HAS_REL=False, REL_SHIFT=False, HAS_SINKS=False, REL_GRAD=False, HAS_DLSE=False)
+    consts = {n: v for n, v in {**off, **consts}.items() if n in fn.arg_names}
     sig = {}
     for name in fn.arg_names:
         sig[name] = ("constexpr" if name in consts else "*" + dt if name in ptr
-                     else "*fp32" if name in ("Lse", "Delta", "DLse") else "*" + mask_dt if name == "Mask"
+                     else "*fp32" if name in ("Lse", "Delta", "DLse", "Rel", "DRel", "Sinks") else "*" + mask_dt if name == "Mask"
                      else "*u8" if name == "KP" else "*i32" if name in ("CuQ", "CuK")
-                     else "fp32" if name in ("qk_scale", "sm_scale") else "i32")
+                     else "fp32" if name in ("qk_scale", "sm_scale", "cap_in", "cap_log2") else "i32")
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     assert k.metadata.shared <= 227 * 1024, (fn.__name__, k.metadata.shared)

@@ -48,16 +48,20 @@ def _interpreting() -> bool:
 class TritonBackend(Backend):
     """Fused kernels; runs on CUDA, or on a CPU through ``TRITON_INTERPRET=1`` (slow; for tests).
 
-    The backward is always deterministic (no atomics: dK/dV and dQ come from separate kernels
-    whose programs each own the rows they write), so repeated runs give bit-identical gradients.
+    The backward of q, k and v is always deterministic (no atomics: dK/dV and dQ come from
+    separate kernels whose programs each own the rows they write), so repeated runs give
+    bit-identical gradients; only a relative bias's gradient (ALiBi slopes, a T5 table) is
+    summed with atomics. Built-in score functions and sinks run inside the kernels.
     """
 
     NAME = "triton"
-    DESCRIPTION = "fused Triton kernels (online softmax forward, deterministic FlashAttention-2 backward); CUDA"
+    DESCRIPTION = "fused Triton kernels (online softmax forward, deterministic FlashAttention-2 backward; softcap, ALiBi/T5 biases, sinks); CUDA"
     DTYPES = (torch.float16, torch.bfloat16, torch.float32)
     SUPPORTS_DROPOUT = False
     SUPPORTS_GENERATOR = False
     SUPPORTS_MASK_GRAD = False
+    SCORE_MODS = "builtin"  # softcap and relative biases (ALiBi, T5) inside the kernels
+    SUPPORTS_SINKS = True
 
     @property
     def DEVICES(self) -> tuple[str, ...]:  # type: ignore[override]

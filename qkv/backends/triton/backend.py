@@ -117,9 +117,29 @@ def _batch_stride(t: torch.Tensor, varlen: bool) -> int:
     return 0 if varlen else t.stride(0)
 
 
-def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right):
-    """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` → out ``(B, Hk, G, Nq, Dv)``, lse float32."""
+def _score_args(q, scale, softcap, rel, rel_base, rel_shift):
+    """A built-in score function as kernel arguments: ``(Rel, stride_rh, scalars, flags)``.
+
+    ``rel (Hq, L)``: the bias of query head h, row i and key j is ``rel[h, j - i + c0]`` with
+    ``c0 = rel_base`` less, when ``rel_shift``, each sequence's ``Nk - Nq`` (a packed batch's
+    bottom-right alignment). The scalars are ``rel_base``, ``scale/cap`` and ``cap·log2e``."""
+    has_rel = rel is not None
+    rel_t = rel.float().contiguous() if has_rel else q
+    cap_in = scale / softcap if softcap is not None else 0.0
+    cap_log2 = softcap * K.LOG2E if softcap is not None else 0.0
+    flags = dict(SOFTCAP=softcap is not None, HAS_REL=has_rel, REL_SHIFT=has_rel and bool(rel_shift))
+    return rel_t, (rel_t.stride(0) if has_rel else 0), (int(rel_base), float(cap_in), float(cap_log2)), flags
+
+
+def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right,
+               softcap=None, rel=None, rel_base=0, rel_shift=False, sinks=None):  # fmt: skip
+    """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` → out ``(B, Hk, G, Nq, Dv)``, lse float32.
+
+    ``softcap``/``rel``: a built-in score function (:func:`_score_args`); ``sinks (Hq,)``: logits
+    in every row's denominator (the lse includes them)."""
     b, hk, g, nq, nk, nq_grid, _, m, ms, kpt, kps, cuq, cuk, meta = _common(q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right)
+    rel_t, stride_rh, score_scalars, score_flags = _score_args(q, scale, softcap, rel, rel_base, rel_shift)
+    sinks_t = sinks.float().contiguous() if sinks is not None else q
     d, dv = q.shape[-1], v.shape[-1]
     out = torch.empty(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -129,15 +149,16 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
     varlen = meta["VARLEN"]
     grid = (triton.cdiv(max(nq_grid, 1), cfg["BLOCK_M"]), b * hk * g)
     K._fwd_kernel[grid](
-        q, k, v, out, lse, m, kpt, cuq, cuk,
+        q, k, v, out, lse, m, kpt, cuq, cuk, rel_t, sinks_t,
         _batch_stride(q, varlen), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
         _batch_stride(k, varlen), k.stride(1), k.stride(3), k.stride(4),
         _batch_stride(v, varlen), v.stride(1), v.stride(3), v.stride(4),
         _batch_stride(out, varlen), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
         _batch_stride(lse, varlen), lse.stride(1), lse.stride(2), lse.stride(3),
-        *ms, *kps,
-        hk, g, nq, nk, d, dv, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi,
-        BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **cfg,
+        *ms, *kps, stride_rh,
+        hk, g, nq, nk, d, dv, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars,
+        BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **score_flags,
+        HAS_SINKS=sinks is not None, **cfg,
     )  # fmt: skip
     return out, lse
 
@@ -197,18 +218,25 @@ def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_
     }
 
 
-def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right):
-    """Gradients for q, k, v (same shapes); deterministic (no atomics)."""
+def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right,
+               softcap=None, rel=None, rel_base=0, rel_shift=False, sinks=None, rel_grad=False):  # fmt: skip
+    """Gradients for q, k, v (same shapes), and float32 ones for ``rel`` (when ``rel_grad``, else
+    an empty tensor) and ``sinks`` (empty without sinks). ``lse`` is the forward's, sinks
+    included. dq, dk, dv are deterministic (no atomics); d_rel is summed with fp32 atomics."""
     b, hk, g, nq, nk, nq_grid, nk_grid, m, ms, kpt, kps, cuq, cuk, meta = _common(
         q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right
     )
+    rel_t, stride_rh, score_scalars, score_flags = _score_args(q, scale, softcap, rel, rel_base, rel_shift)
     d, dv = q.shape[-1], v.shape[-1]
     varlen = meta["VARLEN"]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dvt = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    rel_grad = bool(rel_grad) and rel is not None
+    drel = torch.zeros(rel.shape if rel_grad else (0,), dtype=torch.float32, device=q.device)  # atomics add into it
+    dsink = torch.zeros(0 if sinks is None else sinks.shape[0], dtype=torch.float32, device=q.device)
     if dq.numel() == 0 and dk.numel() == 0 and dvt.numel() == 0:
-        return dq, dk, dvt
+        return dq, dk, dvt, drel, dsink
     delta = torch.empty_like(lse)
     cfg = launch_config("bwd", d, dv, q.element_size())
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -230,22 +258,27 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
         _batch_stride(v, varlen), v.stride(1), v.stride(3), v.stride(4),
         *do_strides, *lse_strides,
     )
-    tail = (hk, g, nq, nk, d, dv, scale, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi)
-    consts = dict(BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **cfg)
+    tail = (hk, g, nq, nk, d, dv, scale, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars)
+    consts = dict(BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **score_flags, **cfg)
     if nk > 0:
         K._bwd_dkdv_kernel[(triton.cdiv(max(nk_grid, 1), bn), b * hk)](
-            q, k, v, dout, lse, delta, dk, dvt, m, kpt, cuq, cuk, *qkv_strides,
+            q, k, v, dout, lse, delta, dk, dvt, m, kpt, cuq, cuk, rel_t, *qkv_strides,
             _batch_stride(dk, varlen), dk.stride(1), dk.stride(3), dk.stride(4),
             _batch_stride(dvt, varlen), dvt.stride(1), dvt.stride(3), dvt.stride(4),
-            *ms, *kps, *tail, **consts,
+            *ms, *kps, stride_rh, *tail, **consts,
         )  # fmt: skip
     if nq > 0:
         K._bwd_dq_kernel[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
-            q, k, v, dout, lse, delta, dq, m, kpt, cuq, cuk, *qkv_strides,
-            _batch_stride(dq, varlen), dq.stride(1), dq.stride(2), dq.stride(3), dq.stride(4),
-            *ms, *kps, *tail, **consts,
+            q, k, v, dout, lse, delta, dq, m, kpt, cuq, cuk, rel_t, drel if rel_grad else rel_t, dlse if has_dlse else lse,
+            *qkv_strides, _batch_stride(dq, varlen), dq.stride(1), dq.stride(2), dq.stride(3), dq.stride(4),
+            *ms, *kps, stride_rh, *tail, rel_t.shape[1] if rel is not None else 0, **consts, REL_GRAD=rel_grad, HAS_DLSE=has_dlse,
         )  # fmt: skip
-    return dq, dk, dvt
+    if sinks is not None and nq > 0:
+        # d sink_h = Σ_rows P_sink·(dlse − rowsum(dO∘O)) = −Σ_rows exp(sink_h − lse')·delta
+        sk = sinks.float().reshape(1, hk, g, 1)
+        w = torch.where(torch.isneginf(sk), 0.0, torch.exp(sk - lse))  # a -inf sink takes no weight (and lse' may be -inf)
+        dsink = -(w * delta).sum((0, 3)).reshape(-1)
+    return dq, dk, dvt, drel, dsink
 
 
 # ---- torch custom ops ----------------------------------------------------------------------
@@ -258,12 +291,18 @@ def attention_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], key_padding: Optional[Tensor],
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
     scale: float, lo: Optional[int], hi: Optional[int], bottom_right: bool,
+    softcap: Optional[float] = None, rel: Optional[Tensor] = None, rel_base: int = 0, rel_shift: bool = False,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return triton_fwd(q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right)
+    return triton_fwd(
+        q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right,
+        softcap, rel, rel_base, rel_shift, sinks,
+    )  # fmt: skip
 
 
 @attention_fwd_op.register_fake
-def _(q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right):
+def _(q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right,
+      softcap=None, rel=None, rel_base=0, rel_shift=False, sinks=None):  # fmt: skip
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
@@ -274,42 +313,68 @@ def attention_bwd_op(
     attn_mask: Optional[Tensor], key_padding: Optional[Tensor],
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
     scale: float, lo: Optional[int], hi: Optional[int], bottom_right: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    softcap: Optional[float] = None, rel: Optional[Tensor] = None, rel_base: int = 0, rel_shift: bool = False,
+    sinks: Optional[Tensor] = None, rel_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """dq, dk, dv, and float32 d_rel (empty unless ``rel_grad``) and d_sinks (empty without sinks)."""
     return triton_bwd(
         dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right,
+        max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right, softcap, rel, rel_base, rel_shift, sinks, rel_grad,
     )  # fmt: skip
 
 
 @attention_bwd_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, lo, hi, bottom_right):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, lo, hi,
+      bottom_right, softcap=None, rel=None, rel_base=0, rel_shift=False, sinks=None, rel_grad=False):  # fmt: skip
+    f32 = dict(dtype=torch.float32)
+    drel = q.new_empty(rel.shape if rel_grad and rel is not None else (0,), **f32)
+    dsink = q.new_empty((0 if sinks is None else sinks.shape[0],), **f32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drel, dsink
+
+
+_REL, _SINKS = 14, 17  # positions of rel and sinks among _TritonAttention's inputs
 
 
 class _TritonAttention(torch.autograd.Function):
     """Autograd over the two custom ops, in ``torch.func``'s protocol (``setup_context`` and a
     ``vmap`` rule), so ``grad``, ``jacrev`` and ``vmap`` work as well as ``torch.compile``.
-    (``register_autograd`` on the op would build a Function without ``setup_context``.)"""
+    (``register_autograd`` on the op would build a Function without ``setup_context``.)
+
+    A built-in score function's ``rel`` and the ``sinks`` are inputs like q, k, v: their
+    gradients (float32 from the kernels, cast back) flow on to ALiBi slopes or a bias table."""
 
     @staticmethod
-    def forward(q, k, v, attn_mask, key_padding, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right):
-        return attention_fwd_op(q, k, v, attn_mask, key_padding, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right)
+    def forward(q, k, v, attn_mask, key_padding, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right,
+                softcap, rel, rel_base, rel_shift, sinks):  # fmt: skip
+        return attention_fwd_op(
+            q, k, v, attn_mask, key_padding, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right,
+            softcap, rel, rel_base, rel_shift, sinks,
+        )  # fmt: skip
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         q, k, v, attn_mask, key_padding, cu_q, cu_k, *scalars = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k)
-        ctx.scalars = scalars
+        rel, sinks = inputs[_REL], inputs[_SINKS]
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k, rel, sinks)
+        ctx.scalars = scalars[:6]  # max_q, max_k, scale, lo, hi, bottom_right
+        ctx.score = (scalars[6], scalars[8], scalars[9])  # softcap, rel_base, rel_shift
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k, rel, sinks = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
+        softcap, rel_base, rel_shift = ctx.score
+        rel_grad = rel is not None and ctx.needs_input_grad[_REL]
         with torch.no_grad():  # no double backward: the op needs no autograd formula of its own
-            dq, dk, dv = attention_bwd_op(dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k, *ctx.scalars)
-        return (dq, dk, dv) + (None,) * 10
+            dq, dk, dv, drel, dsink = attention_bwd_op(
+                dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k, *ctx.scalars,
+                softcap, rel, rel_base, rel_shift, sinks, rel_grad,
+            )  # fmt: skip
+        drel = drel.to(rel.dtype) if rel_grad else None
+        dsink = dsink.to(sinks.dtype) if sinks is not None and ctx.needs_input_grad[_SINKS] else None
+        return (dq, dk, dv) + (None,) * 11 + (drel, None, None, dsink)
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -323,13 +388,17 @@ def run_attention(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, key_padding: Optional[Tensor] = None,
     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0,
     max_seqlen_k: int = 0, *, scale: float, lo: Optional[int] = None, hi: Optional[int] = None, bottom_right: bool = False,
+    softcap: Optional[float] = None, rel: Optional[Tensor] = None, rel_base: int = 0, rel_shift: bool = False,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The custom op on grouped tensors (see :func:`triton_fwd`); masks are never differentiated."""
+    """The custom op on grouped tensors (see :func:`triton_fwd`); masks are never differentiated,
+    ``rel`` and ``sinks`` are (when they require grad)."""
     if attn_mask is not None:
         attn_mask = attn_mask.detach()
     return _TritonAttention.apply(
         q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        float(scale), lo, hi, bool(bottom_right),
+        float(scale), lo, hi, bool(bottom_right), None if softcap is None else float(softcap), rel, int(rel_base),
+        bool(rel_shift), sinks,
     )  # fmt: skip
 
 
@@ -342,8 +411,12 @@ class TritonBackendImpl:
         q, k, v = call.grouped_qkv()
         kp = call.grouped_key_padding()
         lo, hi = call.positional.band()  # both rules as one band of j - i (offsets resolved)
+        bound = call.bound_score()
+        form = bound.form if bound is not None else None  # a built-in: the backend refuses other functions
         out, lse = run_attention(
             q, k, v, call.grouped_attn_mask(), None if kp is None else kp[:, 0, 0, 0, :],
             scale=call.scale, lo=lo, hi=hi, bottom_right=False,
+            softcap=form.softcap if form is not None else None, rel=form.rel if form is not None else None,
+            rel_base=call.nq - 1, sinks=call.sinks,
         )  # fmt: skip
         return call.ungroup(out), (call.ungroup(lse) if call.return_lse else None)

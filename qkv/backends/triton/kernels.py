@@ -18,6 +18,14 @@ What they support
   ``(B, Hk, G, Nq, Nk)`` (broadcast dims passed with stride 0), both read tile by tile.
 - Head dims up to 256 (any size: ``BLOCK_D`` is the next power of two, at least 16 for
   ``tl.dot``, and loads are masked); fp16, bf16, fp32.
+- The built-in score functions (:class:`qkv.score_mods.KernelForm`), applied to the scaled
+  score before the masks: ``SOFTCAP`` (``cap·tanh(x/cap)``, tanh from exp2 to a few ulps; the
+  backward multiplies dS by ``1 - tanh²``) and ``HAS_REL``, a bias ``rel[h, j - i + c0]`` read
+  along the tile's diagonals (``REL_SHIFT``: ``c0`` less each packed sequence's ``Nk - Nq``).
+  ``REL_GRAD``: the dQ kernel also sums dS along the diagonals into the bias's gradient.
+- Sinks (``HAS_SINKS``): a per-head logit in every row's denominator; it starts each row's
+  running maximum and sum, so the output is rounded once and the lse includes it. The
+  backward needs nothing new: its weights come from that lse.
 
 What differs from the float64 reference
 ---------------------------------------
@@ -34,9 +42,11 @@ What differs from the float64 reference
   ``tl.constexpr``): ``1.44269504`` = 1/ln 2, ``0.6931471805599453`` = ln 2.
 - The backward is deterministic by construction: dK/dV and dQ come from separate kernels,
   each program owning the rows it writes (GQA sums the G query heads in a loop inside the
-  dK/dV program), so there are no atomics and repeated runs are bit-identical.
+  dK/dV program), so there are no atomics and repeated runs are bit-identical. The one
+  exception is a relative bias's own gradient, summed with fp32 atomics (see the dQ kernel).
 
-A query row with nothing to attend to gets output 0, lse ``-inf`` and zero gradients.
+A query row with nothing to attend to gets output 0, lse ``-inf`` (its sink's logit with
+sinks) and zero gradients for q, k, v.
 """
 
 from __future__ import annotations
@@ -93,32 +103,73 @@ def _tile_allowed(
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp2 (portable: no libdevice). Below |x| = 1/4, where ``1 - e^-2|x|``
+    would cancel, an odd Taylor polynomial (the next term is < 1e-8 relative there); above it
+    ``(1 - e) / (1 + e)`` with ``e = e^-2|x|``. 1.6 ulps at worst in the interpreter; a GPU's
+    approximate exp2 and division add up to ~2 ulps each."""
+    a = tl.abs(x)
+    x2 = x * x
+    poly = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203))))
+    e = tl.exp2(a * -2.8853900817779268)  # -2/ln 2
+    big = (1.0 - e) / (1.0 + e)
+    return tl.where(a < 0.25, poly, tl.where(x < 0, -big, big))
+
+
+@triton.jit
 def _tile_scores(
-    q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn,
-    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr,
+    q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, rel_row, rel_c0, cap_in, cap_log2,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Masked scores of one tile in base 2: ``(q·kᵀ·scale + bias)·log2e``, -inf where masked."""
-    s = _dot(q, tl.trans(k), FP32_DOT, UPCAST) * qk_scale
+    """Masked scores of one tile in base 2, -inf where masked: ``(f(q·kᵀ·scale) + bias)·log2e``
+    with the built-in score function f (softcap ``cap·tanh(x/cap)``, then ``+ rel[h, j - i + c0]``).
+
+    Returns ``(s, t)``: ``t = tanh(x/cap)`` for the softcap's derivative (``1 - t²``) when
+    ``SOFTCAP``, else unused. The tanh takes ``x/cap = q·kᵀ·(scale/cap)`` (``cap_in``) and the
+    cap returns in base 2 (``cap_log2 = cap·log2e``), so the natural-units score is never
+    rounded on its own; without a score function the code is the plain one."""
+    qk = _dot(q, tl.trans(k), FP32_DOT, UPCAST)
+    if SOFTCAP:
+        t = _tanh(qk * cap_in)
+        s = t * cap_log2
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_REL:
+        rel = tl.load(rel_row + (offs_n[None, :] - offs_m[:, None] + rel_c0), mask=ok, other=0.0)
+        s += rel * 1.44269504  # 1/ln 2: the bias is in natural-log units
     if HAS_MASK:
         if not MASK_BOOL:
             bias = tl.load(m_row + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=ok, other=0.0)
             s += bias.to(tl.float32) * 1.44269504  # 1/ln 2: the bias is in natural-log units
-    return tl.where(ok, s, float("-inf"))
+    return tl.where(ok, s, float("-inf")), t
+
+
+@triton.jit
+def _diagonal_sums(x, gidx, wrap):
+    """Sums of a (BLOCK_M, BLOCK_N) tile along its diagonals ``n - m``, BLOCK_M <= BLOCK_N:
+    ``(lower, upper)``, entry c holding diagonal ``c - BLOCK_N`` and ``c``. Row m is rotated left
+    by m (``gidx = (c + m) mod BLOCK_N``), so each diagonal lands in one column, the part that
+    wrapped around (``wrap``) in the lower one."""
+    sk = tl.gather(x, gidx, 1)
+    return tl.sum(tl.where(wrap, sk, 0.0), 0), tl.sum(tl.where(wrap, 0.0, sk), 0)
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Mask, KP, CuQ, CuK,
+    Q, K, V, Out, Lse, Mask, KP, CuQ, CuK, Rel, Sinks,
     stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_og, stride_on, stride_od,
     stride_lb, stride_lh, stride_lg, stride_ln,
     stride_mb, stride_mh, stride_mg, stride_mm, stride_mn,
-    stride_kpb, stride_kpn,
-    HK, G, NQ, NK, D, DV, qk_scale, lo, hi,
+    stride_kpb, stride_kpn, stride_rh,
+    HK, G, NQ, NK, D, DV, qk_scale, lo, hi, rel_base, cap_in, cap_log2,
     BOTTOM_RIGHT: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     HAS_KP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr, REL_SHIFT: tl.constexpr, HAS_SINKS: tl.constexpr,
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -143,6 +194,8 @@ def _fwd_kernel(
     v_base = V + b64 * stride_vb + hk * stride_vh + k_start.to(tl.int64) * stride_vn
     m_row = Mask + b64 * stride_mb + hk * stride_mh + g * stride_mg
     kp_row = KP + b64 * stride_kpb
+    rel_row = Rel + (hk * G + g) * stride_rh
+    rel_c0 = rel_base - ((nk - nq) if REL_SHIFT else 0)
 
     q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
                 mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D), other=0.0)
@@ -157,8 +210,12 @@ def _fwd_kernel(
         k_hi = tl.minimum(nk, q1 - 1 + offset + hi + 1)
     k_lo = (k_lo // BLOCK_N) * BLOCK_N
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink is a score every row has, with no value: it starts the running max and sum
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(Sinks + hk * G + g) * 1.44269504  # 1/ln 2
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)  # a -inf sink: no sink
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for n0 in range(k_lo, k_hi, BLOCK_N):
         offs_n = n0 + offs_n0
@@ -166,7 +223,8 @@ def _fwd_kernel(
                     mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D), other=0.0)
         ok = _tile_allowed(offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
                            HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL)
-        s = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, HAS_MASK, MASK_BOOL, FP32_DOT, UPCAST)
+        s, _t = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, rel_row, rel_c0, cap_in, cap_log2,
+                             HAS_MASK, MASK_BOOL, SOFTCAP, HAS_REL, FP32_DOT, UPCAST)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf - 0) = 0
         alpha = tl.exp2(m_i - m_safe)
@@ -227,7 +285,7 @@ def _bwd_preprocess(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV_, Mask, KP, CuQ, CuK,
+    Q, K, V, DOut, Lse, Delta, DK, DV_, Mask, KP, CuQ, CuK, Rel,
     stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -236,10 +294,11 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_mb, stride_mh, stride_mg, stride_mm, stride_mn,
-    stride_kpb, stride_kpn,
-    HK, G, NQ, NK, D, DV, sm_scale, qk_scale, lo, hi,
+    stride_kpb, stride_kpn, stride_rh,
+    HK, G, NQ, NK, D, DV, sm_scale, qk_scale, lo, hi, rel_base, cap_in, cap_log2,
     BOTTOM_RIGHT: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     HAS_KP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr, REL_SHIFT: tl.constexpr,
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK, dV for one key block of one key/value head, looping over its G query heads and the
@@ -265,6 +324,7 @@ def _bwd_dkdv_kernel(
     v = tl.load(V + b64 * stride_vb + hk * stride_vh + (k_start.to(tl.int64) + offs_n[:, None]) * stride_vn
                 + offs_dv[None, :] * stride_vd, mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV), other=0.0)
     kp_row = KP + b64 * stride_kpb
+    rel_c0 = rel_base - ((nk - nq) if REL_SHIFT else 0)
 
     # Query rows i that can see a key in [n0, n1): p + lo <= j <= p + hi, p = i + offset.
     n1 = tl.minimum(n0 + BLOCK_N, nk)
@@ -283,6 +343,7 @@ def _bwd_dkdv_kernel(
         do_base = DOut + b64 * stride_db + hk * stride_dh + g * stride_dg + q_start.to(tl.int64) * stride_dn
         l_base = b64 * stride_lb + hk * stride_lh + g * stride_lg + q_start.to(tl.int64) * stride_ln
         m_row = Mask + b64 * stride_mb + hk * stride_mh + g * stride_mg
+        rel_row = Rel + (hk * G + g) * stride_rh
         for m0 in range(m_lo, m_hi, BLOCK_M):
             offs_m = m0 + offs_m0
             q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
@@ -294,11 +355,14 @@ def _bwd_dkdv_kernel(
             lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.44269504)  # 1/ln 2; empty rows: every score is -inf
             ok = _tile_allowed(offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
                                HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL)
-            s = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, HAS_MASK, MASK_BOOL, FP32_DOT, UPCAST)
+            s, t = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, rel_row, rel_c0, cap_in, cap_log2,
+                                HAS_MASK, MASK_BOOL, SOFTCAP, HAS_REL, FP32_DOT, UPCAST)
             p = tl.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N) softmax weights
             dv += _dot(tl.trans(p.to(do.dtype)), do, FP32_DOT, UPCAST)
             dp = _dot(do, tl.trans(v), FP32_DOT, UPCAST)
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * (1.0 - t * t)  # d(cap·tanh(x/cap))/dx
             dk += _dot(tl.trans(ds.to(q.dtype)), q, FP32_DOT, UPCAST)
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + hk * stride_dkh + (k_start.to(tl.int64) + offs_n[:, None]) * stride_dkn
@@ -309,7 +373,7 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, Mask, KP, CuQ, CuK,
+    Q, K, V, DOut, Lse, Delta, DQ, Mask, KP, CuQ, CuK, Rel, DRel, DLse,
     stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -317,13 +381,27 @@ def _bwd_dq_kernel(
     stride_lb, stride_lh, stride_lg, stride_ln,
     stride_dqb, stride_dqh, stride_dqg, stride_dqn, stride_dqd,
     stride_mb, stride_mh, stride_mg, stride_mm, stride_mn,
-    stride_kpb, stride_kpn,
-    HK, G, NQ, NK, D, DV, sm_scale, qk_scale, lo, hi,
+    stride_kpb, stride_kpn, stride_rh,
+    HK, G, NQ, NK, D, DV, sm_scale, qk_scale, lo, hi, rel_base, cap_in, cap_log2, rel_len,
     BOTTOM_RIGHT: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     HAS_KP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr, REL_SHIFT: tl.constexpr, REL_GRAD: tl.constexpr, HAS_DLSE: tl.constexpr,
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """dQ for one query block of one query head, looping over the key blocks it can see."""
+    """dQ for one query block of one query head, looping over the key blocks it can see.
+
+    ``REL_GRAD``: also the gradient of the relative bias, ``DRel[h, j - i + c0] += dS`` (fp32,
+    zeroed by the caller). Each tile's diagonal sums cover diagonals ``[n0 - q0 - BLOCK_N,
+    n0 - q0 + BLOCK_N)``; the upper half is the next tile's lower half (the key blocks are
+    consecutive), so it is carried over and each program adds every diagonal once, with one
+    vector atomic per tile: the only atomics of the backward, so dQ/dK/dV stay bit-identical
+    from run to run and DRel differs only in the order of its fp32 sums.
+
+    dS sums to zero along a row, but ``delta = rowsum(dO∘O)`` from the output rounded to 16 bits
+    misses that by ~2^-9·|dO|·|O|, an error every weight of the row repeats and the bias's
+    gradient sums along the diagonals (an ALiBi slope's weighs it by the distance: 1% off in
+    bf16 at 40 keys). So with ``REL_GRAD`` a first pass takes delta from the program's own fp32
+    weights, ``Σ_j p_ij·dp_ij − dlse_i``, and dQ uses it too (two more dots per tile)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     g = pid_bh % G
@@ -354,6 +432,8 @@ def _bwd_dq_kernel(
     v_base = V + b64 * stride_vb + hk * stride_vh + k_start.to(tl.int64) * stride_vn
     m_row = Mask + b64 * stride_mb + hk * stride_mh + g * stride_mg
     kp_row = KP + b64 * stride_kpb
+    rel_row = Rel + (hk * G + g) * stride_rh
+    rel_c0 = rel_base - ((nk - nq) if REL_SHIFT else 0)
 
     q1 = tl.minimum(q0 + BLOCK_M, nq)
     k_lo = 0
@@ -364,6 +444,28 @@ def _bwd_dq_kernel(
         k_hi = tl.minimum(nk, q1 - 1 + offset + hi + 1)
     k_lo = (k_lo // BLOCK_N) * BLOCK_N
 
+    if REL_GRAD:
+        tl.static_assert(BLOCK_M <= BLOCK_N)
+        skew = tl.arange(0, BLOCK_M)[:, None] + offs_n0[None, :]
+        gidx = skew % BLOCK_N
+        wrap = skew >= BLOCK_N
+        drel_row = DRel + (hk * G + g) * stride_rh
+        carry = tl.zeros([BLOCK_N], tl.float32)
+        c_at = k_lo - q0 + rel_c0  # DRel index of the current tile's diagonal n - m = 0
+        delta = tl.zeros([BLOCK_M], tl.float32)
+        for n0 in range(k_lo, k_hi, BLOCK_N):
+            offs_n = n0 + offs_n0
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                        mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                        mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV), other=0.0)
+            ok = _tile_allowed(offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
+                               HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL)
+            s, t = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, rel_row, rel_c0, cap_in, cap_log2,
+                                HAS_MASK, MASK_BOOL, SOFTCAP, HAS_REL, FP32_DOT, UPCAST)
+            delta += tl.sum(tl.exp2(s - lse2[:, None]) * _dot(do, tl.trans(v), FP32_DOT, UPCAST), 1)
+        if HAS_DLSE:
+            delta -= tl.load(DLse + l_off, mask=offs_m < nq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(k_lo, k_hi, BLOCK_N):
         offs_n = n0 + offs_n0
@@ -373,11 +475,23 @@ def _bwd_dq_kernel(
                     mask=(offs_n[:, None] < nk) & (offs_dv[None, :] < DV), other=0.0)
         ok = _tile_allowed(offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
                            HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL)
-        s = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, HAS_MASK, MASK_BOOL, FP32_DOT, UPCAST)
+        s, t = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, rel_row, rel_c0, cap_in, cap_log2,
+                            HAS_MASK, MASK_BOOL, SOFTCAP, HAS_REL, FP32_DOT, UPCAST)
         p = tl.exp2(s - lse2[:, None])
         dp = _dot(do, tl.trans(v), FP32_DOT, UPCAST)
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])  # w.r.t. the modified score: 0 outside the allowed pairs
+        if REL_GRAD:
+            lower, upper = _diagonal_sums(ds, gidx, wrap)
+            at = c_at - BLOCK_N + offs_n0
+            tl.atomic_add(drel_row + at, lower + carry, mask=(at >= 0) & (at < rel_len), sem="relaxed")
+            carry = upper
+            c_at += BLOCK_N
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)  # d(cap·tanh(x/cap))/dx
         dq += _dot(ds.to(k.dtype), k, FP32_DOT, UPCAST)
+    if REL_GRAD:
+        at = c_at - BLOCK_N + offs_n0
+        tl.atomic_add(drel_row + at, carry, mask=(at >= 0) & (at < rel_len), sem="relaxed")
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + hk * stride_dqh + g * stride_dqg + rows[:, None] * stride_dqn
              + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < nq) & (offs_d[None, :] < D))
@@ -454,7 +568,8 @@ def _stats_kernel(
                     mask=(offs_n[:, None] < nk) & (offs_d[None, :] < D), other=0.0)
         ok = _tile_allowed(offs_m, offs_n, nq, nk, offset, lo, hi, kp_row, stride_kpn, m_row, stride_mm, stride_mn,
                            HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL)
-        s = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, HAS_MASK, MASK_BOOL, FP32_DOT, UPCAST)
+        s, _t = _tile_scores(q, k, qk_scale, ok, offs_m, offs_n, m_row, stride_mm, stride_mn, m_row, 0, 0.0, 0.0,
+                             HAS_MASK, MASK_BOOL, False, False, FP32_DOT, UPCAST)
         live = s != float("-inf")  # a float -inf bias masks like a bool mask
         cnt += tl.sum(live.to(tl.int32), 1)
         m_new = tl.maximum(m_i, tl.max(s, 1))
