@@ -18,17 +18,27 @@ numbers: ``is_causal=True`` and windows are aligned **bottom-right** within each
 last query sits at its last key) — unlike :func:`qkv.attention`, whose ``is_causal=True`` is
 SDPA's top-left alignment. ``is_causal="top_left"`` asks for SDPA's alignment here too.
 ``window=(left, right)`` takes ``-1`` for an unbounded side, as ``window_size`` does.
+
+``score_mod`` and ``sinks`` are :func:`qkv.attention`'s, applied per sequence: a score
+function's ``batch`` index is the sequence's, ``q_idx``/``kv_idx`` count from the sequence's
+start, and a built-in one (:mod:`qkv.score_mods`) whose ``alignment`` is None places its query
+positions as causal calls here do (bottom-right, as FlashAttention's ALiBi, unless
+``is_causal="top_left"``). The triton kernel runs the built-ins and sinks; a Python function
+runs in the per-sequence loop.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from .call import _check_tensor
+from .call import _check_sinks, _check_tensor
 from .reference.masks import PositionalMask, parse_causal, parse_window
+from .score_mods.base import ScoreMod, captured_tensors, check_score_mod
 
 
 def _check_cu(name: str, cu: torch.Tensor, total: int, total_name: str) -> list[int]:
@@ -72,13 +82,16 @@ def attention_varlen(
     enable_gqa: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
+    score_mod: Any = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention within each sequence of a packed batch (see the module docstring for shapes).
 
     ``is_causal`` and ``window`` apply per sequence, aligned bottom-right as in FlashAttention
-    (``is_causal="top_left"`` for SDPA's alignment). ``max_seqlen_*`` default to the longest
-    sequence; sequences may be empty. ``backend="auto"`` uses the triton kernel on CUDA when it
-    can run the call, else loops over sequences; a named backend never falls back.
+    (``is_causal="top_left"`` for SDPA's alignment); so do ``score_mod`` and ``sinks`` (see the
+    module docstring). ``max_seqlen_*`` default to the longest sequence; sequences may be
+    empty. ``backend="auto"`` uses the triton kernel on CUDA when it can run the call, else
+    loops over sequences; a named backend never falls back.
     Validation reads the offsets on the host (one device sync).
     """
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
@@ -119,11 +132,24 @@ def attention_varlen(
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale={scale} must be a finite number (default 1/sqrt(head_dim))")
+    score_mod = check_score_mod(score_mod)
+    if isinstance(score_mod, ScoreMod):
+        score_mod.check_heads(hq)
+        if score_mod.alignment is None:  # follow this call's alignment, not qkv.attention's top-left default
+            score_mod = copy.copy(score_mod)
+            score_mod.alignment = alignment
+    if sinks is not None:
+        sinks = _check_sinks(sinks, hq, q)
 
     from .backends import BACKENDS, BackendError, get_backend
 
     triton = BACKENDS.get("triton")
     why = _triton_reasons(triton, q, v) if triton is not None else ["triton backend is not registered"]
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        why.append(
+            "a Python score_mod cannot run in its kernel; use a built-in from qkv.score_mods (Softcap, ALiBi, "
+            "RelativeBias) or another backend, which runs it per sequence"
+        )
     if backend == "triton" and why:
         raise BackendError("backend 'triton' cannot run this varlen call:\n  - " + "\n  - ".join(why))
     if backend == "triton" or (backend == "auto" and q.device.type == "cuda" and not why):
@@ -135,9 +161,12 @@ def attention_varlen(
         kg = k.permute(1, 0, 2)[None, :, None]  # (1, Hk, 1, Tk, D)
         vg = v.permute(1, 0, 2)[None, :, None]
         lo, hi = PositionalMask(0, 0, causal, win, alignment).bounds()
+        rel, rel_base = _varlen_bias(score_mod, hq, max(max(lens_q), max(lens_k)), q.device)
         out, lse = run_attention(
             qg, kg, vg, None, None, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
             max(lens_q), max(lens_k), scale=scale, lo=lo, hi=hi, bottom_right=alignment == "bottom_right",
+            softcap=score_mod.softcap if score_mod is not None else None, rel=rel, rel_base=rel_base,
+            rel_shift=score_mod is not None and score_mod.alignment == "bottom_right", sinks=sinks,
         )  # fmt: skip
         out = out[0].permute(2, 0, 1, 3).reshape(total_q, hq, v.shape[2])  # (Tq, Hq, Dv)
         lse = lse[0].reshape(hq, total_q)  # (Hq, Tq)
@@ -151,9 +180,12 @@ def attention_varlen(
         vs = v[ck[s] : ck[s + 1]].transpose(0, 1)
         from .functional import attention
 
+        mod = score_mod
+        if mod is not None and not isinstance(mod, ScoreMod):  # its batch index is the sequence's
+            mod = functools.partial(_sequence_score, score_mod, s, captured_tensors(score_mod))
         res = attention(
             qs, ks, vs, is_causal=alignment if causal else False, window=win, window_alignment=alignment,
-            scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend,
+            scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend, score_mod=mod, sinks=sinks,
         )  # fmt: skip
         o, l = res if return_lse else (res, None)
         outs.append(o.transpose(0, 1))  # (n, Hq, Dv)
@@ -163,6 +195,28 @@ def attention_varlen(
     if return_lse:
         return out, torch.cat(lses, 1).float()
     return out
+
+
+def _sequence_score(fn, seq: int, tensors, score, batch, head, q_idx, kv_idx):
+    """``fn`` called on sequence ``seq``'s tiles with that batch index; ``tensors`` (what ``fn``
+    reads that needs gradients) is there so that ``captured_tensors`` finds it on the partial."""
+    return fn(score, batch + seq, head, q_idx, kv_idx)
+
+
+def _varlen_bias(score_mod: Optional[ScoreMod], hq: int, longest: int, device: torch.device) -> tuple[Optional[torch.Tensor], int]:
+    """A built-in's bias for the packed kernel: ``(Hq, 2L - 1)`` float32 over key-minus-query
+    positions ``-(L-1) .. L-1`` (``L`` the longest sequence; positions placed per sequence by
+    the kernel), and the index of position 0. Differentiable in the function's tensors."""
+    if score_mod is None:
+        return None, 0
+    ts = score_mod.tensors()
+    at = ts[0].device if ts else device
+    n = max(1, longest)
+    d = torch.arange(-(n - 1), n, device=at)
+    b = score_mod.bias(d[None, :], torch.arange(hq, device=at)[:, None], torch.float32)
+    if b is None:
+        return None, 0
+    return b.expand(hq, d.numel()).to(device), n - 1
 
 
 def _triton_reasons(triton, q: torch.Tensor, v: torch.Tensor) -> list[str]:
