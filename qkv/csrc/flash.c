@@ -75,20 +75,29 @@ static inline void v_store_part(float *p, v8f v, int64_t n) {
     for (int64_t i = 0; i < n; i++) p[i] = v[i];
 }
 
-/* A built-in score function on one row of products q·kᵀ, in place: s = scale·q·kᵀ, then
- * cap·tanh(s/cap) when cap > 0 (deriv, unless NULL: 1 − tanh²(s/cap), for the backward), then
- * s + rel[x] when rel is not NULL (the row's relative biases, key by key). */
+/* A built-in score function on n ≤ 8 products q·kᵀ: s = scale·q·kᵀ, then cap·tanh(s/cap) when
+ * cap > 0 (inv = 1/cap; *th = tanh(s/cap)), then s + rel[0 .. n) when rel is not NULL. Every
+ * kernel below computes a score through this one function, so the backward recomputes exactly
+ * the scores whose maximum the forward kept. */
+static inline v8f v_score(v8f raw, const float *rel, int64_t n, float scale, float cap, float inv, v8f *th) {
+    v8f s = raw * v_set(scale);
+    if (cap > 0) {
+        *th = v_tanh(s * v_set(inv));
+        s = *th * v_set(cap);
+    }
+    if (rel) s += v_load_part(rel, n);
+    return s;
+}
+
+/* A built-in score function on one row of products, in place (v_score; deriv, unless NULL:
+ * 1 − tanh²(s/cap), the cap's derivative, for the backward). */
 static inline void row_score_float(float *row, float *deriv, const float *rel, int64_t w, float scale, float cap) {
     const float inv = cap > 0 ? 1 / cap : 0;
     for (int64_t j = 0; j < w; j += LANES) {
         const int64_t n = w - j < LANES ? w - j : LANES;
-        v8f s = v_load_part(row + j, n) * v_set(scale);
-        if (cap > 0) {
-            const v8f th = v_tanh(s * v_set(inv));
-            s = th * v_set(cap);
-            if (deriv) v_store_part(deriv + j, v_set(1.0f) - th * th, n);
-        }
-        if (rel) s += v_load_part(rel + j, n);
+        v8f th = v_set(0.0f);
+        const v8f s = v_score(v_load_part(row + j, n), rel ? rel + j : NULL, n, scale, cap, inv, &th);
+        if (deriv) v_store_part(deriv + j, v_set(1.0f) - th * th, n);
         v_store_part(row + j, s, n);
     }
 }
@@ -101,6 +110,53 @@ static inline void row_dscore_float(float *ds, const float *deriv, float *acc, i
         v8f g = v_load_part(ds + j, n);
         if (acc) v_store_part(acc + j, v_load_part(acc + j, n) + g, n);
         if (deriv) v_store_part(ds + j, g * v_load_part(deriv + j, n), n);
+    }
+}
+
+/* row_score_float, then row_max_float, in one pass (for rows no mask cuts). */
+static inline float row_score_max_float(float *row, const float *rel, int64_t w, float scale, float cap, int64_t *nans) {
+    const float inv = cap > 0 ? 1 / cap : 0;
+    v8f mx = v_set(-INFINITY);
+    v8i nn = {0};
+    for (int64_t j = 0; j < w; j += LANES) {
+        const int64_t n = w - j < LANES ? w - j : LANES;
+        v8f th = v_set(0.0f), s = v_score(v_load_part(row + j, n), rel ? rel + j : NULL, n, scale, cap, inv, &th);
+        v_store_part(row + j, s, n);
+        if (n < LANES) s = v_load(row, j, w); /* lanes past the end: −inf */
+        mx = v_select(s > mx, s, mx);
+        nn -= s != s;
+    }
+    float m = mx[0];
+    int64_t cn = 0;
+    for (int i = 0; i < LANES; i++) {
+        m = mx[i] > m ? mx[i] : m;
+        cn += nn[i];
+    }
+    *nans = cn;
+    return m;
+}
+
+/* row_score_float, then row_exp_float, in one pass (for rows no mask cuts; the backward's P̃). */
+static inline void row_score_exp_float(float *row, float *deriv, const float *rel, int64_t w, float scale, float cap,
+                                       float shift, float c) {
+    const float inv = cap > 0 ? 1 / cap : 0;
+    for (int64_t j = 0; j < w; j += LANES) {
+        const int64_t n = w - j < LANES ? w - j : LANES;
+        v8f th = v_set(0.0f);
+        const v8f s = v_score(v_load_part(row + j, n), rel ? rel + j : NULL, n, scale, cap, inv, &th);
+        if (deriv) v_store_part(deriv + j, v_set(1.0f) - th * th, n);
+        v_store_part(row + j, v_exp2((s - v_set(shift)) * v_set(c)), n);
+    }
+}
+
+/* row_ds_float, then row_dscore_float, in one pass (for rows without a dominant key). */
+static inline void row_ds_dscore_float(float *ds, const float *p, const float *deriv, float *acc, int64_t w, float delta) {
+    for (int64_t j = 0; j < w; j += LANES) {
+        const int64_t n = w - j < LANES ? w - j : LANES;
+        v8f g = v_load_part(p + j, n) * (v_load_part(ds + j, n) - v_set(delta));
+        if (acc) v_store_part(acc + j, v_load_part(acc + j, n) + g, n);
+        if (deriv) g *= v_load_part(deriv + j, n);
+        v_store_part(ds + j, g, n);
     }
 }
 
@@ -145,6 +201,22 @@ static inline void row_dscore_double(double *ds, const double *deriv, double *ac
         if (acc) acc[j] += ds[j];
         if (deriv) ds[j] *= deriv[j];
     }
+}
+
+static inline double row_score_max_double(double *row, const double *rel, int64_t w, double scale, double cap, int64_t *nans) {
+    row_score_double(row, NULL, rel, w, scale, cap);
+    return row_max_double(row, w, nans);
+}
+
+static inline void row_score_exp_double(double *row, double *deriv, const double *rel, int64_t w, double scale, double cap,
+                                        double shift, double c) {
+    row_score_double(row, deriv, rel, w, scale, cap);
+    row_exp_double(row, w, shift, c);
+}
+
+static inline void row_ds_dscore_double(double *ds, const double *p, const double *deriv, double *acc, int64_t w, double delta) {
+    row_ds_double(ds, p, w, delta);
+    row_dscore_double(ds, deriv, acc, w);
 }
 
 static inline double exp2_f64(double x) { return exp2(x); }

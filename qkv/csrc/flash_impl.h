@@ -1,6 +1,7 @@
 /* Exact attention forward (with the row shift m and sum l its backward needs) and backward, for
  * one element type: included by flash.c with T, SUFFIX and EXP2 defined, after the row helpers
- * row_max_SUFFIX, row_exp_SUFFIX, row_ds_SUFFIX, row_score_SUFFIX and row_dscore_SUFFIX. */
+ * row_max_SUFFIX, row_exp_SUFFIX, row_ds_SUFFIX, row_score_SUFFIX, row_dscore_SUFFIX and their
+ * one-pass pairs row_score_max_SUFFIX, row_score_exp_SUFFIX and row_ds_dscore_SUFFIX. */
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 #define FN(name) CAT(name, SUFFIX)
@@ -80,9 +81,15 @@ int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, const int64_t *koff, 
                 for (int64_t i = 0; i < n; i++) {
                     T *row = t + i * w, *ai = acc + i * dv;
                     const int64_t r = r0 + i;
-                    FN(prepare_row_)(row, NULL, i, w, q0, k0, nq, scored, scale, cap, relh, &bd, pad, masks);
                     int64_t nans;
-                    const T tmax = FN(row_max_)(row, w, &nans), old = m[r];
+                    T tmax;
+                    if (scored && !masks) { /* one pass: the score function and the maximum */
+                        tmax = FN(row_score_max_)(row, relh ? relh + (k0 - q0 - i + nq - 1) : NULL, w, scale, cap, &nans);
+                    } else {
+                        FN(prepare_row_)(row, NULL, i, w, q0, k0, nq, scored, scale, cap, relh, &bd, pad, masks);
+                        tmax = FN(row_max_)(row, w, &nans);
+                    }
+                    const T old = m[r];
                     const T mn = (nans || old != old) ? (T)NAN : (old > tmax ? old : tmax);
                     const T shift = mn == -INFINITY ? 0 : mn;
                     if (old != mn) { /* the maximum grew: rescale the running sums (by 0 if none yet) */
@@ -161,19 +168,28 @@ int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const int64_t *koff, 
                     for (int64_t i = 0; i < n; i++) {
                         const int64_t r = r0 + i;
                         T *p = t + i * w, *ds = u + i * w;
-                        FN(prepare_row_)(p, dcap, i, w, q0, k0, nq, scored, scale, cap, relh, &bd, pad, masks);
-                        FN(row_exp_)(p, w, m[r] == -INFINITY ? 0 : m[r], c); /* P̃ */
+                        const T shift = m[r] == -INFINITY ? 0 : m[r];
+                        if (scored && !masks) { /* P̃, one pass */
+                            FN(row_score_exp_)(p, dcap, relh ? relh + (k0 - q0 - i + nq - 1) : NULL, w, scale, cap, shift, c);
+                        } else {
+                            FN(prepare_row_)(p, dcap, i, w, q0, k0, nq, scored, scale, cap, relh, &bd, pad, masks);
+                            FN(row_exp_)(p, w, shift, c); /* P̃ */
+                        }
+                        T *acc = diag ? diag + (n - 1 - i) : NULL; /* row i's key x is diagonal x − i + n − 1 of the tile */
+                        if (half_l[r] >= 1) { /* P̃ ≤ 1, so only rows with l < 2 can hold P̃ > l/2 */
+                            if (post) FN(row_ds_dscore_)(ds, p, dcap, acc, w, delta[r]);
+                            else FN(row_ds_)(ds, p, w, delta[r]);
+                            continue;
+                        }
                         FN(row_ds_)(ds, p, w, delta[r]);
-                        if (half_l[r] < 1) /* P̃ ≤ 1, so only such rows can hold P̃ > l/2 */
-                            for (int64_t x = 0; x < w; x++)
-                                if (p[x] > half_l[r]) {
-                                    const T *vj = vb + (k0 + x) * dv, *oi = out + r * dv, *gi = dos + r * dv;
-                                    T s = 0;
-                                    for (int64_t e = 0; e < dv; e++) s += gi[e] * (vj[e] - oi[e]);
-                                    ds[x] = p[x] * (s + dlse[r]);
-                                }
-                        /* row i's key x is diagonal x − i + n − 1 of the tile */
-                        if (post) FN(row_dscore_)(ds, dcap, diag ? diag + (n - 1 - i) : NULL, w);
+                        for (int64_t x = 0; x < w; x++)
+                            if (p[x] > half_l[r]) {
+                                const T *vj = vb + (k0 + x) * dv, *oi = out + r * dv, *gi = dos + r * dv;
+                                T s = 0;
+                                for (int64_t e = 0; e < dv; e++) s += gi[e] * (vj[e] - oi[e]);
+                                ds[x] = p[x] * (s + dlse[r]);
+                            }
+                        if (post) FN(row_dscore_)(ds, dcap, acc, w);
                     }
                     if (diag) /* the tile's diagonal 0 is rel index k0 − (q1 − 1) + nq − 1 */
                         for (int64_t x = 0; x < n + w - 1; x++) drelb[k0 - q1 + nq + x] += diag[x];
