@@ -85,6 +85,8 @@ def run_cell(impl: str, kind: str, b: int, h: int, n: int, d: int, time_ms, devi
         block = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, n, n, device=device)
         flex = attention_gpu.compiled_flex()
         fn = lambda: flex(q, k, v, score_mod=mod, block_mask=block)  # noqa: E731
+    elif kind == "plain":
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     else:
         mask = dense_bias(kind, parts, n, dtype, device)
         fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
