@@ -39,12 +39,14 @@ and rounded once. A negative or zero scale moves into the query first
 (:meth:`AttentionCall.positive_scale`), so the row maximum of ``q·kᵀ`` is the largest score.
 Differences from ``math``: no dropout, and no gradient to a float ``attn_mask``.
 
-Calls without gradients on a CPU (and without a float ``attn_mask``) run on torch's fused
-flash kernel instead, dispatched block by block under the same rules (:mod:`.flash_cpu`):
-the same tiles skipped, at the speed of torch's vectorised kernel. Calls with gradients on a
-CPU (no ``attn_mask``) run the forward and backward below as C loops over cache-sized tiles
-with torch's own BLAS (:mod:`.chunked_native`): the same tiles, units and precision measures;
-the torch formulation here stays their reference. The loops here are torch custom ops, so
+Calls without gradients on a CPU (and without a float ``attn_mask``, score function or sinks)
+run on torch's fused flash kernel instead, dispatched block by block under the same rules
+(:mod:`.flash_cpu`): the same tiles skipped, at the speed of torch's vectorised kernel. Calls
+with gradients on a CPU (no ``attn_mask``), and calls with a built-in score function or sinks
+with or without them, run the forward and backward below as C loops over cache-sized tiles
+with torch's own BLAS (:mod:`.chunked_native`): the same tiles, units and precision measures
+(a built-in's softcap and offset bias applied to each tile in C); the torch formulation here
+stays their reference, and runs a score function given as a Python callable. The loops here are torch custom ops, so
 ``torch.compile`` keeps a call in one graph without tracing into them.
 
 The autograd functions follow ``torch.func``'s protocol (``setup_context`` and a ``vmap``
