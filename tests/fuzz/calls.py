@@ -483,18 +483,20 @@ def _draw(seed: int, case: str) -> Spec:
         spec.grad = tuple(grad)
         if rng.random() < 0.15:
             spec.grad_api = "func"
-    # score functions and sinks (the C loops, the torch formulation and math run them)
-    if not triton and spec.expect is None:
-        if rng.random() < 0.15:
-            spec.score = _pick(rng, {"softcap": 0.3, "alibi": 0.25, "relbias": 0.2, "fn": 0.25})
+    # score functions and sinks (the C loops, the torch formulation, math and the triton kernels
+    # run them; triton float32 only: the 16-bit baseline that rounds P like the kernels has none)
+    if spec.expect is None and (not triton or dtype == "float32"):
+        if rng.random() < (0.3 if triton else 0.15):
+            kinds = {"softcap": 0.35, "alibi": 0.35, "relbias": 0.3} if triton else {"softcap": 0.3, "alibi": 0.25, "relbias": 0.2, "fn": 0.25}
+            spec.score = _pick(rng, kinds)
             if spec.score == "softcap":
                 spec.score_arg = float(rng.choice((0.5, 3.0, 30.0)))
             elif spec.score == "relbias":
                 spec.score_arg = float(rng.choice((20, 40, 128)))  # past the 16 exact offsets of 32 causal buckets
             if spec.score in ("alibi", "relbias") and rng.random() < 0.4:
                 spec.score_alignment = _pick(rng, {"top_left": 0.5, "bottom_right": 0.5})
-        spec.sinks = rng.random() < 0.08
-        if spec.score is not None or spec.sinks:
+        spec.sinks = rng.random() < (0.2 if triton else 0.08)
+        if (spec.score is not None or spec.sinks) and not triton:
             spec.backend = _pick(rng, {"auto": 0.35, "chunked": 0.4, "math": 0.15, "sdpa": 0.1})
             if spec.grad:
                 extra = [n for n, on in (("mod", spec.score in ("alibi", "relbias", "fn")), ("sinks", spec.sinks)) if on and rng.random() < 0.7]
