@@ -28,7 +28,6 @@ from ..backends.base import half_to_float
 from ..call import AttentionCall, validate_qk
 from ..functional import attention
 from ..masks import MaskTiles
-from ..score_mods.base import BoundScore, apply_form
 from ..sinks import grouped_sinks
 
 __all__ = ["attention_map", "attention_scores"]
@@ -175,7 +174,7 @@ class _Selection:
         head = self.heads.to(dev).view(1, h, 1, 1)  # query head indices, as the contract has them
         qi = rows.to(dev).view(1, 1, r, 1)
         ki = torch.arange(k0, k0 + w, device=dev).view(1, 1, 1, w)
-        return _score_tile(bound, s, batch, head, qi, ki)
+        return bound.evaluate(s, batch, head, qi, ki)
 
     def heads_of(self, t: torch.Tensor) -> torch.Tensor:
         """``(B|1, Hk|1, G|1, ...)`` → ``(B|1, h|1, ...)`` picking the chosen heads."""
@@ -263,23 +262,6 @@ def _walk(
         share = None if sink_h is None else sink_share(sel.heads_of(sink_h), lr.to(q.dtype))
         check_row_sums(out.sum(-1), rowmax > float("-inf"), lr.to(q.dtype), lse.dtype, heads, rows, share)
     return out
-
-
-def _score_tile(bound: BoundScore, s: torch.Tensor, batch: torch.Tensor, head: torch.Tensor, qi: torch.Tensor,
-                ki: torch.Tensor) -> torch.Tensor:
-    """:meth:`BoundScore.apply` for index tensors of any layout (chosen heads, arbitrary rows)."""
-    out = apply_form(bound.form, s, head, qi, ki, bound.nq) if bound.form is not None else bound.fn(s, batch, head, qi, ki)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"score_mod returned {type(out).__name__}; it must return the new scores as a tensor")
-    if out.shape != s.shape:
-        try:
-            out = out.expand(s.shape)
-        except RuntimeError:
-            raise ValueError(
-                f"score_mod returned shape {tuple(out.shape)} for scores of shape {tuple(s.shape)}; it must "
-                "return one score per (batch, head, query, key), e.g. score + bias[head, q_idx - kv_idx]"
-            ) from None
-    return out.to(s.dtype)
 
 
 def _finish(call: AttentionCall, out: torch.Tensor) -> torch.Tensor:

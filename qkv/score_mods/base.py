@@ -233,12 +233,16 @@ class BoundScore:
 
     def apply(self, s: Tensor, q0: int, k0: int) -> Tensor:
         """The modified scores of a tile ``s (b, h, G, n, w)`` (out of place; autograd flows)."""
-        batch, head, qi, ki = self.indices(s.shape, q0, k0, s.device)
+        return self.evaluate(s, *self.indices(s.shape, q0, k0, s.device))
+
+    def evaluate(self, s: Tensor, batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """The function on scores ``s`` with index tensors of any layout that broadcasts against
+        them (chosen heads, arbitrary rows); its result checked and in ``s``'s dtype."""
         if self.form is not None:
-            out = apply_form(self.form, s, head, qi, ki, self.nq)
+            out = apply_form(self.form, s, head, q_idx, kv_idx, self.nq)
         else:
             assert self.fn is not None
-            out = self.fn(s, batch, head, qi, ki)
+            out = self.fn(s, batch, head, q_idx, kv_idx)
         if not isinstance(out, Tensor):
             raise TypeError(f"score_mod returned {type(out).__name__}; it must return the new scores as a tensor")
         if out.shape != s.shape:
