@@ -187,36 +187,17 @@ def record_stats(
 
     collected: List[Any] = []
 
-    extra = _stats_params(attention_stats)
-
     def on_call(c: HFAttentionCall) -> None:
-        kw = {}
-        for name in ("score_mod", "sinks"):
-            if getattr(c, name) is not None:
-                if name not in extra:  # statistics without them would describe other weights
-                    raise NotImplementedError(
-                        f"record_stats: layer {c.layer_idx} calls attention with {name}= "
-                        f"({_describe(c.score_mod) if name == 'score_mod' else 'attention sinks'}), which "
-                        "qkv.inspect.attention_stats does not take yet; observe the calls with qkv.hf.observe()"
-                    )
-                kw[name] = getattr(c, name)
         st = attention_stats(
             c.query, c.key, lse=c.lse, attn_mask=c.attn_mask, is_causal=c.is_causal, window=c.window,
             scale=c.scale, enable_gqa=c.query.shape[1] != c.key.shape[1], topk=topk,
-            key_positions=key_positions, relative_positions=relative_positions, **kw,
+            key_positions=key_positions, relative_positions=relative_positions, score_mod=c.score_mod, sinks=c.sinks,
         )  # fmt: skip
         st.layer_idx = c.layer_idx
         collected.append(st)
 
     with observe(on_call):
         yield collected
-
-
-def _stats_params(fn: Callable[..., Any]) -> frozenset:
-    try:
-        return frozenset(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
 
 
 # ---------------------------------------------------------------------------------- the function
