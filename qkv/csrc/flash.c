@@ -16,6 +16,18 @@
 
 #include "vec.h"
 
+/* The largest lane of mx, and (into *nans) the NaNs counted lane by lane in nn. */
+static inline float lanes_max(v8f mx, v8i nn, int64_t *nans) {
+    float m = mx[0];
+    int64_t cn = 0;
+    for (int i = 0; i < LANES; i++) {
+        m = mx[i] > m ? mx[i] : m;
+        cn += nn[i];
+    }
+    *nans = cn;
+    return m;
+}
+
 /* The row's largest entry (NaN ignored; −inf for an empty row) and how many entries are NaN. */
 static inline float row_max_float(const float *row, int64_t w, int64_t *nans) {
     v8f mx = v_set(-INFINITY);
@@ -25,14 +37,7 @@ static inline float row_max_float(const float *row, int64_t w, int64_t *nans) {
         mx = v_select(x > mx, x, mx);
         nn -= x != x;
     }
-    float m = mx[0];
-    int64_t cn = 0;
-    for (int i = 0; i < LANES; i++) {
-        m = mx[i] > m ? mx[i] : m;
-        cn += nn[i];
-    }
-    *nans = cn;
-    return m;
+    return lanes_max(mx, nn, nans);
 }
 
 /* row[j] = 2^((row[j] − shift)·c), in place; returns their sum. */
@@ -126,14 +131,7 @@ static inline float row_score_max_float(float *row, const float *rel, int64_t w,
         mx = v_select(s > mx, s, mx);
         nn -= s != s;
     }
-    float m = mx[0];
-    int64_t cn = 0;
-    for (int i = 0; i < LANES; i++) {
-        m = mx[i] > m ? mx[i] : m;
-        cn += nn[i];
-    }
-    *nans = cn;
-    return m;
+    return lanes_max(mx, nn, nans);
 }
 
 /* row_score_float, then row_exp_float, in one pass (for rows no mask cuts; the backward's P̃). */
