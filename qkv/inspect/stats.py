@@ -569,9 +569,13 @@ def _with_sinks(out: dict[str, torch.Tensor], sinks: torch.Tensor, lse: Optional
     x = torch.where(torch.isneginf(s).expand_as(keys_lse), _NEG_INF, s - keys_lse)  # +inf: a row without keys
     share, keep = torch.sigmoid(x), torch.sigmoid(-x)
     zero = torch.zeros_like(x)
+
+    def softplus(t: torch.Tensor) -> torch.Tensor:  # exact: F.softplus returns t itself past t = 20
+        return torch.logaddexp(t, zero)
+
     ent = keep * out["entropy"]
-    ent = ent + torch.where(keep > 0, keep * torch.nn.functional.softplus(x), zero)
-    ent = ent + torch.where(share > 0, share * torch.nn.functional.softplus(-x), zero)
+    ent = ent + torch.where(keep > 0, keep * softplus(x), zero)
+    ent = ent + torch.where(share > 0, share * softplus(-x), zero)
     out["entropy"] = ent
     for name in ("max_weight", "mean_distance"):
         out[name] = out[name] * keep
@@ -579,7 +583,7 @@ def _with_sinks(out: dict[str, torch.Tensor], sinks: torch.Tensor, lse: Optional
         out[name] = out[name] * keep.unsqueeze(-1)
     if output is not None:
         output.mul_(keep.unsqueeze(-1))
-    out["lse"] = torch.where(torch.isposinf(x), s.expand_as(keys_lse), keys_lse + torch.nn.functional.softplus(x))
+    out["lse"] = torch.where(torch.isposinf(x), s.expand_as(keys_lse), keys_lse + softplus(x))
     out["sink_share"] = share
 
 

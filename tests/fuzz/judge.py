@@ -720,8 +720,10 @@ def _judge(spec: Spec, res: Result) -> None:
         # whose relative error is about bounds.rel per score (amplified through dS)
         nat = r_grads.get(f"{name}:scale")  # absent when no key is attended at all
         natural = max(max_abs(r), 0.0 if nat is None else max_abs(_np(nat)))
-        bound = MATH_GRAD_ULPS * (_eps(leaf.dtype) * max_abs(r) + bounds.rel * natural)
         compute = torch.float32 if spec.torch_dtype in (torch.float16, torch.bfloat16) else spec.torch_dtype
+        # below the compute dtype's smallest normal number the terms are subnormal and keep only
+        # a few bits (a sink that takes all but e^-100 of a row leaves gradients near 1e-41)
+        bound = MATH_GRAD_ULPS * (_eps(leaf.dtype) * max_abs(r) + bounds.rel * natural + torch.finfo(compute).tiny)
         if _eps(leaf.dtype) > _eps(compute):
             # a leaf coarser than the scores (a float32 mask on float64 inputs, a 16-bit mask):
             # autograd rounds each term to the leaf's dtype before summing the terms that a

@@ -329,3 +329,15 @@ def test_the_glass_box_refuses_a_head_with_a_score_function(monkeypatch):
         trace_model("she said", model, layer=1, head=0)
     assert isinstance(trace_model("she said", model, layer=0, head=0).weights, np.ndarray)
 
+
+
+def test_a_sink_far_above_the_keys_keeps_float64_exact():
+    """A row whose sink outweighs its keys by e^22: the lse is the sink's plus e^-22 of it, which
+    a softplus that turns linear past 20 would drop (2.9e-10 off in float64)."""
+    q, k, v = (torch.randn(1, 1, 3, 8, dtype=torch.float64) for _ in range(3))
+    keys_lse = qkv.attention_ref(q, k, v, return_lse=True)[1]
+    sinks = torch.tensor([float(keys_lse.max()) + 22.0], dtype=torch.float64)
+    ref_out, ref_lse = qkv.attention_ref(q, k, v, sinks=sinks, return_lse=True)
+    out, st = qkv.inspect.attention_with_stats(q, k, v, sinks=sinks)
+    assert float((st.lse - torch.as_tensor(ref_lse)).abs().max()) < 1e-13
+    assert float((out - torch.as_tensor(ref_out)).abs().max()) < 1e-13
