@@ -297,8 +297,8 @@ class Explanation:
                 out.append(f"  H{h:<3} " + "  ".join(cell[h][l].ljust(width) for l in ls).rstrip())
         out.append("")
         how = "" if self.target_given else (
-            " (the most-attended content token of the other sentence; choose with --target)" if self.other_segment()
-            else " (the most-attended other content token; choose with --target)")
+            " (the most-attended content token of the other sentence; choose with --target, or target= in Python)" if self.other_segment()
+            else " (the most-attended other content token; choose with --target, or target= in Python)")
         out.append(f'Heads that link "{toks[f]}" most strongly to "{keys[t]}"{how}:')
         for l, h, w in self.top_heads(5):
             tops = self.top_tokens(l, h, 1)[0]
@@ -408,9 +408,9 @@ _ZH_NOTES: list[tuple[str, str]] = [
     (r'the target "(?P<t>.*)" has no counterpart in B; looking for B\'s own choice',
      "目标“{t}”在 B 中没有对应的词元；由 B 自行选择"),
     (r'target: "(?P<t>.*)", the content token of the other text that "(?P<f>.*)" gives most attention to in any head '
-     r"\(name one with --target\)", "目标：“{t}”，即“{f}”在所有头中最关注的、句对另一句中的实词（可用 --target 指定）"),
+     r"\(name one with --target, or target= in Python\)", "目标：“{t}”，即“{f}”在所有头中最关注的、句对另一句中的实词（可用 --target 或 Python 中的 target= 指定）"),
     (r'target: "(?P<t>.*)", the content token "(?P<f>.*)" gives most attention to in any head, leaving out (?P<rest>.*) '
-     r"\(name one with --target\)", "目标：“{t}”，即“{f}”在所有头中最关注的实词，不计 {rest}（可用 --target 指定）"),
+     r"\(name one with --target, or target= in Python\)", "目标：“{t}”，即“{f}”在所有头中最关注的实词，不计 {rest}（可用 --target 或 Python 中的 target= 指定）"),
     (r'no focus word given; using the first content token "(?P<t>.*)" \(choose with --focus\)',
      "没有给出关注词；使用第一个实词“{t}”（可用 --focus 指定）"),
     (r'"(?P<w>.*)" is not a whole word of the text; using the first place it occurs inside one',
@@ -525,18 +525,18 @@ def _build(
     elif key_tokens is not None:
         t_idx = _pick_target(keys, fw, [])
         notes.append(f'target: "{keys[t_idx]}", the source token "{tokens[f_idx[0]]}" reads most in any head '
-                     "(name one with target=)")
+                     "(name one with --target, or target= in Python)")
     elif other:
         t_idx = _pick_target(tokens, fw, [j for j in range(len(tokens)) if j not in other])
         notes.append(f'target: "{tokens[t_idx]}", the content token of the other text that "{tokens[f_idx[0]]}" gives '
-                     "most attention to in any head (name one with --target)")
+                     "most attention to in any head (name one with --target, or target= in Python)")
     else:
         prev = f_idx[0] - 1
         skip = list(f_idx) + ([prev] if prev >= 0 and _is_content(tokens[prev]) else [])
         t_idx = _pick_target(tokens, fw, skip)
         left_out = [f'"{tokens[f_idx[0]]}" itself', "special tokens"] + ([f'the previous token "{tokens[prev]}"'] if prev in skip else [])
         notes.append(f'target: "{tokens[t_idx]}", the content token "{tokens[f_idx[0]]}" gives most attention to in any head, '
-                     f"leaving out {', '.join(left_out)} (name one with --target)")
+                     f"leaving out {', '.join(left_out)} (name one with --target, or target= in Python)")
     return Explanation(
         text=text, tokens=tokens, focus_index=f_idx[0], focus_matches=list(f_idx), target_index=t_idx,
         target_given=target is not None, focus_weights=fw, stats=stats, maps=maps, model_name=model_name,
