@@ -307,6 +307,28 @@ class PatchingEffects:
         h = self.effects.shape[1]
         return [(int(i) // h, int(i) % h, float(flat[i])) for i in order]
 
+    # A clean-minus-corrupted gap below this share of the metric's size makes every effect a
+    # ratio of two small differences: noise, however large the percentages look.
+    SMALL_GAP = 0.01
+
+    @property
+    def gap(self) -> float:
+        """``metric(clean) - metric(corrupted)``: what the effects are shares of."""
+        return self.clean - self.corrupted
+
+    @property
+    def gap_is_small(self) -> bool:
+        return abs(self.gap) < self.SMALL_GAP * max(1.0, abs(self.clean), abs(self.corrupted))
+
+    def warning(self) -> Optional[str]:
+        """Why the effects should not be trusted, or None."""
+        if not self.gap_is_small:
+            return None
+        return (
+            f"warning: clean and corrupted differ by only {self.gap:.3g}; every effect is a share of that "
+            "small difference, so choose inputs or a metric that the corruption changes more"
+        )
+
     def to_string(self, precision: int = 2) -> str:
         h = self.effects.shape[1]
         lines = [
@@ -315,7 +337,26 @@ class PatchingEffects:
         ]
         for i, row in enumerate(self.effects.tolist()):
             lines.append(f"{i:>5} " + " ".join(f"{v:>{precision + 4}.{precision}f}" for v in row))
+        if self.warning():
+            lines.append(str(self.warning()))
         return "\n".join(lines)
+
+    def _repr_html_(self, precision: int = 2) -> str:
+        """A table for notebooks: one row per layer, one column per head, shaded by effect."""
+        from html import escape
+
+        def cell(v: float) -> str:
+            a = 0.0 if v != v else max(-1.0, min(1.0, v))
+            color = f"rgba(34,139,34,{a:.2f})" if a >= 0 else f"rgba(178,34,34,{-a:.2f})"
+            return f'<td style="background:{color};text-align:right">{v:.{precision}f}</td>'
+
+        heads = "".join(f"<th>h{j}</th>" for j in range(self.effects.shape[1]))
+        rows = "".join(f"<tr><th>{i}</th>{''.join(cell(v) for v in row)}</tr>" for i, row in enumerate(self.effects.tolist()))
+        note = f"<p><b>{escape(str(self.warning()))}</b></p>" if self.warning() else ""
+        return (
+            f"<div><p>metric: clean {self.clean:.4g}, corrupted {self.corrupted:.4g}; effect = share of the "
+            f"difference a head restores (1 = all of it)</p>{note}<table><tr><th>layer</th>{heads}</tr>{rows}</table></div>"
+        )
 
     def __repr__(self) -> str:
         return f"PatchingEffects({tuple(self.effects.shape)}, clean={self.clean:.4g}, corrupted={self.corrupted:.4g})"

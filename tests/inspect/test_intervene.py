@@ -221,3 +221,16 @@ def test_hf_needs_the_qkv_attention():
     with pytest.raises(ValueError, match="attn_implementation='qkv'"):
         with ablate(eager, heads=[(0, 0)]):
             pass
+
+
+def test_patching_effects_warn_about_a_tiny_gap_and_render_in_notebooks():
+    """A clean-minus-corrupted gap of 0.0064 makes "25% restored" noise: the text and the
+    notebook table say so; a real gap gives no warning."""
+    from qkv.inspect.intervene import PatchingEffects
+
+    tiny = PatchingEffects(torch.tensor([[0.25, 0.1], [float("nan"), -0.3]]), torch.zeros(2, 2), 1.0064, 1.0, ["a", "b"])
+    assert tiny.gap_is_small and "differ by only 0.0064" in tiny.to_string()
+    html = tiny._repr_html_()
+    assert "<table>" in html and "differ by only 0.0064" in html and html.count("<tr>") == 3
+    real = PatchingEffects(torch.tensor([[0.25, 0.1]]), torch.zeros(1, 2), 3.0, 1.0, ["a"])
+    assert real.warning() is None and "warning" not in real.to_string() and "warning" not in real._repr_html_()
