@@ -220,7 +220,11 @@ class BlockTrace:
         return (_explain_zh if lang == "zh" else _explain_en)(self, i, precision)
 
     def _repr_html_(self) -> str:
-        return self.to_html()
+        """In a notebook: the interactive stepper page in a sandboxed iframe (see
+        :meth:`Trace._repr_html_`); :meth:`to_html` gives the static tables."""
+        from .render import notebook_frame
+
+        return notebook_frame(self)
 
     def to_html(self, precision: int = 3, lang: str = "en") -> str:
         """Self-contained HTML tables of every step (no scripts, no external resources)."""

@@ -513,3 +513,16 @@ def trace_to_html(t: "Trace", precision: int = 3, lang: str = "en") -> str:
             out.append(_html_table(b, precision, lang))
     out.append("</div>")
     return "\n".join(out)
+
+
+def notebook_frame(trace: Any, height: int = 760) -> str:
+    """A trace's interactive stepper page as one sandboxed ``<iframe srcdoc=…>`` for notebooks
+    (the page carries its data, script and style: no network); the static tables when the
+    page's template is not installed."""
+    try:
+        from ..viz.trace_page import render_trace_page
+    except ImportError:  # a NumPy-only install without the viz templates
+        return trace.to_html()
+    page = render_trace_page(trace)
+    return (f'<iframe srcdoc="{html.escape(page, quote=True)}" style="width:100%;height:{height}px;'
+            'border:1px solid #ddd" sandbox="allow-scripts"></iframe>')

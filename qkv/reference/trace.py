@@ -240,9 +240,11 @@ class Trace:
         return explain(self, lang=lang, token=token, precision=precision)
 
     def _repr_html_(self) -> str:
-        from .render import trace_to_html
+        """In a notebook: the interactive stepper page (``qkv trace --html``) in a sandboxed
+        iframe, self-contained and offline; :meth:`to_html` gives the static tables."""
+        from .render import notebook_frame
 
-        return trace_to_html(self)
+        return notebook_frame(self)
 
     def to_html(self, precision: int = 3, lang: str = "en") -> str:
         """Self-contained HTML tables (no scripts, no external resources)."""

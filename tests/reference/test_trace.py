@@ -301,7 +301,7 @@ def test_to_dict_round_trips_through_json(rng):
 def test_html_is_self_contained(rng):
     x, (wq, wk, wv) = _inputs(rng, n=3)
     t = trace(x, wq, wk, wv, is_causal=True, tokens=["<b>", "a&b", "c"])
-    h = t._repr_html_()
+    h = t.to_html()
     assert "<table" in h and "</table>" in h and "rgba(" in h
     assert "http" not in h.lower() and "<script" not in h.lower()
     assert "&lt;b&gt;" in h and "a&amp;b" in h and "<b>" not in h
@@ -504,3 +504,18 @@ def test_heads_and_tokens_are_counted_from_0(rng):
     assert "head 2" not in en
     zh = t.explain("zh", token=1)
     assert "词元 1，编号 0–2" in zh and "下面以头 0 为例" in zh and "  头 1：" in zh
+
+
+def test_a_notebook_shows_the_interactive_stepper(rng):
+    """_repr_html_ is the stepper page in a sandboxed iframe: self-contained (no network), with the
+    trace's own tokens and numbers inside, escaped once for the srcdoc attribute."""
+    import html as pyhtml
+
+    x, (wq, wk, wv) = _inputs(rng, n=3)
+    t = trace(x, wq, wk, wv, is_causal=True, tokens=["<b>", "a&b", "c"])
+    frame = t._repr_html_()
+    assert frame.startswith('<iframe srcdoc="') and 'sandbox="allow-scripts"' in frame
+    page = pyhtml.unescape(frame.split('srcdoc="', 1)[1].split('" style=', 1)[0])
+    assert "<script" in page and "http://" not in page and "https://" not in page
+    # the tokens travel as JSON with <, > and & escaped: no markup of theirs reaches the page
+    assert "a\\u0026b" in page and "\\u003cb\\u003e" in page and "<b>" not in page
