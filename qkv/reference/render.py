@@ -523,6 +523,11 @@ def notebook_frame(trace: Any, height: int = 760) -> str:
         from ..viz.trace_page import render_trace_page
     except ImportError:  # a NumPy-only install without the viz templates
         return trace.to_html()
-    page = render_trace_page(trace)
+    return iframe(render_trace_page(trace), height)
+
+
+def iframe(page: str, height: int) -> str:
+    """A whole self-contained page as one sandboxed ``<iframe srcdoc=…>`` (scripts run; the page
+    cannot reach the notebook around it): how qkv's interactive views show in a notebook."""
     return (f'<iframe srcdoc="{html.escape(page, quote=True)}" style="width:100%;height:{height}px;'
             'border:1px solid #ddd" sandbox="allow-scripts"></iframe>')

@@ -195,6 +195,12 @@ class Comparison:
         out.append(f"  所有头的平均距离：{mean:.3f}" if zh else f"  mean distance over all heads: {mean:.3f}")
         return "\n".join(out)
 
+    def _repr_html_(self) -> str:
+        """The comparison page (distance grid, both maps, B − A), for notebooks, in an iframe."""
+        from ..reference.render import iframe
+
+        return iframe(render_compare_html(self), 900)
+
     def __repr__(self) -> str:
         l, h, d = self.top_changes(1)[0]
         return f"Comparison(model={self.a.model_name!r}, tokens={len(self.a.tokens)}/{len(self.b.tokens)}, top=L{l} H{h} {d:.3f})"

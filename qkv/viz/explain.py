@@ -222,12 +222,10 @@ class Explanation:
 
     def _repr_html_(self) -> str:
         """The interactive report, for notebooks (an iframe holding the self-contained page)."""
-        import html
-
+        from ..reference.render import iframe
         from .html import render_html
 
-        return (f'<iframe srcdoc="{html.escape(render_html(self), quote=True)}" '
-                'style="width:100%;height:820px;border:1px solid #ddd" sandbox="allow-scripts"></iframe>')
+        return iframe(render_html(self), 820)
 
     def to_dict(self, decimals: int = 4) -> dict[str, Any]:
         """Plain JSON-ready data: tokens, focus rows, top heads, statistics (layers/heads 0-based)."""

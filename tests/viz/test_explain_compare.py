@@ -182,3 +182,13 @@ def test_library_bad_arguments(model):
         compare(BIG, "", model=model)
     with pytest.raises(TypeError, match="text must be a string"):
         compare(b"bytes", SMALL, model=model)
+
+
+def test_a_notebook_shows_the_comparison_page(cmp):
+    """In a notebook a comparison renders as its page (grid, both maps, B − A), not plain text."""
+    import html as pyhtml
+
+    frame = cmp._repr_html_()
+    assert frame.startswith('<iframe srcdoc="') and 'sandbox="allow-scripts"' in frame
+    page = pyhtml.unescape(frame.split('srcdoc="', 1)[1].split('" style=', 1)[0])
+    assert "<script" in page and "https://" not in page and "http://" not in page
