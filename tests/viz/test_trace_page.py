@@ -491,3 +491,35 @@ def test_alibi_slope_follows_the_head(browser, tmp_path):
     _hover(browser, "modified", 0, 3)
     assert "0.00391 · |3 − 0|" in _by(browser, "#explain-body")[0].text
     _close(_nums(browser, ".total"), [t.heads[1].modified[0, 3]])
+
+
+@pytest.mark.parametrize("n", [22, 64])
+def test_long_inputs_scroll_inside_their_matrix_and_keep_the_panels_in_view(browser, tmp_path, n):
+    """A 22- or 64-token trace at the softmax step: the page never scrolls sideways, every matrix
+    stays inside the main column (scrolling in its own box where wider), and the step list and
+    the cell panel stay on screen. Screenshots are kept beside the page."""
+    words = " ".join(f"w{i}" for i in range(n))
+    _open(browser, sentence_trace(words, heads=2, causal=True), tmp_path / f"long{n}.html")
+    _step(browser, "weights")
+    geometry = browser.execute_script(
+        """
+        const main = document.querySelector('main').getBoundingClientRect();
+        const aside = document.querySelector('aside#explain').getBoundingClientRect();
+        const side = document.querySelector('.side').getBoundingClientRect();
+        const figs = [...document.querySelectorAll('#matrices figure.matrix')].map(f => {
+          const r = f.getBoundingClientRect();
+          return {right: r.right, scroll: f.scrollWidth, client: f.clientWidth};
+        });
+        return {page: document.documentElement.scrollWidth, view: window.innerWidth, main: main.right,
+                aside: aside.left, sideTop: side.top, figs};
+        """
+    )
+    assert geometry["page"] <= geometry["view"], geometry  # no sideways scroll of the whole page
+    assert geometry["figs"] and all(f["right"] <= geometry["main"] + 1 for f in geometry["figs"]), geometry
+    assert geometry["main"] <= geometry["aside"] + 1, geometry  # the matrices do not run under the cell panel
+    if n == 64:
+        assert any(f["scroll"] > f["client"] for f in geometry["figs"]), geometry  # wide: scrolls in its box
+    browser.execute_script("window.scrollTo(0, document.body.scrollHeight)")
+    assert browser.execute_script("return document.querySelector('.side').getBoundingClientRect().top") >= -1
+    shot = tmp_path / f"long{n}.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
