@@ -141,6 +141,12 @@ def test_page_in_chromium(browser, cmp, tmp_path):  # noqa: F811
     browser.find_element(By.TAG_NAME, "body").send_keys("\ue014")  # arrow right
     assert "Layer 0, head 1" in browser.find_element(By.ID, "head-title").text
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    # B − A has a colour scale, and no difference prints as "-0.000"
+    lo, hi = browser.find_element(By.ID, "scale-lo").text, browser.find_element(By.ID, "scale-hi").text
+    assert lo.startswith("-") and hi.startswith("+") and float(hi) == -float(lo) > 0
+    assert "gradient" in browser.find_element(By.ID, "scale-bar").get_attribute("style")
+    diffs = [r.find_elements(By.TAG_NAME, "td")[4].text for r in browser.find_elements(By.CSS_SELECTOR, "#rows tr")[1:]]
+    assert diffs and "-0.000" not in diffs
 
 
 def test_long_texts_compare_focus_rows_without_maps(model, tmp_path):

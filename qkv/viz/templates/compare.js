@@ -21,6 +21,11 @@
   }
   function el(tag, cls, text) { var e = document.createElement(tag); if (cls) e.className = cls; if (text !== undefined) e.textContent = text; return e; }
   function heat(w) { var c = Math.round(255 * (1 - w)); return 'rgb(' + c + ',' + c + ',255)'; }
+  // toFixed without a sign on a zero ("-0.000" reads as a loss where nothing changed)
+  function fixed(v, digits) {
+    var s = v.toFixed(digits);
+    return /^-0\.?0*$/.test(s) ? s.slice(1) : s;
+  }
   function diverge(d, lim) {
     var t = Math.min(1, Math.abs(d) / lim), c = Math.round(255 * (1 - t));
     return d >= 0 ? 'rgb(255,' + c + ',' + c + ')' : 'rgb(' + c + ',' + c + ',255)';
@@ -66,7 +71,7 @@
       tr.appendChild(el('th', i === focus ? 'focus' : '', labels[i]));
       for (var j = 0; j < n; j++) {
         var v = value(i, j), td = el('td');
-        td.style.background = color(v); td.title = labels[i] + ' → ' + labels[j] + ': ' + v.toFixed(4);
+        td.style.background = color(v); td.title = labels[i] + ' → ' + labels[j] + ': ' + fixed(v, 4);
         tr.appendChild(td);
       }
       body.appendChild(tr);
@@ -89,6 +94,10 @@
       drawMap($('map-d'), pa.map(function (i) { return D.a.tokens[i]; }), fa,
         function (x, y) { return row(B, l, h, pb[x])[pb[y]] - row(A, l, h, pa[x])[pa[y]]; },
         function (v) { return diverge(v, lim); });
+      // the colour scale of B − A: blue where B attends less, red where it attends more
+      $('scale-bar').style.background = 'linear-gradient(to right, ' + diverge(-lim, lim) + ', #fff, ' + diverge(lim, lim) + ')';
+      $('scale-lo').textContent = fixed(-lim, 3);
+      $('scale-hi').textContent = '+' + fixed(lim, 3);
     }
     // the focus rows, token by token (aligned tokens side by side; the rest alone)
     var ra = row(A, l, h), rb = row(B, l, h), rows = $('rows');
@@ -102,7 +111,7 @@
       var r = el('tr', ia === null || jb === null ? 'only' : '');
       var va = ia === null ? 0 : ra[ia], vb = jb === null ? 0 : rb[jb];
       [ia === null ? '' : D.a.tokens[ia], ia === null ? '' : va.toFixed(3),
-       jb === null ? '' : D.b.tokens[jb], jb === null ? '' : vb.toFixed(3), (vb - va).toFixed(3)]
+       jb === null ? '' : D.b.tokens[jb], jb === null ? '' : vb.toFixed(3), fixed(vb - va, 3)]
         .forEach(function (t) { r.appendChild(el('td', '', t)); });
       rows.appendChild(r);
     }
