@@ -203,9 +203,10 @@ _LABELS: dict[str, dict[str, Any]] = {
             "neuron_title": 'Layer {l} · Head {h}: "{q}" → "{k}"',
             "second_text": "second sentence of the pair",
             "neuron_sum": "score q·k = {s}; × {scale} = {scaled}; softmax over the {n} keys = {w} (the map: {m})",
-            "summary": '{n} tokens, {L} layers \u00d7 {H} heads. Focus "{focus}" (token {fi}), target "{target}": '
+            "summary": '{n} tokens, {L} \u00d7 {H}. Focus "{focus}" (token {fi}), target "{target}": '
                        "strongest in {top}.",
-            "top_item": "L{layer} H{head} ({w})", "list_sep": ", ", "on": "on {tok}", "layer_option": "Layer {l}",
+            "top_item": "L{layer} H{head} ({w})", "list_sep": ", ", "on": 'on "{tok}"', "layers_one": "1 layer", "layers_many": "{n} layers", "heads_one": "1 head",
+            "heads_many": "{n} heads", "layer_option": "Layer {l}",
             "head_title": "head {h}", "head_label_one": "Layer {l} \u00b7 Head {h}",
             "head_label_many": "Layer {l} \u00b7 Heads {hs}",
             "cell_title": 'layer {l}, head {h}: "{focus}" \u2192 "{target}" {w}',
@@ -233,9 +234,9 @@ _LABELS: dict[str, dict[str, Any]] = {
             "neuron_title": "第 {l} 层 · 第 {h} 个头：“{q}” → “{k}”",
             "second_text": "句对中的第二句",
             "neuron_sum": "分数 q·k = {s}；× {scale} = {scaled}；对 {n} 个键做 softmax = {w}（注意力矩阵中：{m}）",
-            "summary": "{n} 个词元，{L} 层 \u00d7 {H} 个头。关注词元“{focus}”（第 {fi} 个词元），目标“{target}”："
+            "summary": "{n} 个词元，{L} \u00d7 {H}。关注词元“{focus}”（第 {fi} 个词元），目标“{target}”："
                        "联系最强的是 {top}。",
-            "top_item": "L{layer} H{head}（{w}）", "list_sep": "、", "on": "在 {tok} 上", "layer_option": "第 {l} 层",
+            "top_item": "L{layer} H{head}（{w}）", "list_sep": "、", "on": "在“{tok}”上", "layers_one": "1 层", "layers_many": "{n} 层", "heads_one": "1 个头", "heads_many": "{n} 个头", "layer_option": "第 {l} 层",
             "head_title": "第 {h} 个头", "head_label_one": "第 {l} 层 \u00b7 第 {h} 个头",
             "head_label_many": "第 {l} 层 \u00b7 第 {hs} 个头",
             "cell_title": "第 {l} 层，第 {h} 个头：“{focus}” \u2192 “{target}” {w}",
@@ -354,7 +355,9 @@ _JS = r"""
   function say(key, o) { return T[key].replace(/\{(\w+)\}/g, function (m, k) { return String(o[k]); }); }
 
   // header
-  $('summary').textContent = say('summary', { n: D.key_tokens ? N + ' → ' + NK : N, L: L, H: H, focus: D.focus.token, fi: D.focus.index,
+  var count = function (n, what) { return say(n === 1 ? what + '_one' : what + '_many', { n: n }); };
+  $('summary').textContent = say('summary', { n: D.key_tokens ? N + ' → ' + NK : N, L: count(L, 'layers'), H: count(H, 'heads'),
+    focus: D.focus.token, fi: D.focus.index,
     target: D.target.token, top: D.top_heads.slice(0, 3).map(function (t) {
       return say('top_item', { layer: t.layer, head: t.head, w: t.weight.toFixed(2) }); }).join(T.list_sep) });
   D.notes.forEach(function (n) { $('notes').appendChild(el('li', '', n)); });

@@ -100,3 +100,6 @@ def test_page_shows_decoder_and_source_columns(browser, setup, tmp_path):  # noq
     assert len(browser.find_elements(By.CSS_SELECTOR, "#grid canvas")) == 2 * 4
     assert browser.execute_script("return document.querySelector('#grid canvas').width") == len(SRC)
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    summary = browser.find_element(By.ID, "summary").text
+    assert "2 layers × 4 heads" in summary, summary
+    assert browser.find_element(By.ID, "first-col").get_attribute("textContent") == f'on "{SRC[0]}"'  # a token, quoted
