@@ -22,7 +22,9 @@ DPI = 90  # modest, so the committed report stays small
 class Result:
     """What one experiment found: the claim, how it was tested, the numbers, and the verdict.
 
-    ``held`` is computed from ``metrics`` by the experiment, never written by hand.
+    ``held`` is computed from ``metrics`` by the experiment, never written by hand. ``not_shown``
+    names the parts of the claim a ``--quick`` run is too small to test (what they need); then
+    ``held`` covers only the parts it did test, and the verdict is "not shown in quick mode".
     ``figures`` and ``csv`` are paths relative to the output folder.
     """
 
@@ -37,9 +39,24 @@ class Result:
     csv: str = ""
     seconds: float = 0.0
     quick: bool = False
+    not_shown: List[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """``held``, ``DID NOT HOLD``, or ``not shown in quick mode (needs …; run without --quick)``.
+
+        A part that was tested and failed outranks the parts a quick run could not test.
+        """
+        if not self.held:
+            return "DID NOT HOLD"
+        if self.not_shown:
+            return f"not shown in quick mode (needs {'; '.join(self.not_shown)}; run without --quick)"
+        return "held"
 
     def to_dict(self) -> Dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["verdict"] = self.verdict  # for readers of the JSON; derived, so load() drops it
+        return d
 
     def save(self, out: Path) -> Path:
         """Write ``<out>/<name>.json`` (the run time is left out, so re-runs give the same file)."""
@@ -51,7 +68,9 @@ class Result:
 
     @classmethod
     def load(cls, path: Path) -> "Result":
-        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+        d.pop("verdict", None)
+        return cls(**d)
 
 
 def _plain(x: Any) -> Any:

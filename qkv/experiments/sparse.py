@@ -122,16 +122,22 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     t_start = time.perf_counter()
     seed_all(seed)
     plt = pyplot()
-    ns = [1024, 2048] if quick else [4096, 16384, 32768]
-    densities = [0.05, 0.1, 0.25, 0.5] if quick else [0.02, 0.05, 0.1, 0.25, 0.5]
+    # quick: one length, too short for the exponent (fixed per-block costs flatten it: 0.83 at N = 2048)
+    ns = [2048] if quick else [4096, 16384, 32768]
+    densities = [0.05, 0.25, 0.5] if quick else [0.02, 0.05, 0.1, 0.25, 0.5]
     tasks = ("first", "back16")
-    steps = 200 if quick else 600
-    bar = Progress(1 + len(PATTERNS) * len(tasks), "sparse")
+    steps = 150 if quick else 600
+    # quick trains only the four models the verdict reads (full/first and local/back16 are figure-only)
+    skip = {("full", "first"), ("local", "back16")} if quick else set()
+    bar = Progress(1 + len(PATTERNS) * len(tasks) - len(skip), "sparse")
     times, mem, actual = _timing(ns, densities, seed)
     bar.step("timing")
     acc: dict = {p: [] for p in PATTERNS}
     for p in PATTERNS:
         for t in tasks:
+            if (p, t) in skip:
+                acc[p].append(float("nan"))  # not trained: an empty bar, "nan" in the CSV
+                continue
             acc[p].append(_train(p, t, steps, seed))
             bar.step(f"{p} {t}")
 
@@ -140,7 +146,12 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     dens = [actual[(n_top, nm)] for nm in names]
     rel = [times[(n_top, nm)] / times[(n_top, "dense")] for nm in names]
     slope = fit_exponent(dens, rel)  # time ∝ density^slope
-    follows = 0.7 < slope < 1.3 and rel[0] < 0.25
+    not_shown = []
+    if quick:  # what N = 2048 can show: the sparsest layout costs a fraction of dense attention
+        follows = rel[0] < 0.6
+        not_shown.append("N ≥ 16384 for time ∝ density (the exponent; at N = 2048 fixed costs flatten it)")
+    else:
+        follows = 0.7 < slope < 1.3 and rel[0] < 0.25
     first, back = tasks.index("first"), tasks.index("back16")
     global_helps = acc["local+global"][first] > 0.9 and acc["local"][first] < 0.5
     global_limit = acc["local+global"][back] < 0.5 and acc["full"][back] > 0.9
@@ -173,7 +184,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         + f" (time ∝ density^{slope:.2f}; dense {fmt(times[(n_top, 'dense')])} s). Largest tensor at N = {ns[0]}: "
         f"dense {mem['dense'] / 2**20:.1f} MiB, sparse {mem[names[0]] / 2**20:.1f} MiB (the bool mask). Accuracy beyond the "
         "window (full / local / local+global): "
-        + "; ".join(f"{t}: " + " / ".join(f"{100 * acc[p][i]:.0f}%" for p in PATTERNS) for i, t in enumerate(tasks)) + "."
+        + "; ".join(f"{t}: " + " / ".join("—" if acc[p][i] != acc[p][i] else f"{100 * acc[p][i]:.0f}%" for p in PATTERNS) for i, t in enumerate(tasks)) + "."
     )
     setup = (
         f"Timing: `qkv.attention(attn_mask=BlockSparseMask)` (auto: torch's CPU flash kernel on the kept blocks only) vs "
@@ -181,11 +192,16 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         f"random layouts of {BLOCK}×{BLOCK} blocks with the diagonal kept, N = {', '.join(map(str, ns))}. Models: "
         "embedding + learned positions + one pre-LN block (width 32, 2 heads), causal, with full attention, a ±8 "
         "window, or the window plus global token 0 (`qkv.sparse.longformer`), trained with Adam (lr 3e-3, batch 64, "
-        f"{steps} steps); accuracy on positions beyond the window. Verdict: time ∝ density^s with 0.7 < s < 1.3 and the "
-        "sparsest layout under 25% of dense; local+global > 90% and local < 50% on recalling token 0; local+global < 50% "
+        f"{steps} steps); accuracy on positions beyond the window. Verdict: "
+        + ("(quick: the sparsest layout under 60% of dense; the exponent is not tested)" if quick else
+           "time ∝ density^s with 0.7 < s < 1.3 and the sparsest layout under 25% of dense")
+        + "; local+global > 90% and local < 50% on recalling token 0; local+global < 50% "
         "and full > 90% on recalling t−16."
     )
     metrics = {"ns": ns, "densities": dens, "relative_time": rel, "slope": slope, "dense_time_top": times[(n_top, "dense")],
-               "largest_tensor": mem, "acc": acc, "tasks": list(tasks), "follows_density": follows,
+               "largest_tensor": mem,
+               "acc": {p: [None if a != a else a for a in v] for p, v in acc.items()},  # JSON has no NaN
+               "tasks": list(tasks), "follows_density": follows,
                "global_helps": global_helps, "global_limit": global_limit}
-    return Result(NAME, TITLE, CLAIM, setup, result, held, metrics, ["sparse.png"], "sparse.csv", time.perf_counter() - t_start)
+    return Result(NAME, TITLE, CLAIM, setup, result, held, metrics, ["sparse.png"], "sparse.csv", time.perf_counter() - t_start,
+                  not_shown=not_shown)
