@@ -19,13 +19,37 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import reference
 from .reference import Trace, attention_ref, trace
+
+if TYPE_CHECKING:
+    # What __getattr__ provides at run time, named for type checkers (which do not run it), so
+    # that they see the real signatures instead of Any.
+    from . import backends as backends
+    from . import distributed as distributed
+    from . import functional as functional
+    from . import hf as hf
+    from . import inspect as inspect
+    from . import linear as linear
+    from . import models as models
+    from . import nn as nn
+    from . import score_mods as score_mods
+    from . import sinks as sinks
+    from . import sparse as sparse
+    from . import viz as viz
+    from .backends import BackendError as BackendError
+    from .functional import attention as attention
+    from .functional import attention_weights as attention_weights
+    from .linear import LinearAttentionState as LinearAttentionState
+    from .linear import linear_attention as linear_attention
+    from .varlen import attention_varlen as attention_varlen
 
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     # torch-backed parts load on first use, so `qkv trace` starts without importing torch.
     if name in ("attention", "attention_weights"):
         from . import functional

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -22,6 +22,9 @@ from .reference.attention import causal_bias_alignment
 from .reference.masks import Alignment, PositionalMask, parse_alignment, parse_causal, parse_window
 from .score_mods.base import BoundScore, ScoreMod, bind, captured_tensors, check_score_mod
 from .sparse import BlockSparseMask
+
+# The names a caller may pass as ``backend=`` (qkv.backends registers the implementations).
+BackendName = Literal["auto", "sdpa", "chunked", "math", "triton"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

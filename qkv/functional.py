@@ -4,20 +4,88 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional, Tuple, Union
+from typing import Literal, Optional, Tuple, Union, overload
 
 import torch
 import torch.nn.functional as F
 
 from .backends import BACKENDS, MATH_MAX_SCORES, select
 from .backends.sdpa import empty_rows_are_zero
-from .call import validate, validate_qk
+from .call import BackendName, validate, validate_qk
 from .nonfinite import guard
+from .reference.masks import Alignment, IsCausal
 from .score_mods.base import ScoreFn, ScoreMod
 
 _log = logging.getLogger("qkv")
 _sdpa = F.scaled_dot_product_attention
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
+
+
+# The result's type follows return_lse: a Tensor, or (out, lse) with return_lse=True.
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: IsCausal = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window_alignment: Optional[Alignment] = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    return_lse: Literal[False] = False,
+    backend: BackendName = "auto",
+    generator: Optional[torch.Generator] = None,
+    score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: IsCausal = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window_alignment: Optional[Alignment] = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    return_lse: Literal[True],
+    backend: BackendName = "auto",
+    generator: Optional[torch.Generator] = None,
+    score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: IsCausal = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    window_alignment: Optional[Alignment] = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    backend: BackendName = "auto",
+    generator: Optional[torch.Generator] = None,
+    score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def attention(
@@ -26,15 +94,15 @@ def attention(
     value: torch.Tensor,
     attn_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
-    is_causal: Union[bool, str] = False,
+    is_causal: IsCausal = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     *,
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-    window_alignment: Optional[str] = None,
+    window_alignment: Optional[Alignment] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     generator: Optional[torch.Generator] = None,
     score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
     sinks: Optional[torch.Tensor] = None,
@@ -158,13 +226,13 @@ def attention_weights(
     query: torch.Tensor,
     key: torch.Tensor,
     attn_mask: Optional[torch.Tensor] = None,
-    is_causal: Union[bool, str] = False,
+    is_causal: IsCausal = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     *,
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
-    window_alignment: Optional[str] = None,
+    window_alignment: Optional[Alignment] = None,
     score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
     sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:

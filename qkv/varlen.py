@@ -32,12 +32,12 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Literal, Optional, Tuple, Union, overload
 
 import torch
 
-from .call import _check_sinks, _check_tensor
-from .reference.masks import PositionalMask, parse_causal, parse_window
+from .call import BackendName, _check_sinks, _check_tensor
+from .reference.masks import IsCausal, PositionalMask, parse_causal, parse_window
 from .score_mods.base import ScoreMod, captured_tensors, check_score_mod
 
 
@@ -67,6 +67,8 @@ def _check_cu(name: str, cu: torch.Tensor, total: int, total_name: str) -> list[
     return vals
 
 
+# The result's type follows return_lse, as qkv.attention's does.
+@overload
 def attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -76,12 +78,74 @@ def attention_varlen(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     *,
-    is_causal: Union[bool, str] = False,
+    is_causal: IsCausal = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: Literal[False] = False,
+    backend: BackendName = "auto",
+    score_mod: Any = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    *,
+    is_causal: IsCausal = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: Literal[True],
+    backend: BackendName = "auto",
+    score_mod: Any = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    *,
+    is_causal: IsCausal = False,
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: BackendName = "auto",
+    score_mod: Any = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    *,
+    is_causal: IsCausal = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    backend: BackendName = "auto",
     score_mod: Any = None,
     sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:

@@ -28,7 +28,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..call import BackendName
 from ..functional import attention
+from ..reference.masks import IsCausal
 from .layout import _check_layout, check_length, chunk_slices
 
 _TAG_KV, _TAG_DKV = 17, 18
@@ -183,10 +185,10 @@ def ring_attention(
     v: torch.Tensor,
     *,
     group=None,
-    is_causal: bool | str = False,
+    is_causal: IsCausal = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     layout: str = "contiguous",
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across ``group`` (context parallelism).

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..call import BackendName
 from ..functional import attention
+from ..reference.masks import IsCausal
 
 
 def _a2a(xs, group, what: str):
@@ -79,10 +81,10 @@ def ulysses_attention(
     v: torch.Tensor,
     *,
     group=None,
-    is_causal: bool | str = False,
+    is_causal: IsCausal = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-    backend: str = "auto",
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Exact attention over a contiguously sharded sequence via head-parallel all-to-all.
 

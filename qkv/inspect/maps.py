@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 import torch
 
 from ..backends.base import half_to_float
-from ..call import AttentionCall, validate_qk
+from ..call import AttentionCall, BackendName, validate_qk
 from ..functional import attention
 from ..masks import MaskTiles
 from ..sinks import grouped_sinks
@@ -38,7 +38,7 @@ Window = Optional[Tuple[Optional[int], Optional[int]]]
 BLOCK = 256  # rows and keys per tile: the chunked backend's measured CPU sweet spot
 
 
-def fused_lse(call: AttentionCall, backend: str = "auto") -> torch.Tensor:
+def fused_lse(call: AttentionCall, backend: BackendName = "auto") -> torch.Tensor:
     """Log-sum-exp ``(..., Hq, Nq)`` of every row from one fused forward pass (never ``Nq × Nk``)."""
     if backend == "auto" and call.device.type == "cpu":
         backend = "chunked"  # on a CPU, auto may build a dense mask for masked calls; chunked never does

@@ -51,7 +51,7 @@ from ..backends.chunked import _augment, _head_groups, _key_blocks, check_tile_s
 from ..backends.chunked_native import LN2, LOG2E
 from ..masks import MaskTiles
 from ..nonfinite import guard, surely_finite
-from ..call import validate, validate_qk
+from ..call import BackendName, validate, validate_qk
 from ..sinks import grouped_sinks
 from .maps import Window, check_row_sums, grouped_lse, sink_share
 
@@ -192,7 +192,7 @@ def attention_stats(
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
     check_lse: bool = True,
-    backend: str = "auto",
+    backend: BackendName = "auto",
     score_mod: Any = None,
     sinks: Optional[torch.Tensor] = None,
 ) -> AttentionStats:

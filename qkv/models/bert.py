@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..call import BackendName
 from ..nn import TransformerEncoderLayer
 
 __all__ = [
@@ -260,7 +261,7 @@ class BertLayer(TransformerEncoderLayer):
         *,
         key_padding_mask: Optional[Tensor] = None,
         need_weights: bool = False,
-        backend: str = "auto",
+        backend: BackendName = "auto",
     ) -> Tuple[Tensor, Optional[Tensor]]:
         a, weights = self.self_attn(
             x,
@@ -299,7 +300,7 @@ class BertEncoder(nn.Module):
         key_padding_mask: Optional[Tensor] = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
-        backend: str = "auto",
+        backend: BackendName = "auto",
     ) -> Tuple[Tensor, Optional[Tuple[Tensor, ...]], Optional[Tuple[Tensor, ...]]]:
         """``x`` (B, N, E) → (last (B, N, E), hidden states or None, attentions or None)."""
         hidden: List[Tensor] = [x]
@@ -516,7 +517,7 @@ class BertModel(nn.Module):
         *,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
-        backend: str = "auto",
+        backend: BackendName = "auto",
     ) -> BertOutput:
         """Token ids (B, N) → :class:`BertOutput`.
 
@@ -588,7 +589,7 @@ class BertModel(nn.Module):
         batch_size: int = 32,
         normalize: bool = True,
         *,
-        backend: str = "auto",
+        backend: BackendName = "auto",
     ) -> np.ndarray:
         """Sentence embeddings (len(texts), E) float32: pooled token vectors, L2-normalised.
 

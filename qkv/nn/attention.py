@@ -18,13 +18,15 @@ Conventions that differ from ``torch.nn.MultiheadAttention``:
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..call import BackendName
 from ..functional import attention, attention_weights
+from ..reference.masks import IsCausal
 from ..score_mods.base import ScoreFn, ScoreMod, check_score_mod
 from ..sparse import BlockSparseMask
 from .cache import KVCache
@@ -32,7 +34,7 @@ from .positional import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
 
-CausalArg = Union[bool, str]
+CausalArg = IsCausal
 
 
 def _divisors(n: int) -> list[int]:
@@ -200,7 +202,7 @@ class MultiHeadAttention(nn.Module):
         rotary: Optional[RotaryEmbedding] = None,
         positions: Optional[Tensor] = None,
         window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-        backend: str = "auto",
+        backend: BackendName = "auto",
     ) -> Tuple[Tensor, Optional[Tensor]]:
         """Attend from ``query`` (B, Nq, E) to ``key`` (B, Nk, Ek) / ``value`` (B, Nk, Ev).
 
@@ -297,7 +299,7 @@ class MultiHeadAttention(nn.Module):
         lse: Optional[Tensor] = None
         dropout_p = self.dropout if self.training else 0.0
         edit_weights = ed is not None and getattr(ed, "edits_weights", False)
-        masks = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask)
+        masks: dict[str, Any] = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask)
         if self.score_mod is not None:
             masks["score_mod"] = self.score_mod
         if self.sinks is not None:

@@ -26,6 +26,8 @@ from typing import Any, Literal, Optional, Tuple, Union
 
 Alignment = Literal["top_left", "bottom_right"]
 CausalArg = Union[bool, str]
+# is_causal as the public API types it: True is SDPA's top-left alignment, a string names one.
+IsCausal = Union[bool, Alignment]
 WindowArg = Optional[Tuple[Optional[int], Optional[int]]]
 
 ALIGNMENTS: tuple[str, ...] = ("top_left", "bottom_right")
