@@ -222,7 +222,8 @@ class _Units:
         if torch._C._functorch.peek_interpreter_stack() is not None:
             if score.tensors:  # ChunkedBackend.extra_reasons refuses such calls up front
                 raise NotImplementedError("a Python score_mod's captured tensors under torch.func transforms")
-            mod, vjp = torch.func.vjp(lambda r: score.apply(r, q0, k0), raw)
+            found = torch.func.vjp(lambda r: score.apply(r, q0, k0), raw)
+            mod, vjp = found[0], found[1]
             return (lambda ds: list(vjp(ds))), _masked(mod.clone(), tiles, q0, q1, k0, k1)
         raw.requires_grad_()
         with torch.enable_grad():

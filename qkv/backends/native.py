@@ -236,26 +236,25 @@ def _checked_gemm(dtype: torch.dtype, lib: ctypes.CDLL) -> Optional[int]:
     return None
 
 
-def exp2(x: torch.Tensor) -> torch.Tensor:
-    """``2 ** x`` of a float32 CPU tensor by the kernels' own exponential (for tests)."""
+def _elementwise(name: str, x: torch.Tensor) -> torch.Tensor:
+    """``qkv_<name>_float`` of the kernels on a float32 copy of ``x`` (for tests)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"the native kernels are {status()}")
     x = x.to(torch.float32).contiguous()
     y = torch.empty_like(x)
-    lib.qkv_exp2_float(ptr(x), ptr(y), x.numel())
+    getattr(lib, f"qkv_{name}_float")(ptr(x), ptr(y), x.numel())
     return y
+
+
+def exp2(x: torch.Tensor) -> torch.Tensor:
+    """``2 ** x`` of a float32 CPU tensor by the kernels' own exponential (for tests)."""
+    return _elementwise("exp2", x)
 
 
 def tanh(x: torch.Tensor) -> torch.Tensor:
     """``tanh(x)`` of a float32 CPU tensor by the kernels' own (softcapped scores; for tests)."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the native kernels are {status()}")
-    x = x.to(torch.float32).contiguous()
-    y = torch.empty_like(x)
-    lib.qkv_tanh_float(ptr(x), ptr(y), x.numel())
-    return y
+    return _elementwise("tanh", x)
 
 
 def status() -> str:

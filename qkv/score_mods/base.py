@@ -260,8 +260,11 @@ def form_vjp(form: KernelForm, raw: Tensor, head: Tensor, q_idx: Tensor, kv_idx:
     """A kernel form on a tile of scaled scores, and its vector-Jacobian product written out:
     ``dS' → [dS, d rel]`` (``d rel`` only when the form has a bias). No autograd, so it runs
     inside custom ops and under ``torch.func`` alike."""
-    t = torch.tanh(raw / form.softcap) if form.softcap is not None else None
-    mod = raw if t is None else t * form.softcap
+    cap, t = form.softcap, None
+    mod = raw
+    if cap is not None:
+        t = torch.tanh(raw / cap)
+        mod = t * cap
     where = None
     if form.rel is not None:
         where = (head, kv_idx - q_idx + (nq - 1))

@@ -15,7 +15,7 @@ from qkv.backends import chunked as chunked_mod
 from qkv.backends import chunked_native, native
 from qkv.score_mods import ALiBi, RelativeBias, ScoreMod, Softcap, alibi_slopes
 
-from ..conftest import assert_within_rule, make_qkv, max_err, param_grid
+from ..conftest import assert_within_rule, make_qkv, mask_kwargs, max_err, param_grid
 
 pytestmark = pytest.mark.skipif(
     native.library() is None or native.gemm(torch.float64) is None, reason=f"native kernels {native.status()} / no BLAS"
@@ -59,16 +59,14 @@ MODS = {
 
 
 def _masks(kind: str, b: int, nq: int, nk: int) -> dict:
-    if kind == "none":
-        return {}
-    if kind == "causal":
-        return {"is_causal": True}
-    if kind == "bottom_right":
-        return {"is_causal": "bottom_right"}
+    """The shared scenarios of tests/conftest.py, wider windows for these sizes, and two key
+    paddings the C loops treat apart (a trimmed prefix, scattered holes)."""
     if kind == "window":
         return {"window": (23, 9)}
     if kind == "causal_window":
         return {"is_causal": "bottom_right", "window": (40, 0)}
+    if kind in ("none", "causal", "bottom_right"):
+        return mask_kwargs(kind, b, 1, nq, nk)
     if kind == "ragged":  # real keys form a prefix of each entry (trimmed tile by tile); one entry has none
         lengths = torch.tensor([nk, max(1, nk // 3), 0])[:b]
         return {"key_padding_mask": torch.arange(nk)[None] < lengths[:, None]}
