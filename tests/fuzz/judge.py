@@ -721,9 +721,11 @@ def _judge(spec: Spec, res: Result) -> None:
         nat = r_grads.get(f"{name}:scale")  # absent when no key is attended at all
         natural = max(max_abs(r), 0.0 if nat is None else max_abs(_np(nat)))
         compute = torch.float32 if spec.torch_dtype in (torch.float16, torch.bfloat16) else spec.torch_dtype
-        # below the compute dtype's smallest normal number the terms are subnormal and keep only
-        # a few bits (a sink that takes all but e^-100 of a row leaves gradients near 1e-41)
-        bound = MATH_GRAD_ULPS * (_eps(leaf.dtype) * max_abs(r) + bounds.rel * natural + torch.finfo(compute).tiny)
+        # below the smallest normal number of the compute dtype or of the leaf's (a float32 mask
+        # on float64 inputs) the terms are subnormal and keep only a few bits (a sink that takes
+        # all but e^-100 of a row leaves gradients near 1e-41, or 1e-46 rounded to the leaf)
+        tiny = max(torch.finfo(compute).tiny, torch.finfo(leaf.dtype).tiny)
+        bound = MATH_GRAD_ULPS * (_eps(leaf.dtype) * max_abs(r) + bounds.rel * natural + tiny)
         if _eps(leaf.dtype) > _eps(compute):
             # a leaf coarser than the scores (a float32 mask on float64 inputs, a 16-bit mask):
             # autograd rounds each term to the leaf's dtype before summing the terms that a
