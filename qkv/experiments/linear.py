@@ -22,9 +22,11 @@ NAME = "linear"
 TITLE = "Linear attention: O(N) cost, and what the approximation loses"
 CLAIM = (
     "Replacing softmax's exp(q·k) by a feature-map product φ(q)·φ(k) makes attention linear in N: its time grows "
-    "≈ N (exact attention ≈ N²), so beyond some length it is faster; FAVOR+ random features approximate softmax "
-    "attention with an error that falls as 1/√m; and the cheaper attention keeps the accuracy of softmax attention "
-    "on small sequence tasks."
+    "≈ N (exact attention ≈ N²), so beyond some length it is faster. The approximation has two known prices: "
+    "FAVOR+ random features approach softmax with an error falling ≈ 1/√m only while the scores are flat (the "
+    "variance of positive random features grows as exp(‖q‖² + ‖k‖²), so at score std 1 thousands of features "
+    "still miss), and feature-map attention keeps positional recall but loses associative recall, where one "
+    "exact key–query match must win (Arora et al. 2023, \"Zoology\")."
 )
 KINDS = ("softmax", "elu", "favor")
 
@@ -169,8 +171,8 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     plt = pyplot()
     ns = [256, 512, 1024, 2048] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
     ms = [8, 32, 128, 512] if quick else [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
-    # quick: 150 steps leave softmax itself at ~21% on associative recall, so the accuracy comparison
-    # is not tested there; one recall task only draws the figure
+    # quick: 150 steps leave softmax itself at ~21% on associative recall, so only the previous-token
+    # task (learned by all three in 150 steps) is compared there
     tasks = ["back1"] if quick else ["back1", "back4", "back12", "back20", "assoc"]
     steps = 150 if quick else 800
     bar = Progress(1 + 1 + len(KINDS) * len(tasks), "linear")
@@ -189,19 +191,23 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     err_exp = {sd: fit_exponent(ms, e) for sd, e in errs.items()}
     faster = [n for n, a, b in zip(ns, times["exact"], times["linear"]) if b < a]
     crossover = faster[0] if faster and all(b < a for a, b in zip(times["exact"][ns.index(faster[0]):], times["linear"][ns.index(faster[0]):])) else None
-    gaps = {k: max(a - b for a, b in zip(acc["softmax"], acc[k])) for k in ("elu", "favor")}
     not_shown = []
     if quick:  # up to N = 2048 exact attention's exponent is still ~1.6 (fixed costs); linear's is already ~1
         linear_scales = t_exp["linear"] < 1.35 and times["linear"][-1] < times["exact"][-1]
         not_shown.append("N up to 16384 for exact attention's ≈ N² exponent")
     else:
         linear_scales = t_exp["linear"] < 1.35 and t_exp["exact"] > 1.6
-    favor_converges = all(-0.8 < e < -0.3 for e in err_exp.values())
-    quality_kept = max(gaps.values()) < 0.05
+    flat, spread = min(SCORE_STDS), max(SCORE_STDS)
+    favor_converges = -0.8 < err_exp[flat] < -0.3 and errs[spread][-1] > 0.5
+    positional = [i for i, t in enumerate(tasks) if t.startswith("back")]
+    gaps = {k: max(acc["softmax"][i] - acc[k][i] for i in positional) for k in ("elu", "favor")}
+    assoc_gaps = {k: acc["softmax"][tasks.index("assoc")] - acc[k][tasks.index("assoc")] for k in ("elu", "favor")} \
+        if "assoc" in tasks else {}
+    quality_kept = max(gaps.values()) < 0.05 and (quick or (bool(assoc_gaps) and min(assoc_gaps.values()) > 0.2))
     if quick:
-        not_shown.append("800 training steps and the associative-recall task for the accuracy comparison "
-                         "(at 150 steps softmax attention itself has not learned the tasks)")
-    held = bool(linear_scales and favor_converges and (quick or quality_kept))
+        not_shown.append("800 training steps for the associative-recall comparison (at 150 steps softmax attention "
+                         "itself has not learned it); quick mode compares recall of the previous token only")
+    held = bool(linear_scales and favor_converges and quality_kept)
 
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.4))
     for name, color in (("exact", "C0"), ("linear", "C3")):
@@ -238,7 +244,10 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
                     for sd, e in errs.items())
         + ". Accuracy (softmax / elu / favor): "
         + "; ".join(f"{t}: " + " / ".join(f"{100 * acc[k][i]:.0f}%" for k in KINDS) for i, t in enumerate(tasks))
-        + f". Largest accuracy loss against softmax: elu {100 * gaps['elu']:.0f} points, favor {100 * gaps['favor']:.0f} points."
+        + f". Largest loss against softmax on positional recall: elu {100 * gaps['elu']:.0f} points, favor "
+        f"{100 * gaps['favor']:.0f} points"
+        + (f"; on associative recall: elu {100 * assoc_gaps['elu']:.0f}, favor {100 * assoc_gaps['favor']:.0f} points."
+           if assoc_gaps else ".")
     )
     setup = (
         "Timing: `qkv.attention(is_causal=True)` (auto) vs `qkv.linear_attention(is_causal=True)` (elu features, "
@@ -250,11 +259,14 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         f"Adam (lr 3e-3, batch 64, {steps} steps, same seed): recall the token d back (N=24, vocab 8, one block) and "
         "associative recall (8 key–value pairs then a key; two blocks). Verdict: linear slope < 1.35 and "
         + ("linear faster at the largest N (quick: exact's exponent not tested), " if quick else "exact > 1.6, ")
-        + "FAVOR+ error slope between −0.8 and −0.3 at both score spreads, and "
-        + ("(quick: accuracy not compared)." if quick else "no task more than 5 points below softmax.")
+        + f"FAVOR+ error slope between −0.8 and −0.3 at score std {min(SCORE_STDS)} and error still above 0.5 at "
+        f"score std {max(SCORE_STDS)} with the most features, and "
+        + "elu and FAVOR+ within 5 points of softmax on every positional task"
+        + (" (quick: associative recall not compared)." if quick else
+           " but more than 20 points below it on associative recall.")
     )
     metrics = {"ns": ns, "times": times, "largest_tensor": mem, "time_exp": t_exp, "crossover": crossover, "ms": ms,
-               "favor_err": errs, "favor_err_exp": err_exp, "tasks": tasks, "acc": acc, "gaps": gaps,
+               "favor_err": errs, "favor_err_exp": err_exp, "tasks": tasks, "acc": acc, "gaps": gaps, "assoc_gaps": assoc_gaps,
                "linear_scales": linear_scales, "favor_converges": favor_converges, "quality_kept": quality_kept}
     return Result(NAME, TITLE, CLAIM, setup, result, held, metrics, ["linear.png"], "linear.csv", time.perf_counter() - t_start,
                   not_shown=not_shown)

@@ -163,7 +163,7 @@ def test_parallel_rnn_time_linear_attention_faster_when_short(tmp_path: Path) ->
     assert r.held
 
 
-def test_linear_attention_scales_and_favor_converges_on_mild_scores(tmp_path: Path) -> None:
+def test_linear_attention_scales_and_favor_converges_only_on_flat_scores(tmp_path: Path) -> None:
     r = experiments.run("linear", tmp_path, quick=True)
     _check_outputs(r, tmp_path)
     m = r.metrics
@@ -172,12 +172,13 @@ def test_linear_attention_scales_and_favor_converges_on_mild_scores(tmp_path: Pa
     assert m["times"]["linear"][-1] < m["times"]["exact"][-1]  # linear wins at N = 2048 on one thread
     errs = m["favor_err"]["0.25"] if "0.25" in m["favor_err"] else m["favor_err"][0.25]
     assert errs[-1] < 0.5 * errs[0]  # more random features, smaller error
-    assert m["acc"]["softmax"][0] > 0.9
-    # quick sizes: no associative recall, and the accuracy comparison is reported as not shown, not failed
-    assert m["ns"][-1] == 2048 and m["tasks"] == ["back1"]
-    assert any(x.startswith("800 training steps") for x in r.not_shown) and m["linear_scales"]
-    # FAVOR+ at score std 1 misses its 1/√m slope in the full run too: that failure is real, not quick mode's
-    assert r.held or not m["favor_converges"]
+    wide = m["favor_err"]["1.0"] if "1.0" in m["favor_err"] else m["favor_err"][1.0]
+    assert wide[-1] > 0.5 and wide[-1] > 4 * errs[-1]  # spread scores: many features still miss
+    assert m["acc"]["softmax"][0] > 0.9 and m["gaps"]["elu"] < 0.05 and m["gaps"]["favor"] < 0.05
+    # quick sizes: no associative recall, and that comparison is reported as not shown, not failed
+    assert m["ns"][-1] == 2048 and m["tasks"] == ["back1"] and m["assoc_gaps"] == {}
+    assert any(x.startswith("800 training steps") for x in r.not_shown)
+    assert m["linear_scales"] and m["favor_converges"] and m["quality_kept"] and r.held
 
 
 def test_sparse_time_follows_density_and_global_tokens_reach_far(tmp_path: Path) -> None:
