@@ -129,6 +129,33 @@ def _phi(x: Tensor, feature_map: FeatureMap, projection: Optional[Tensor], scale
     return torch.exp(logits - shift) / math.sqrt(projection.shape[0]), shift
 
 
+def _check_options(feature_map: FeatureMap, d: int, num_features: Optional[int], eps: float, chunk_size: int,
+                   scale: Optional[float], key: Tensor, key_padding_mask: Optional[Tensor]) -> int:
+    """Check the keyword arguments; return FAVOR+'s number of features m (0 for other feature maps)."""
+    if not (callable(feature_map) or feature_map in FEATURE_MAPS):
+        raise ValueError(f"feature_map={feature_map!r} is unknown; use one of {FEATURE_MAPS} or a callable")
+    favor = feature_map == "favor"
+    if num_features is not None and not favor:
+        raise ValueError(f"num_features={num_features} only applies to feature_map='favor' (elu/relu use F = D = {d})")
+    m = 0
+    if favor:
+        m = num_features if num_features is not None else max(d, math.ceil(d * math.log(max(d, 2))))
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"num_features={num_features!r} must be a positive int (FAVOR+'s number of random features)")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps={eps!r} must be a positive finite number (it keeps empty rows at 0 instead of NaN)")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r} must be a positive finite number for FAVOR+ (exp(scale · q·k) is what it estimates)")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("key_padding_mask must be a bool tensor (..., Nk) with True = a real key")
+        if key_padding_mask.shape[-1:] != key.shape[-2:-1]:
+            raise ValueError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; its last dim must be Nk = {key.shape[-2]}")
+    return m
+
+
 def linear_attention(
     query: Tensor,
     key: Tensor,
@@ -163,45 +190,15 @@ def linear_attention(
     Returns ``(..., Nq, Dv)`` in the input dtype (and the state when ``return_state``).
     """
     _check(query, key, value, is_causal, state)
-    if not (callable(feature_map) or feature_map in FEATURE_MAPS):
-        raise ValueError(f"feature_map={feature_map!r} is unknown; use one of {FEATURE_MAPS} or a callable")
-    favor = feature_map == "favor"
     d = query.shape[-1]
-    if num_features is not None and not favor:
-        raise ValueError(f"num_features={num_features} only applies to feature_map='favor' (elu/relu use F = D = {d})")
-    if favor:
-        m = num_features if num_features is not None else max(d, math.ceil(d * math.log(max(d, 2))))
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"num_features={num_features!r} must be a positive int (FAVOR+'s number of random features)")
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps={eps!r} must be a positive finite number (it keeps empty rows at 0 instead of NaN)")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale={scale!r} must be a positive finite number for FAVOR+ (exp(scale · q·k) is what it estimates)")
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError("key_padding_mask must be a bool tensor (..., Nk) with True = a real key")
-        if key_padding_mask.shape[-1:] != key.shape[-2:-1]:
-            raise ValueError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; its last dim must be Nk = {key.shape[-2]}")
+    m = _check_options(feature_map, d, num_features, eps, chunk_size, scale, key, key_padding_mask)
+    favor = m > 0
     compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
     projection = favor_features(d, m, seed) if favor else None
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
-    # features; FAVOR+ shifts: per query row (cancels in the ratio), one for all keys of a batch entry
-    fq, q_shift = _phi(q, feature_map, projection, sc, (-1,))
-    key_dims = (-2, -1)
-    k_shift_given = None if state is None else state.key_shift
-    fk, k_shift = _phi(k, feature_map, projection, sc, key_dims, key_padding_mask)
-    if favor and k_shift_given is not None:  # one shift for the stored sums and the new keys
-        new = torch.maximum(k_shift_given, k_shift)
-        fk = fk * torch.exp(k_shift - new)
-        state = replace(state, kv=state.kv * torch.exp(k_shift_given - new), z=state.z * torch.exp(k_shift_given - new)[..., 0], key_shift=new)
-        k_shift = new
-    if key_padding_mask is not None:
-        fk = fk * key_padding_mask.unsqueeze(-1).to(fk.dtype)  # (..., Nk, F)
-
+    fq, fk, q_shift, k_shift, state = _features(q, k, feature_map, projection, sc, key_padding_mask, state)
     kv0 = z0 = None
     if state is not None:
         kv0, z0 = state.kv.to(compute), state.z.to(compute)
@@ -222,6 +219,27 @@ def linear_attention(
         return out
     length = (0 if state is None else state.length) + key.shape[-2]
     return out, LinearAttentionState(kv_all, z_all, length, k_shift if favor else None)
+
+
+def _features(q: Tensor, k: Tensor, feature_map: FeatureMap, projection: Optional[Tensor], sc: float,
+              key_padding_mask: Optional[Tensor], state: Optional[LinearAttentionState]
+              ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[LinearAttentionState]]:
+    """φ(q) ``(..., Nq, F)``, φ(k) ``(..., Nk, F)`` (padding zeroed), their FAVOR+ shifts, and the state
+    rescaled to the keys' new shift."""
+    favor = projection is not None
+    # FAVOR+ shifts: per query row (cancels in the ratio), one for all keys of a batch entry
+    fq, q_shift = _phi(q, feature_map, projection, sc, (-1,))
+    key_dims = (-2, -1)
+    k_shift_given = None if state is None else state.key_shift
+    fk, k_shift = _phi(k, feature_map, projection, sc, key_dims, key_padding_mask)
+    if favor and k_shift_given is not None:  # one shift for the stored sums and the new keys
+        new = torch.maximum(k_shift_given, k_shift)
+        fk = fk * torch.exp(k_shift - new)
+        state = replace(state, kv=state.kv * torch.exp(k_shift_given - new), z=state.z * torch.exp(k_shift_given - new)[..., 0], key_shift=new)
+        k_shift = new
+    if key_padding_mask is not None:
+        fk = fk * key_padding_mask.unsqueeze(-1).to(fk.dtype)  # (..., Nk, F)
+    return fq, fk, q_shift, k_shift, state
 
 
 def _causal(fq: Tensor, fk: Tensor, v: Tensor, c: int, kv0: Optional[Tensor], z0: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
