@@ -44,7 +44,7 @@ import torch
 
 log = logging.getLogger("qkv")
 
-SOURCES = ("stats_tile.c", "flash.c")  # compiled
+SOURCES = ("stats_tile.c", "flash.c", "decode.c")  # compiled
 HEADERS = ("stats_tile_impl.h", "flash_impl.h", "tile_impl.h", "vec.h")  # included by them
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11")

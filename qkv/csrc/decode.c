@@ -1,0 +1,337 @@
+/* Exact attention for a few query rows against a long key/value cache: decoding.
+ *
+ * Each generated token attends with Nq ≤ a few rows per query head to every cached key. The
+ * work per key is a handful of dot products, so the time is the time to read K and V: this
+ * kernel reads each key and value row once, in cache order, for all query rows that use it (the
+ * G query heads of a grouped-query group times the Nq rows), and keeps everything else in L1:
+ *
+ *   for each job (key/value head j, split s of the keys), for each tile of TK keys:
+ *     K tile → float32 (in place for float32 caches; converted for bfloat16/float16 ones)
+ *     S = c · Q_j · Kᵀ            (R × TK, R = G·Nq rows, c = scale · log2 e)
+ *     masks (band, key padding) → −inf
+ *     online softmax per row: m, l, and the unnormalised output O += 2^(S − m) · V
+ *   then the splits of a head are merged exactly: M = max m_s, L = Σ l_s 2^(m_s − M),
+ *   O = Σ O_s 2^(m_s − M) / L  (flash-decoding).
+ *
+ * Splitting the keys lets every thread stream its own part of one head's cache when there are
+ * fewer heads than threads (batch 1, 8 key/value heads, 2 or more threads).
+ *
+ * Shapes: q (J, R, d) float32, row r = g·nq + i is query head g of the group at query position
+ * i; key/value head j's rows start at k + koff[j], v + voff[j], consecutive rows ks and vs
+ * elements apart, each row contiguous; out (J, R, dv) float32; lse (J, R) in log2 units
+ * (m + log2 l; −inf for a row with no key). sinks: NULL or (J, R) logits in log2 units, each
+ * added to its row's denominator (a row with no key then gives 0 and lse = its sink). Masks as in tile_impl.h: key n is allowed for row
+ * position i iff lo ≤ n − i ≤ hi; pad (kpad_rows rows of nk bytes; row j / heads_per_pad) or
+ * NULL; klen (per pad row: keys past it are padding) or NULL. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#define TK 32 /* keys per tile: a float32 K tile of d = 128 is 16 KiB, in L1 with V's */
+
+#define T float
+#define SUFFIX _decode
+#define CAT2(a, b) a##b
+#define CAT(a, b) CAT2(a, b)
+#define FN(name) CAT(name, SUFFIX)
+#include "tile_impl.h" /* the band and key-padding masks, as the other kernels apply them */
+
+/* The row's largest entry (NaN ignored; −inf when none) and, into *nans, how many are NaN. */
+static inline float row_max_dec(const float *row, int64_t w, int64_t *nans) {
+    v8f mx = v_set(-INFINITY);
+    v8i nn = {0};
+    for (int64_t j = 0; j < w; j += LANES) {
+        v8f x = v_load(row, j, w);
+        mx = v_select(x > mx, x, mx);
+        nn -= x != x;
+    }
+    float m = mx[0];
+    int64_t cn = 0;
+    for (int i = 0; i < LANES; i++) {
+        m = mx[i] > m ? mx[i] : m;
+        cn += nn[i];
+    }
+    *nans = cn;
+    return m;
+}
+
+/* row[j] = 2^(row[j] − shift) in place (w ≤ TK, a multiple of 8 lanes in the buffer); their sum. */
+static inline float row_exp_dec(float *row, int64_t w, float shift) {
+    v8f s = v_set(0.0f);
+    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int64_t j = 0; j < w; j += LANES) {
+        v8f p = v_exp2(v_loadu(row + j) - v_set(shift));
+        p = v_select(lane + (int32_t)j < (int32_t)w, p, v_set(0.0f));
+        v_storeu(row + j, p);
+        s += p;
+    }
+    return hsum(s);
+}
+
+/* acc[e] += p·x[e]. */
+static inline void axpy_f32(float *acc, float p, const float *x, int64_t dv) {
+    const v8f vp = v_set(p);
+    int64_t e = 0;
+    for (; e + LANES <= dv; e += LANES) v_storeu(acc + e, v_loadu(acc + e) + vp * v_loadu(x + e));
+    for (; e < dv; e++) acc[e] += p * x[e];
+}
+
+typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2), may_alias));
+typedef _Float16 v8h __attribute__((vector_size(16), aligned(2), may_alias));
+
+/* Rows [n0, n0 + w) of a cache (row stride `stride` elements) as float32: for a float32 cache the
+ * rows themselves (*ld = stride); otherwise converted into buf (w × width, *ld = width), 8 lanes
+ * at a time (bfloat16 is the upper half of a float32; float16 converts in hardware with F16C). */
+static inline __attribute__((always_inline)) const float *rows_f32(const void *base, int kind, int64_t n0, int64_t w,
+                                                                   int64_t stride, int64_t width, float *buf,
+                                                                   int64_t *ld) {
+    if (kind == 0) {
+        *ld = stride;
+        return (const float *)base + n0 * stride;
+    }
+    *ld = width;
+    for (int64_t t = 0; t < w; t++) {
+        float *dst = buf + t * width;
+        const uint16_t *src = (const uint16_t *)base + (n0 + t) * stride;
+        int64_t e = 0;
+        for (; e + LANES <= width; e += LANES) {
+            if (kind == 1)
+                v_storeu(dst + e, (v8f)(__builtin_convertvector(*(const v8u16 *)(src + e), v8i) << 16));
+            else
+                v_storeu(dst + e, __builtin_convertvector(*(const v8h *)(src + e), v8f));
+        }
+        for (; e < width; e++) {
+            if (kind == 1) {
+                const uint32_t u = (uint32_t)src[e] << 16;
+                memcpy(dst + e, &u, 4);
+            } else {
+                dst[e] = (float)((const _Float16 *)src)[e];
+            }
+        }
+    }
+    return buf;
+}
+
+/* {Σ a0, Σ a1, …, Σ a7}: eight horizontal sums at once. */
+static inline v8f hsum8(const v8f *a) {
+#if defined(__AVX__)
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+#else
+    return (v8f){hsum(a[0]), hsum(a[1]), hsum(a[2]), hsum(a[3]), hsum(a[4]), hsum(a[5]), hsum(a[6]), hsum(a[7])};
+#endif
+}
+
+#define RG 8 /* query rows that share each load of K and V */
+/* Up to this many rows, a float32 cache's V rows are read whole and in order (the prefetchers
+ * stream them); beyond, 8 lanes of each row's output stay in a register while the tile's V rows
+ * pass (fewer loads and stores, and the first row has brought the tile into cache). Measured on
+ * a 2-core AVX-512 EPYC, 1 thread, Nk = 32768: 8 heads of D = 64 (1 row) 7 ms in order vs 14 ms
+ * in registers; 4 rows of D = 128 34 vs 43 ms; 16 rows 67 vs 81 ms. */
+#define IN_ORDER_ROWS 4
+
+/* s[r·TK + t] = q_r · k_t for rows r < g (g ≤ RG, q rows d apart) and the w keys of a tile (rows
+ * ld apart): each K load feeds g rows; two keys at a time keep 2·g sums in flight. */
+static inline __attribute__((always_inline)) void scores_group(const float *q, int64_t g, const float *kt, int64_t ld,
+                                                               int64_t w, int64_t d, float *s) {
+    const int64_t d8 = d - d % LANES;
+    for (int64_t t = 0; t < w; t += 2) {
+        const int two = t + 1 < w;
+        const float *k0 = kt + t * ld, *k1 = two ? k0 + ld : k0;
+        v8f a[RG], b[RG];
+        for (int64_t r = 0; r < RG; r++) a[r] = b[r] = v_set(0.0f);
+        for (int64_t e = 0; e < d8; e += LANES) {
+            const v8f x0 = v_loadu(k0 + e), x1 = v_loadu(k1 + e);
+            for (int64_t r = 0; r < g; r++) {
+                const v8f y = v_loadu(q + r * d + e);
+                a[r] += y * x0;
+                b[r] += y * x1;
+            }
+        }
+        const v8f sa = hsum8(a), sb = hsum8(b);
+        for (int64_t r = 0; r < g; r++) {
+            float xa = sa[r], xb = sb[r];
+            for (int64_t e = d8; e < d; e++) {
+                xa += q[r * d + e] * k0[e];
+                xb += q[r * d + e] * k1[e];
+            }
+            s[r * TK + t] = xa;
+            if (two) s[r * TK + t + 1] = xb;
+        }
+    }
+}
+
+/* o_r (dv) = alpha_r·o_r + Σ_t p_r[t]·v_t for rows r < g (o rows dv + 2 apart, p rows TK apart),
+ * over w keys (rows ld apart): each V load feeds g rows, 8 lanes of each o_r in a register. */
+static inline __attribute__((always_inline)) void weigh_group(float *o, const float *alpha, const float *p, int64_t g,
+                                                              const float *vt, int64_t ld, int64_t w, int64_t dv,
+                                                              int in_order) {
+    if (in_order) { /* V straight from a float32 cache: read each row whole, in order, for all g rows */
+        for (int64_t r = 0; r < g; r++)
+            if (alpha[r] != 1)
+                for (int64_t e = 0; e < dv; e++) o[r * (dv + 2) + e] *= alpha[r];
+        for (int64_t t = 0; t < w; t++)
+            for (int64_t r = 0; r < g; r++)
+                if (p[r * TK + t] != 0) axpy_f32(o + r * (dv + 2), p[r * TK + t], vt + t * ld, dv);
+        return;
+    }
+    int64_t e = 0;
+    for (; e + LANES <= dv; e += LANES) {
+        v8f a[RG];
+        for (int64_t r = 0; r < g; r++) a[r] = v_loadu(o + r * (dv + 2) + e) * v_set(alpha[r]);
+        for (int64_t t = 0; t < w; t++) {
+            const v8f x = v_loadu(vt + t * ld + e);
+            for (int64_t r = 0; r < g; r++) a[r] += v_set(p[r * TK + t]) * x;
+        }
+        for (int64_t r = 0; r < g; r++) v_storeu(o + r * (dv + 2) + e, a[r]);
+    }
+    for (; e < dv; e++)
+        for (int64_t r = 0; r < g; r++) {
+            float a = o[r * (dv + 2) + e] * alpha[r];
+            for (int64_t t = 0; t < w; t++) a += p[r * TK + t] * vt[t * ld + e];
+            o[r * (dv + 2) + e] = a;
+        }
+}
+
+/* One job: rows R of head j (q: R × d) against keys [a, z): writes the running (O, m, l) of each
+ * row into part (R × (dv + 2)). buf: TK·d + TK·dv + RG·TK + RG + R·d floats. */
+static inline __attribute__((always_inline)) void decode_part(const float *q, const void *kj, const void *vj, int kind,
+                                                              int64_t ks, int64_t vs, int64_t R, int64_t nq, int64_t d,
+                                                              int64_t dv, const band_t *bd, const uint8_t *pad, float c,
+                                                              int64_t a, int64_t z, float *part, float *buf) {
+    float *kbuf = buf, *vbuf = kbuf + TK * d, *s = vbuf + TK * dv, *alpha = s + RG * TK, *qj = alpha + RG;
+    for (int64_t i = 0; i < R * d; i++) qj[i] = c * q[i]; /* scores come out in log2 units */
+    for (int64_t r = 0; r < R; r++) {
+        float *o = part + r * (dv + 2);
+        memset(o, 0, sizeof(float) * (size_t)dv);
+        o[dv] = -INFINITY;
+        o[dv + 1] = 0;
+    }
+    for (int64_t n0 = a; n0 < z; n0 += TK) {
+        const int64_t w = z - n0 < TK ? z - n0 : TK;
+        int64_t ldk, ldv;
+        const float *kt = rows_f32(kj, kind, n0, w, ks, d, kbuf, &ldk);
+        const float *vt = rows_f32(vj, kind, n0, w, vs, dv, vbuf, &ldv);
+        const int masks = FN(tile_masks_)(nq, w, 0, n0, bd, pad);
+        for (int64_t r0 = 0; r0 < R; r0 += RG) {
+            const int64_t g = R - r0 < RG ? R - r0 : RG;
+            float *o = part + r0 * (dv + 2);
+            scores_group(qj + r0 * d, g, kt, ldk, w, d, s);
+            for (int64_t r = 0; r < g; r++) { /* masks and the online softmax, row by row */
+                float *sr = s + r * TK, *orow = o + r * (dv + 2);
+                if (masks) FN(mask_row_)(sr, w, (r0 + r) % nq, n0, bd, pad, masks);
+                int64_t nans;
+                const float tmax = row_max_dec(sr, w, &nans);
+                const float old = orow[dv];
+                const float mn = (nans || old != old) ? NAN : (old > tmax ? old : tmax);
+                if (mn == -INFINITY) { /* nothing allowed yet in this row: it adds nothing */
+                    alpha[r] = 1;
+                    memset(sr, 0, sizeof(float) * TK);
+                    continue;
+                }
+                alpha[r] = old == mn ? 1 : (old == -INFINITY ? 0 : exp2_f32(old - mn));
+                const float sum = row_exp_dec(sr, w, mn);
+                orow[dv] = mn;
+                orow[dv + 1] = orow[dv + 1] * alpha[r] + sum;
+            }
+            weigh_group(o, alpha, s, g, vt, ldv, w, dv, kind == 0 && g <= IN_ORDER_ROWS);
+        }
+    }
+}
+
+/* decode_part for each cache type, with the type's conversion inlined. */
+static void decode_part_f32(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R, int64_t nq,
+                            int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a, int64_t z,
+                            float *part, float *buf) {
+    decode_part(q, k, v, 0, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
+}
+static void decode_part_bf16(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R,
+                             int64_t nq, int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a,
+                             int64_t z, float *part, float *buf) {
+    decode_part(q, k, v, 1, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
+}
+static void decode_part_f16(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R, int64_t nq,
+                            int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a, int64_t z,
+                            float *part, float *buf) {
+    decode_part(q, k, v, 2, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
+}
+
+/* Forward; see the top of this file. splits ≥ 1 parts per head; scratch holds
+ * J · splits · R · (dv + 2) floats. Returns 0, or −1 when out of memory. */
+int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, const int64_t *koff, const int64_t *voff,
+                   int64_t ks, int64_t vs, int64_t J, int64_t R, int64_t nq, int64_t nk, int64_t d, int64_t dv,
+                   int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
+                   int64_t heads_per_pad, const int64_t *klen, float c, const float *sinks, int64_t splits,
+                   float *scratch, float *out, float *lse, int nthreads) {
+    const band_t bd = {lo, hi, has_lo, has_hi};
+    const size_t esz = kind == 0 ? 4 : 2;
+    const int64_t part = R * (dv + 2), jobs = J * splits;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(TK * d + TK * dv + RG * TK + RG + R * d));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < jobs; job++) {
+            if (!buf) continue;
+            const int64_t j = job / splits, sp = job % splits, prow = kpad_rows ? j / heads_per_pad : 0;
+            const int64_t nreal = klen && klen[prow] < nk ? klen[prow] : nk;
+            int64_t a, z;
+            band_keys(&bd, 0, nq, nreal, &a, &z);
+            const int64_t span = z > a ? z - a : 0, chunk = (span + splits - 1) / splits;
+            const int64_t a2 = a + sp * chunk, z2 = a2 + chunk < z ? a2 + chunk : z;
+            const void *kj = (const char *)k + (size_t)(koff ? koff[j] : j * nk * ks) * esz;
+            const void *vj = (const char *)v + (size_t)(voff ? voff[j] : j * nk * vs) * esz;
+            const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
+            const int64_t z3 = z2 > a2 ? z2 : a2;
+            float *out_part = scratch + job * part;
+            if (kind == 0) decode_part_f32(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
+            else if (kind == 1) decode_part_bf16(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
+            else decode_part_f16(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
+        }
+        free(buf);
+#pragma omp for schedule(static)
+        for (int64_t jr = 0; jr < J * R; jr++) { /* merge the splits of each row */
+            const int64_t j = jr / R, r = jr % R;
+            const float *p0 = scratch + j * splits * part + r * (dv + 2);
+            const float sink = sinks ? sinks[jr] : -INFINITY; /* one more logit in the denominator */
+            float mk = -INFINITY; /* the largest shift of the parts: −inf when no key reached the row */
+            int nan = 0;
+            for (int64_t sp = 0; sp < splits; sp++) {
+                const float m = p0[sp * part + dv];
+                nan |= m != m;
+                mk = m > mk ? m : mk;
+            }
+            float *o = out + jr * dv;
+            if (nan || mk == -INFINITY) { /* NaN stays NaN; a row with no key gives 0, lse the sink */
+                for (int64_t e = 0; e < dv; e++) o[e] = nan ? NAN : 0;
+                lse[jr] = nan ? NAN : sink;
+                continue;
+            }
+            const float mx = sink > mk ? sink : mk;
+            float L = sink == -INFINITY ? 0 : exp2_f32(sink - mx);
+            memset(o, 0, sizeof(float) * (size_t)dv);
+            for (int64_t sp = 0; sp < splits; sp++) {
+                const float *ps = p0 + sp * part;
+                if (ps[dv] == -INFINITY) continue;
+                const float f = exp2_f32(ps[dv] - mx);
+                L += f * ps[dv + 1];
+                axpy_f32(o, f, ps, dv);
+            }
+            const float inv = 1 / L;
+            for (int64_t e = 0; e < dv; e++) o[e] *= inv;
+            lse[jr] = mx + log2f(L);
+        }
+    }
+    return failed ? -1 : 0;
+}

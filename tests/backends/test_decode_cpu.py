@@ -1,0 +1,145 @@
+"""The CPU decoding kernel (qkv/csrc/decode.c via qkv.backends.decode_cpu) against the float64
+oracle, under the accuracy rule (docs/accuracy.md): a few query rows per head against a long
+cache, every mask it takes, caches read in place (views, broadcast heads), bfloat16 and
+float16 caches, sinks, and the exact merge of key parts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import qkv
+from qkv.backends import decode_cpu, native
+from qkv.call import validate
+from qkv.reference import attention_ref
+
+from ..conftest import assert_within_rule, max_err
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="the native CPU kernels are not built")
+
+
+def _cache(b: int, hk: int, nk: int, d: int, dtype: torch.dtype, layout: str, gen: torch.Generator) -> torch.Tensor:
+    """(B, Hk, Nk, D) as a decoder holds it: contiguous, a view of a longer preallocated cache,
+    or one batch entry broadcast to all (a shared prompt)."""
+    if layout == "capacity":
+        return torch.randn(b, hk, nk + 37, d, generator=gen, dtype=torch.float64).to(dtype)[:, :, :nk]
+    if layout == "broadcast":
+        return torch.randn(1, hk, nk, d, generator=gen, dtype=torch.float64).to(dtype).expand(b, -1, -1, -1)
+    return torch.randn(b, hk, nk, d, generator=gen, dtype=torch.float64).to(dtype)
+
+
+CASES = [  # b, hq, hk, nq, nk, d, masks
+    (1, 8, 8, 1, 1500, 64, {}),
+    (2, 8, 2, 1, 2100, 32, {"is_causal": "bottom_right"}),
+    (2, 8, 2, 4, 2100, 40, {"is_causal": "bottom_right", "key_padding": "ragged"}),
+    (2, 4, 4, 3, 1300, 48, {"is_causal": "bottom_right", "window": (100, 0)}),
+    (3, 6, 2, 8, 4097, 16, {"key_padding": "holes"}),
+    (1, 4, 1, 2, 700, 17, {"is_causal": "bottom_right", "window": (5, 0), "key_padding": "ragged"}),
+    (2, 2, 2, 1, 9, 8, {}),  # fewer keys than a tile
+]
+
+
+def _kwargs(masks: dict, b: int, nk: int, gen: torch.Generator) -> dict:
+    kw = {k: v for k, v in masks.items() if k != "key_padding"}
+    pad = masks.get("key_padding")
+    if pad == "ragged":
+        lens = torch.randint(nk // 2, nk + 1, (b,), generator=gen)
+        kw["key_padding_mask"] = torch.arange(nk)[None] < lens[:, None]
+    elif pad == "holes":
+        kw["key_padding_mask"] = torch.rand(b, nk, generator=gen) > 0.3
+    return kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "capacity", "broadcast"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}/{c[2]}q{c[3]}k{c[4]}d{c[5]}-{'-'.join(c[6]) or 'plain'}")
+def test_decode_matches_the_oracle(case, layout: str, sinks: bool, dtype: torch.dtype) -> None:
+    b, hq, hk, nq, nk, d, masks = case
+    gen = torch.Generator().manual_seed(nk * 31 + nq)
+    q = torch.randn(b, hq, nq, d, generator=gen, dtype=torch.float64).to(dtype)
+    k, v = (_cache(b, hk, nk, d, dtype, layout, gen) for _ in range(2))
+    kw = _kwargs(masks, b, nk, gen)
+    if sinks:
+        kw["sinks"] = torch.randn(hq, generator=gen)
+    kw.update(enable_gqa=hq != hk, return_lse=True)
+    call = validate(q, k, v, **kw)
+    assert decode_cpu.can_decode(call), call.describe()
+    out, lse = decode_cpu.decode_attention(call)
+    ref, ref_lse = (torch.as_tensor(t) for t in attention_ref(q.double(), k.double(), v.double(), **kw))
+    base, _ = qkv.attention(q, k, v, backend="math", **kw)  # torch in the input dtype: the rule's baseline
+    assert out.dtype == dtype and out.shape == ref.shape and lse.dtype == torch.float32
+    assert_within_rule(out, base, ref, dtype, what="out")
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    if finite.any():  # float32 arithmetic for every input dtype: a few float32 ulps of the largest lse
+        assert max_err(lse[finite], ref_lse[finite]) <= 1e-6 * max(1.0, float(ref_lse[finite].abs().max()))  # rows with no key: lse −inf (or the sink), out 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parts_merge_exactly(threads: int) -> None:
+    """A head's keys split over threads give the one-part answer within float32 rounding."""
+    q, k, v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 5000, 64), torch.randn(1, 2, 5000, 64)
+    call = validate(q, k, v, return_lse=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert decode_cpu.parts_per_head(2, 5000, threads) == min(-(-2 * threads // 2), 5000 // 512)
+        out, lse = decode_cpu.decode_attention(call)
+    finally:
+        torch.set_num_threads(before)
+    ref, ref_lse = (torch.as_tensor(t) for t in attention_ref(q.double(), k.double(), v.double(), return_lse=True))
+    assert max_err(out, ref) < 1e-6 and max_err(lse, ref_lse) < 1e-5
+
+
+def test_rows_with_no_key_give_zero_and_the_sink() -> None:
+    q, k, v = torch.randn(2, 4, 1, 32), torch.randn(2, 4, 600, 32), torch.randn(2, 4, 600, 32)
+    pad = torch.ones(2, 600, dtype=torch.bool)
+    pad[1] = False  # batch entry 1 has no real key
+    s = torch.randn(4)
+    out, lse = decode_cpu.decode_attention(validate(q, k, v, key_padding_mask=pad, sinks=s, return_lse=True))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.allclose(lse[1, :, 0], s)
+    assert out[0].abs().sum() > 0
+
+
+def test_nan_stays_in_its_rows() -> None:
+    q, k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 800, 16), torch.randn(2, 2, 800, 16)
+    k[0, 1, 123] = float("nan")
+    out, _ = decode_cpu.decode_attention(validate(q, k, v, return_lse=True))
+    assert out[0, 1].isnan().all() and not out[0, 0].isnan().any() and not out[1].isnan().any()
+
+
+@pytest.mark.parametrize("change", ["grad", "attn_mask", "score_mod", "float64", "long_query", "dropout", "mixed_cache"])
+def test_other_calls_take_other_kernels(change: str) -> None:
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 900, 16), torch.randn(1, 2, 900, 16)
+    kw: dict = {}
+    if change == "grad":
+        q.requires_grad_(True)
+    elif change == "attn_mask":
+        kw["attn_mask"] = torch.ones(1, 900, dtype=torch.bool)
+    elif change == "score_mod":
+        kw["score_mod"] = qkv.score_mods.Softcap(30.0)
+    elif change == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    elif change == "long_query":
+        q = torch.randn(1, 2, decode_cpu.MAX_QUERY_ROWS + 1, 16)
+    elif change == "dropout":
+        kw["dropout_p"] = 0.1
+    else:
+        k, v = k.bfloat16(), v.bfloat16()
+    try:
+        call = validate(q, k, v, **kw)
+    except (TypeError, ValueError):
+        assert change == "mixed_cache"  # qkv asks for one dtype; nothing to decode
+        return
+    assert not decode_cpu.can_decode(call)
+
+
+def test_bytes_read_counts_each_distinct_row_once() -> None:
+    k = torch.randn(1, 8, 1000, 64, dtype=torch.bfloat16)
+    call = validate(torch.randn(1, 32, 1, 64, dtype=torch.bfloat16), k, k, enable_gqa=True)
+    assert decode_cpu.bytes_read(call) == 2 * 8 * 1000 * 64 * 2
+    assert math.isclose(decode_cpu.LOG2E * decode_cpu.LN2, 1.0)
