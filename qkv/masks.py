@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .allocation import check_fits
 from .call import AttentionCall
 from .reference.masks import PositionalMask
 from .score_mods.base import BoundScore
@@ -142,6 +143,9 @@ def dense_bool_mask(call: AttentionCall) -> Optional[torch.Tensor]:
     Broadcastable to ``(..., Hq, Nq, Nk)``; float ``attn_mask`` is *not* folded in (see
     :func:`dense_sdpa_mask`). Materialises ``Nq × Nk``: only for backends that need it.
     """
+    if not call.positional.trivial:  # the tile is built from an (Nq, Nk) int64 position difference
+        check_fits("The dense mask that carries is_causal/window to this backend", (call.nq, call.nk), torch.int64,
+                   call.device, "backend='chunked' (or 'auto') applies those rules tile by tile without it.")
     allowed = positional_tile(call.positional, 0, call.nq, 0, call.nk, call.device)
     if call.key_padding_mask is not None:
         kp = call.key_padding_mask[..., None, None, :]  # (..., 1, 1, Nk)

@@ -53,3 +53,41 @@ def test_reference_rejects_mismatched_heads():
 
     with pytest.raises(ValueError, match="enable_gqa=True"):
         attention_ref(*qkv_((1, 4, 3, 8), (1, 2, 3, 8), (1, 2, 3, 8)))
+
+
+# ---- matrices that cannot fit: refused before allocating, naming the matrix and what avoids it ----
+
+N_HUGE = 100_000  # 37 GiB of float32 scores per head: more than any machine these tests run on has free
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda q: qkv.attention(q, q, q, backend="math"), r"score matrix backend='math'.*100000 × 100000.*'chunked'"),
+        (lambda q: qkv.attention_weights(q, q), r"weight matrix qkv.attention_weights.*attention_map.*attention_stats"),
+        (lambda q: qkv.attention(q, q, q, backend="sdpa", window=(8, 0)), r"dense mask.*window.*tile by tile"),
+    ],
+    ids=["math", "attention_weights", "sdpa_window"],
+)
+def test_a_matrix_that_cannot_fit_is_refused_before_allocating(call, match, monkeypatch) -> None:
+    from qkv import allocation
+
+    monkeypatch.setattr(allocation, "free_bytes", lambda device: 8 * 2**30)  # the same answer on every machine
+    q = torch.randn(1, 1, N_HUGE, 8)
+    with pytest.raises(MemoryError, match=match):
+        call(q)
+    assert qkv.attention(q[:, :, :4096], q, q, window=(8, 0)).shape == (1, 1, 4096, 8)  # the suggested path runs
+
+
+def test_integer_inputs_to_multi_head_attention_are_named() -> None:
+    with pytest.raises(TypeError, match=r"query must be a floating-point tensor.*int64.*Embedding"):
+        qkv.nn.MultiHeadAttention(16, 2)(torch.ones(1, 4, 16, dtype=torch.long))
+
+
+@pytest.mark.parametrize("x, match", [([["a", "b"], ["c", "d"]], r"x must hold numbers, got text"),
+                                      ([[1, 2], [3]], r"x must be a rectangular array")])
+def test_trace_of_non_numbers_names_the_argument(x, match) -> None:
+    import numpy as np
+
+    with pytest.raises((TypeError, ValueError), match=match):
+        qkv.trace(x, np.eye(2), np.eye(2), np.eye(2))

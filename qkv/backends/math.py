@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ..allocation import check_fits
 from ..call import AttentionCall
 from ..masks import MaskTiles, apply_tile
 from ..sinks import add_sinks, grouped_sinks
@@ -59,6 +60,13 @@ def softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w, lse.squeeze(-1)
 
 
+def check_scores_fit(call: AttentionCall, what: str, instead: str) -> None:
+    """Refuse, before allocating, a score matrix ``(B·Hq, Nq, Nk)`` that cannot fit (scores and
+    weights are alive together)."""
+    compute = torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
+    check_fits(what, (call.batch_size * call.hq, call.nq, call.nk), compute, call.device, instead, copies=2)
+
+
 class MathBackend(Backend):
     NAME = "math"
     DESCRIPTION = "materialises the Nq×Nk scores; supports every feature; the torch-side reference"
@@ -67,6 +75,8 @@ class MathBackend(Backend):
     SUPPORTS_SINKS = True
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        check_scores_fit(call, "The score matrix backend='math' holds (one score per query and key)",
+                         "backend='chunked' (or 'auto') never holds them.")
         q, k, v = call.grouped_qkv()
         w, lse = grouped_softmax(call, q, k)
         if call.dropout_p > 0:
@@ -76,6 +86,9 @@ class MathBackend(Backend):
 
     def weights(self, call: AttentionCall) -> torch.Tensor:
         """Softmax weights in the caller's layout ``(..., Hq, Nq, Nk)``, dtype of the inputs."""
+        check_scores_fit(call, "The weight matrix qkv.attention_weights returns (one weight per query and key)",
+                         "For long inputs take chosen rows and heads with qkv.inspect.attention_map(query, key, "
+                         "rows=..., heads=...), or per-row statistics with qkv.inspect.attention_stats.")
         q, k, _ = call.grouped_qkv()
         w, _ = grouped_softmax(call, q, k)
         return call.ungroup(w).to(call.dtype)

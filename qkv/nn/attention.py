@@ -145,6 +145,11 @@ class MultiHeadAttention(nn.Module):
                     f"add a batch dimension with {name}.unsqueeze(0), or, for sequence-first "
                     f"(N, B, E) inputs as in torch.nn.MultiheadAttention, use {name}.transpose(0, 1)"
                 )
+            if not x.is_floating_point():
+                raise TypeError(
+                    f"{name} must be a floating-point tensor (B, N, {width}), got {x.dtype}; token ids go through "
+                    f"an embedding first (torch.nn.Embedding), numbers can be converted with {name}.float()"
+                )
             if x.shape[-1] != width:
                 hint = (
                     "; for self-attention with kdim/vdim != d_model pass key and value explicitly"

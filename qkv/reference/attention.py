@@ -28,9 +28,14 @@ def as_float64(x: Any, name: str = "array") -> np.ndarray:
         if hasattr(x, "double"):
             x = x.double()
         x = x.numpy()
-    arr = np.asarray(x)
-    if arr.dtype == object:
-        raise TypeError(f"{name} must be numeric, got an object array")
+    try:
+        arr = np.asarray(x)
+    except ValueError as e:  # ragged nested lists
+        raise ValueError(f"{name} must be a rectangular array of numbers: {e}") from None
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        kind = "text" if arr.dtype.kind in "US" else f"{arr.dtype} values"
+        raise TypeError(f"{name} must hold numbers, got {kind} (e.g. {arr.flat[0]!r}); pass a float array, "
+                        "(row labels go in qkv.trace's tokens=)")
     return arr.astype(np.float64, copy=False)
 
 
