@@ -90,28 +90,22 @@ def seed_all(seed: int) -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr (only its last state when stderr is not a terminal;
-    silent when QKV_NO_PROGRESS is set)."""
+    """A progress bar on stderr (tqdm): redrawn in a terminal, its last state only in a log file,
+    nothing when QKV_NO_PROGRESS is set."""
 
     def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.n = max(1, total), label, 0
-        self.quiet = bool(os.environ.get("QKV_NO_PROGRESS"))
-        self.t0 = time.perf_counter()
+        from tqdm import tqdm
+
+        tty = sys.stderr.isatty()
+        self._bar = tqdm(total=max(1, total), desc=f"{label:>16}", file=sys.stderr, leave=True, dynamic_ncols=tty, ascii=not tty,
+                         disable=bool(os.environ.get("QKV_NO_PROGRESS")),
+                         mininterval=0.1 if tty else float("inf"))  # a log file: no redraws, the final state on close
 
     def step(self, info: str = "") -> None:
-        self.n += 1
-        tty = sys.stderr.isatty()
-        if self.quiet or (self.n % max(1, self.total // 50) and self.n != self.total):
-            return
-        if not tty and self.n != self.total:  # a log file gets the finished bar only, not 50 redraws
-            return
-        width = 30
-        filled = int(width * self.n / self.total)
-        bar = "#" * filled + "-" * (width - filled)
-        sys.stderr.write(f"\r{self.label:>16} [{bar}] {self.n}/{self.total} {time.perf_counter() - self.t0:5.1f}s {info}")
-        if self.n >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        self._bar.set_postfix_str(info, refresh=False)
+        self._bar.update(1)
+        if self._bar.n >= self._bar.total:
+            self._bar.close()
 
 
 def write_csv(path: Path, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

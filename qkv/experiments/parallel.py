@@ -44,7 +44,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     plt = pyplot()
     b, d = 8, 128
     ns = [32, 64, 128, 256, 512] if quick else [16, 32, 64, 128, 256, 512, 1024, 2048]
-    repeats = 3 if quick else 5
+    repeats = 7 if quick else 5  # quick: short calls, so more repeats for a steady best time (a test runs it beside others)
     models = {
         "self-attention": MultiHeadAttention(d, 4).eval(),
         "GRU": nn.GRU(d, d, batch_first=True).eval(),
