@@ -334,7 +334,8 @@ def save_compare_png(cmp: Comparison, path: "str | os.PathLike[str]", layer: Opt
 
 def page_data(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = None) -> dict[str, Any]:
     """The data the comparison page draws from (JSON-ready; maps as 16-bit base64 like the report)."""
-    from .html import MAX_HTML_MAP_BYTES, _encode as encode
+    from .html import MAX_HTML_MAP_BYTES
+    from .pages import encode_weights as encode
 
     layer, head = cmp.select(layer, head)
     a, b = cmp.a, cmp.b
@@ -376,17 +377,15 @@ def render_compare_html(cmp: Comparison, layer: Optional[int] = None, head: Opti
                         lang: str = "en") -> str:
     """The comparison as one offline page: the distance grid (click a head), both maps and B − A;
     ``lang`` ("en" or "zh") is the language of every label."""
-    from markupsafe import Markup
-
-    from .trace_page import _asset, _environment, script_json
+    from .pages import asset, environment, script_json
 
     if lang not in _PAGE_TEXT:
         raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
     tx = _PAGE_TEXT[lang]
     data = page_data(cmp, layer, head)
     data["labels"] = {k: tx[k] for k in ("head_title", "rows_title", "cols")}
-    return _environment().get_template("compare.html.j2").render(
-        data_json=script_json(data), script=Markup(_asset("compare.js")), t=tx,
+    return environment().get_template("compare.html.j2").render(
+        data_json=script_json(data), script=asset("compare.js"), t=tx,
         title=tx["title"].format(model=cmp.a.model_name), a=cmp.a.text, b=cmp.b.text,
         report=cmp.to_string(lang=lang),
     )
