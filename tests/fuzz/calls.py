@@ -47,6 +47,9 @@ SEQ_RARE = (0, 130, 200, 257, 300)
 HEAD_DIMS = (1, 2, 4, 8, 16, 32, 59, 64, 80)
 # Scores per case, B·Hq·Nq·Nk: keeps a case at a few milliseconds.
 MAX_SCORES = 60_000
+# Decoding: a few query rows against a long key/value cache (the CPU decode kernel's calls)
+DECODE_ROWS = (1, 1, 2, 3, 4, 8)
+DECODE_KEYS = (513, 700, 1025, 2047, 4096, 6000)
 
 
 @dataclass
@@ -227,6 +230,8 @@ class Spec:
                 t.append(f"{name}={n}")
         if self.nq != self.nk:
             t.append("nq!=nk")
+        if 0 < self.nq <= 8 and self.nk > 512:
+            t.append("decode")
         if self.dv != self.d:
             t.append("dv!=d")
         if self.hq != self.hk:
@@ -366,8 +371,12 @@ def _draw(seed: int, case: str) -> Spec:
             hk = 0 if (not triton and rng.random() < 0.02) else int(_pick(rng, {1: 0.4, 2: 0.4, 3: 0.2}))
             group = int(_pick(rng, {1: 0.55, 2: 0.2, 3: 0.1, 4: 0.15}))
             hq = hk * group
-        nq = _seq(rng, triton)
-        nk = nq if rng.random() < 0.35 else _seq(rng, triton)
+        decode = not triton and not two_d and rng.random() < 0.12
+        if decode:  # several parts per head, tiles of 32 keys and a ragged last tile
+            nq, nk = int(rng.choice(DECODE_ROWS)), int(rng.choice(DECODE_KEYS))
+        else:
+            nq = _seq(rng, triton)
+            nk = nq if rng.random() < 0.35 else _seq(rng, triton)
         d = int(rng.choice((8, 16, 32, 59) if triton else HEAD_DIMS))
         dv = d if rng.random() < 0.7 else int(rng.choice((8, 16, 32, 59) if triton else HEAD_DIMS))
         limit = 4 * 40 * 40 if triton else MAX_SCORES
