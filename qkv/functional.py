@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from .backends import BACKENDS, MATH_MAX_SCORES, select
+from .backends.decode_cpu import decode_shape
 from .backends.sdpa import empty_rows_are_zero
 from .call import BackendName, validate, validate_qk
-from .nonfinite import guard
+from .nonfinite import Checked, guard
 from .reference.masks import Alignment, IsCausal
 from .score_mods.base import ScoreFn, ScoreMod
 
@@ -174,6 +175,8 @@ def attention(
                 and value.shape[2] == key.shape[2]
                 and query.numel()  # empty sizes: torch's shapes ignore broadcasting there
                 and key.numel()
+                # decoding (a few rows against a long cache): auto takes chunked's decoding kernel
+                and not decode_shape(query.shape[-2], key.shape[-2], query.dtype)
                 # gradients torch computes less accurately than qkv's rule: see backends.auto_order
                 and (
                     query.dtype is torch.float64
@@ -217,8 +220,8 @@ def attention(
         score_mod=score_mod,
         sinks=sinks,
     )
-    out, lse = select(call, backend).forward(call)
-    out, lse = guard(call.query, call.key, call.value, out, lse)
+    result = select(call, backend).forward(call)
+    out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
     return (out, lse) if return_lse else out
 
 

@@ -27,7 +27,7 @@ Shape legend: ``...`` batch dims, ``Hq``/``Hk`` query and key/value heads, ``Nq`
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -71,6 +71,15 @@ def surely_finite(*tensors: torch.Tensor) -> bool:
     return math.isfinite(sum(float(t.detach().sum()) for t in tensors))
 
 
+class Checked(NamedTuple):
+    """A backend's ``(out, lse)`` that already follow the rule: the backend saw every key and
+    value while it ran (a decoding kernel reads the whole cache anyway), so :func:`guard`'s
+    reductions, a second pass over K and V, are skipped."""
+
+    out: torch.Tensor
+    lse: Optional[torch.Tensor]
+
+
 def guard(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -96,4 +105,4 @@ def gradient_rule(
     return dq.masked_fill(at(kv_bad), nan), dk.masked_fill(at(heads), nan), dv.masked_fill(at(heads), nan)
 
 
-__all__ = ["gradient_rule", "guard", "nonfinite_rows", "poison", "surely_finite"]
+__all__ = ["Checked", "gradient_rule", "guard", "nonfinite_rows", "poison", "surely_finite"]

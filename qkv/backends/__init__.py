@@ -14,6 +14,7 @@ import torch
 from ..call import AttentionCall
 from .base import Backend
 from .chunked import ChunkedBackend
+from .decode_cpu import can_decode
 from .flash_cpu import can_fuse
 from .math import MathBackend
 from .sdpa import DENSE_MASK_LIMIT, SdpaBackend, needs_dense_mask
@@ -54,7 +55,11 @@ def auto_order(call: AttentionCall) -> list[Backend]:
     """Backends in the order ``auto`` tries them for this call (fastest first)."""
     sdpa, chunked, math = BACKENDS["sdpa"], BACKENDS["chunked"], BACKENDS["math"]
     scores = call.nq * call.nk
-    if (needs_dense_mask(call) or call.bool_mask) and can_fuse(call) and scores > MATH_MAX_SCORES:
+    if can_decode(call):
+        # a few query rows against a long cache: chunked's decoding kernel reads each K/V row once
+        # for all the rows of its group; SDPA reads it once per query head
+        order = [chunked, sdpa, math]
+    elif (needs_dense_mask(call) or call.bool_mask) and can_fuse(call) and scores > MATH_MAX_SCORES:
         # no gradient: chunked runs the rules SDPA has no argument for on torch's kernel block by
         # block, without the Nq × Nk mask SDPA would need, and skips a bool mask's empty blocks
         order = [chunked, sdpa, math]
@@ -77,7 +82,10 @@ def order_notes(call: AttentionCall) -> list[str]:
     """Why :func:`auto_order` put the backends in their order for this call (for logs and ``qkv info``)."""
     order = [b.NAME for b in auto_order(call)]
     notes = []
-    if order[0] == "chunked" and can_fuse(call):
+    if order[0] == "chunked" and can_decode(call):
+        notes.append("chunked first: a decoding call (few query rows, long cache) runs its kernel that reads each "
+                     "key/value row once for all the query rows of its group")
+    elif order[0] == "chunked" and can_fuse(call):
         notes.append(
             "chunked first: without gradients it runs the call on torch's fused CPU kernel block by block, "
             "skipping what the window, padding or a bool mask's empty blocks rule out, where SDPA would get a dense mask"

@@ -72,6 +72,7 @@ from ..sinks import add_sinks, grouped_sinks
 from . import chunked_native
 from .base import Backend, half_to_float
 from .chunked_native import LOG2E
+from .decode_cpu import can_decode, decode_attention
 from .flash_cpu import can_fuse, fused_attention
 
 # Tile shape and cache budget, measured on a 2-core x86 CPU (bench/attention_cpu.py): the two
@@ -673,8 +674,11 @@ class ChunkedBackend(Backend):
         return []
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if self.block_q is None and self.block_k is None and can_fuse(call):
-            return fused_attention(call)  # no gradient: torch's fused kernel, block by block
+        if self.block_q is None and self.block_k is None:
+            if can_decode(call):  # a few rows against a long cache: each K/V row read once (csrc/decode.c)
+                return decode_attention(call)
+            if can_fuse(call):  # no gradient: torch's fused kernel, block by block
+                return fused_attention(call)
         query, scale = call.positive_scale()  # the row maximum of q·kᵀ must be the largest score
         q, k, v = call.grouped_qkv(query)
         tiles = MaskTiles.from_call(call)

@@ -26,12 +26,14 @@ J = B·Hk jobs of R = G·Nq rows.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from typing import Any, Optional
 
 import torch
 
 from ..call import AttentionCall
+from ..nonfinite import Checked, poison
 from . import native
 
 MAX_QUERY_ROWS = 8  # Nq per head: decoding and speculative decoding; longer calls take the tiled kernels
@@ -42,7 +44,13 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _int, _ptr, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 # qkv_decode_fwd (csrc/decode.c)
 ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, *[_i64] * 8, *[_i64, _i64, _int, _int], _ptr, _i64, _i64, _ptr, _f, _ptr,
-        _i64, _ptr, _ptr, _ptr, _int]  # fmt: skip
+        _i64, _ptr, _ptr, _ptr, _ptr, _int]  # fmt: skip
+
+
+def decode_shape(nq: int, nk: int, dtype: torch.dtype) -> bool:
+    """The shapes and dtypes the kernel takes (the rest of :func:`can_decode` needs a validated
+    call); cheap enough for ``qkv.attention``'s fast path to ask first."""
+    return 0 < nq <= MAX_QUERY_ROWS and nk > nq and dtype in _KINDS and _function() is not None
 
 
 def can_decode(call: AttentionCall) -> bool:
@@ -51,19 +59,17 @@ def can_decode(call: AttentionCall) -> bool:
     the native kernels built?"""
     return (
         call.device.type == "cpu"
-        and 0 < call.nq <= MAX_QUERY_ROWS
-        and call.nk > call.nq
-        and call.dtype in _KINDS
+        and decode_shape(call.nq, call.nk, call.dtype)
         and call.key.dtype == call.dtype
         and call.attn_mask is None
         and call.score_mod is None
         and call.dropout_p == 0.0
         and call.batch_size * call.hq * call.d * call.dv > 0
         and not call.requires_grad
-        and _function() is not None
     )
 
 
+@functools.lru_cache(maxsize=None)
 def _function() -> Optional[Any]:
     lib = native.library()
     fn = getattr(lib, "qkv_decode_fwd", None) if lib is not None else None
@@ -92,7 +98,8 @@ def parts_per_head(jobs: int, nk: int, threads: int) -> int:
 
 
 def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Run a call :func:`can_decode` accepts; returns (out, lse or None) in the caller's layout."""
+    """Run a call :func:`can_decode` accepts; returns (out, lse or None) in the caller's layout, as a
+    :class:`~qkv.nonfinite.Checked` pair when the kernel saw every key and value (the rule applied here)."""
     fn = _function()
     assert fn is not None
     query, scale = call.positive_scale()
@@ -119,16 +126,22 @@ def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.
     scratch = torch.empty(j * parts * rows * (dv + 2), dtype=torch.float32)
     out = torch.empty(j, rows, dv, dtype=torch.float32)
     lse = torch.empty(j, rows, dtype=torch.float32)
+    checked = torch.empty(j, parts, dtype=torch.int64)  # keys each part read and found finite (−1: not)
     ptr = native.ptr
     rc = fn(ptr(qc), kc.data_ptr(), vc.data_ptr(), _KINDS[call.dtype], ptr(koff), ptr(voff), ks, vs, j, rows, nq, nk, d,
             dv, *band, ptr(kpad), pad_rows, hk, ptr(klen), scale * LOG2E, ptr(sinks), parts, ptr(scratch), ptr(out),
-            ptr(lse), threads)  # fmt: skip
+            ptr(lse), ptr(checked), threads)  # fmt: skip
     if rc != 0:
         raise MemoryError("qkv: could not allocate a decoding tile per thread")
-    out5 = out.reshape(b, hk, g, nq, dv).to(call.dtype)
-    if not call.return_lse:
-        return call.ungroup(out5), None
-    return call.ungroup(out5), call.ungroup((lse * LN2).reshape(b, hk, g, nq).to(call.lse_dtype))
+    out5 = call.ungroup(out.reshape(b, hk, g, nq, dv).to(call.dtype))
+    lse5 = call.ungroup((lse * LN2).reshape(b, hk, g, nq).to(call.lse_dtype)) if call.return_lse else None
+    if not bool((checked.sum(1) == nk).all()):  # keys were skipped (masks) or not finite: the full rule
+        return out5, lse5
+    # every key and value was read and finite: only the query rows remain to check (qkv.nonfinite)
+    bad_q = ~torch.isfinite(call.query).all(-1)
+    if bool(bad_q.any()):
+        out5, lse5 = poison(out5, lse5, bad_q.expand(out5.shape[:-1]))
+    return Checked(out5, lse5)
 
 
 def bytes_read(call: AttentionCall) -> int:

@@ -85,28 +85,54 @@ static inline void axpy_f32(float *acc, float p, const float *x, int64_t dv) {
 typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2), may_alias));
 typedef _Float16 v8h __attribute__((vector_size(16), aligned(2), may_alias));
 
-/* Rows [n0, n0 + w) of a cache (row stride `stride` elements) as float32: for a float32 cache the
- * rows themselves (*ld = stride); otherwise converted into buf (w × width, *ld = width), 8 lanes
- * at a time (bfloat16 is the upper half of a float32; float16 converts in hardware with F16C). */
+/* Are the w rows (ld apart) of a float32 tile all finite? x·0 is 0 for a finite x and NaN for
+ * NaN or ±inf. */
+static inline int tile_finite(const float *t, int64_t ld, int64_t w, int64_t width) {
+    v8f acc = v_set(0.0f);
+    float tail = 0;
+    for (int64_t r = 0; r < w; r++) {
+        const float *row = t + r * ld;
+        int64_t e = 0;
+        for (; e + LANES <= width; e += LANES) acc += v_loadu(row + e) * v_set(0.0f);
+        for (; e < width; e++) tail += row[e] * 0.0f;
+    }
+    const float total = hsum(acc) + tail;
+    return total == total;
+}
+
+/* Rows [n0, n0 + w) of a cache (row stride `stride` elements) as float32, and into *finite
+ * whether every entry is finite: for a float32 cache the rows themselves (*ld = stride), checked
+ * in one pass; otherwise converted into buf (w × width, *ld = width), 8 lanes at a time
+ * (bfloat16 is the upper half of a float32; float16 converts in hardware with F16C), the check
+ * reading the exponent bits on the way (all ones: NaN or ±inf, in both formats). */
 static inline __attribute__((always_inline)) const float *rows_f32(const void *base, int kind, int64_t n0, int64_t w,
                                                                    int64_t stride, int64_t width, float *buf,
-                                                                   int64_t *ld) {
+                                                                   int64_t *ld, int *finite) {
     if (kind == 0) {
         *ld = stride;
-        return (const float *)base + n0 * stride;
+        const float *rows = (const float *)base + n0 * stride;
+        *finite = tile_finite(rows, stride, w, width);
+        return rows;
     }
     *ld = width;
+    const uint16_t ones = kind == 1 ? 0x7F80 : 0x7C00; /* the exponent field of bfloat16 / float16 */
+    typedef uint16_t v8u16v __attribute__((vector_size(16)));
+    v8u16v bad = {0};
+    uint16_t bad_tail = 0;
     for (int64_t t = 0; t < w; t++) {
         float *dst = buf + t * width;
         const uint16_t *src = (const uint16_t *)base + (n0 + t) * stride;
         int64_t e = 0;
         for (; e + LANES <= width; e += LANES) {
+            const v8u16v x = *(const v8u16 *)(src + e);
+            bad |= (v8u16v)((x & ones) == ones);
             if (kind == 1)
-                v_storeu(dst + e, (v8f)(__builtin_convertvector(*(const v8u16 *)(src + e), v8i) << 16));
+                v_storeu(dst + e, (v8f)(__builtin_convertvector(x, v8i) << 16));
             else
                 v_storeu(dst + e, __builtin_convertvector(*(const v8h *)(src + e), v8f));
         }
         for (; e < width; e++) {
+            bad_tail |= (src[e] & ones) == ones;
             if (kind == 1) {
                 const uint32_t u = (uint32_t)src[e] << 16;
                 memcpy(dst + e, &u, 4);
@@ -115,6 +141,9 @@ static inline __attribute__((always_inline)) const float *rows_f32(const void *b
             }
         }
     }
+    uint16_t any = bad_tail;
+    for (int i = 0; i < LANES; i++) any |= bad[i];
+    *finite = !any;
     return buf;
 }
 
@@ -202,11 +231,12 @@ static inline __attribute__((always_inline)) void weigh_group(float *o, const fl
 
 /* One job: rows R of head j (q: R × d) against keys [a, z): writes the running (O, m, l) of each
  * row into part (R × (dv + 2)). buf: TK·d + TK·dv + RG·TK + RG + R·d floats. */
-static inline __attribute__((always_inline)) void decode_part(const float *q, const void *kj, const void *vj, int kind,
+static inline __attribute__((always_inline)) int decode_part(const float *q, const void *kj, const void *vj, int kind,
                                                               int64_t ks, int64_t vs, int64_t R, int64_t nq, int64_t d,
                                                               int64_t dv, const band_t *bd, const uint8_t *pad, float c,
                                                               int64_t a, int64_t z, float *part, float *buf) {
     float *kbuf = buf, *vbuf = kbuf + TK * d, *s = vbuf + TK * dv, *alpha = s + RG * TK, *qj = alpha + RG;
+    int finite = 1;
     for (int64_t i = 0; i < R * d; i++) qj[i] = c * q[i]; /* scores come out in log2 units */
     for (int64_t r = 0; r < R; r++) {
         float *o = part + r * (dv + 2);
@@ -217,9 +247,11 @@ static inline __attribute__((always_inline)) void decode_part(const float *q, co
     for (int64_t n0 = a; n0 < z; n0 += TK) {
         const int64_t w = z - n0 < TK ? z - n0 : TK;
         int64_t ldk, ldv;
-        const float *kt = rows_f32(kj, kind, n0, w, ks, d, kbuf, &ldk);
-        const float *vt = rows_f32(vj, kind, n0, w, vs, dv, vbuf, &ldv);
+        int kfin, vfin;
+        const float *kt = rows_f32(kj, kind, n0, w, ks, d, kbuf, &ldk, &kfin);
+        const float *vt = rows_f32(vj, kind, n0, w, vs, dv, vbuf, &ldv, &vfin);
         const int masks = FN(tile_masks_)(nq, w, 0, n0, bd, pad);
+        finite = finite && kfin && vfin;
         for (int64_t r0 = 0; r0 < R; r0 += RG) {
             const int64_t g = R - r0 < RG ? R - r0 : RG;
             float *o = part + r0 * (dv + 2);
@@ -244,23 +276,24 @@ static inline __attribute__((always_inline)) void decode_part(const float *q, co
             weigh_group(o, alpha, s, g, vt, ldv, w, dv, kind == 0 && g <= IN_ORDER_ROWS);
         }
     }
+    return finite;
 }
 
 /* decode_part for each cache type, with the type's conversion inlined. */
-static void decode_part_f32(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R, int64_t nq,
+static int decode_part_f32(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R, int64_t nq,
                             int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a, int64_t z,
                             float *part, float *buf) {
-    decode_part(q, k, v, 0, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
+    return decode_part(q, k, v, 0, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
 }
-static void decode_part_bf16(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R,
+static int decode_part_bf16(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R,
                              int64_t nq, int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a,
                              int64_t z, float *part, float *buf) {
-    decode_part(q, k, v, 1, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
+    return decode_part(q, k, v, 1, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
 }
-static void decode_part_f16(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R, int64_t nq,
+static int decode_part_f16(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R, int64_t nq,
                             int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a, int64_t z,
                             float *part, float *buf) {
-    decode_part(q, k, v, 2, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
+    return decode_part(q, k, v, 2, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
 }
 
 /* Forward; see the top of this file. splits ≥ 1 parts per head; scratch holds
@@ -269,7 +302,7 @@ int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, const
                    int64_t ks, int64_t vs, int64_t J, int64_t R, int64_t nq, int64_t nk, int64_t d, int64_t dv,
                    int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
                    int64_t heads_per_pad, const int64_t *klen, float c, const float *sinks, int64_t splits,
-                   float *scratch, float *out, float *lse, int nthreads) {
+                   float *scratch, float *out, float *lse, int64_t *checked, int nthreads) {
     const band_t bd = {lo, hi, has_lo, has_hi};
     const size_t esz = kind == 0 ? 4 : 2;
     const int64_t part = R * (dv + 2), jobs = J * splits;
@@ -295,9 +328,11 @@ int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, const
             const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
             const int64_t z3 = z2 > a2 ? z2 : a2;
             float *out_part = scratch + job * part;
-            if (kind == 0) decode_part_f32(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
-            else if (kind == 1) decode_part_bf16(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
-            else decode_part_f16(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
+            int finite;
+            if (kind == 0) finite = decode_part_f32(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
+            else if (kind == 1) finite = decode_part_bf16(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
+            else finite = decode_part_f16(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
+            checked[job] = finite ? z3 - a2 : -1; /* keys read and found finite; −1: a NaN or ±inf */
         }
         free(buf);
 #pragma omp for schedule(static)

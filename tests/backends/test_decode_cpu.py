@@ -143,3 +143,27 @@ def test_bytes_read_counts_each_distinct_row_once() -> None:
     call = validate(torch.randn(1, 32, 1, 64, dtype=torch.bfloat16), k, k, enable_gqa=True)
     assert decode_cpu.bytes_read(call) == 2 * 8 * 1000 * 64 * 2
     assert math.isclose(decode_cpu.LOG2E * decode_cpu.LN2, 1.0)
+
+
+@pytest.mark.parametrize("where", ["query", "key", "value", "masked_key", "none"])
+def test_the_non_finite_rule_without_a_second_pass(where: str) -> None:
+    """qkv's rule (qkv.nonfinite) holds through qkv.attention; the kernel's own check replaces
+    guard's pass over the cache when it read every key, and hands over to guard when it did not."""
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 1000, 16), torch.randn(2, 2, 1000, 16)
+    kw: dict = {"enable_gqa": True}
+    if where == "query":
+        q[1, 3, 0, 5] = float("inf")
+    elif where == "key":
+        k[0, 1, 700, 2] = float("nan")
+    elif where == "value":
+        v[1, 0, 10, 0] = float("-inf")
+    elif where == "masked_key":  # never read (padding): guard's full check still finds it
+        k[0, 0, 999, 0] = float("nan")
+        pad = torch.ones(2, 1000, dtype=torch.bool)
+        pad[:, 900:] = False
+        kw["key_padding_mask"] = pad
+    out = qkv.attention(q, k, v, **kw)
+    expected = qkv.nonfinite.nonfinite_rows(q, k, v)
+    assert torch.equal(out.isnan().any(-1), expected)
+    result = decode_cpu.decode_attention(validate(q, k, v, **kw))
+    assert isinstance(result, qkv.nonfinite.Checked) == (where in ("query", "none"))
