@@ -156,14 +156,32 @@ class MultiHeadAttention(nn.Module):
                 f"key has {key.shape[1]} positions but value has {value.shape[1]}; each key needs a value"
             )
 
-    def _head_mask(self, attn_mask: Tensor, b: int, nq: int, nk: int) -> Tensor:
-        """attn_mask (Nq, Nk) | (B, Nq, Nk) | (B, H, Nq, Nk) → broadcastable to (B, H, Nq, Nk)."""
-        given = tuple(attn_mask.shape)
-        if attn_mask.dim() == 3:
-            attn_mask = attn_mask.unsqueeze(1)  # (B, 1, Nq, Nk)
-        ok = attn_mask.dim() in (2, 4) and attn_mask.shape[-2:] == (nq, nk)
-        if ok and attn_mask.dim() == 4:
-            ok = attn_mask.shape[0] in (1, b) and attn_mask.shape[1] in (1, self.num_heads)
+    def _head_mask(
+        self, attn_mask: Union[Tensor, BlockSparseMask], b: int, nq: int, nk: int, device: torch.device
+    ) -> Union[Tensor, BlockSparseMask]:
+        """attn_mask (Nq, Nk) | (B, Nq, Nk) | (B, H, Nq, Nk) → broadcastable to (B, H, Nq, Nk).
+
+        A :class:`BlockSparseMask` with a 2-D or 4-D layout goes to :func:`qkv.attention` as it
+        is (it carries its block layout there); a 3-D layout means ``(B, Nq, Nk)`` here but
+        ``(H, Nq, Nk)`` to :func:`qkv.attention`, so it is densified and read as this module reads masks.
+        """
+        if isinstance(attn_mask, BlockSparseMask):
+            if attn_mask.layout.dim() != 3:
+                self._check_mask_shape((*attn_mask.layout.shape[:-2], *attn_mask.shape), b, nq, nk)
+                return attn_mask
+            attn_mask = attn_mask.to_dense(device)  # (B, Nq, Nk): what the layout means
+        self._check_mask_shape(tuple(attn_mask.shape), b, nq, nk)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(
+                f"attn_mask must be bool (True = may attend) or float (added to the scores), got {attn_mask.dtype}"
+            )
+        return attn_mask.unsqueeze(1) if attn_mask.dim() == 3 else attn_mask  # (B, 1, Nq, Nk)
+
+    def _check_mask_shape(self, given: Tuple[int, ...], b: int, nq: int, nk: int) -> None:
+        shape = (given[0], 1, *given[1:]) if len(given) == 3 else given
+        ok = len(shape) in (2, 4) and shape[-2:] == (nq, nk)
+        if ok and len(shape) == 4:
+            ok = shape[0] in (1, b) and shape[1] in (1, self.num_heads)
         if not ok:
             raise ValueError(
                 f"attn_mask has shape {given}; expected (Nq, Nk), (B, Nq, Nk) or "
@@ -171,11 +189,6 @@ class MultiHeadAttention(nn.Module):
                 "(Nk counts cached keys too). Note: a torch.nn.MultiheadAttention (B*H, Nq, Nk) mask "
                 f"must be reshaped to (B, H, Nq, Nk)"
             )
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise TypeError(
-                f"attn_mask must be bool (True = may attend) or float (added to the scores), got {attn_mask.dtype}"
-            )
-        return attn_mask
 
     # ---------------------------------------------------------------------------- forward
     def forward(
@@ -184,7 +197,7 @@ class MultiHeadAttention(nn.Module):
         key: Optional[Tensor] = None,
         value: Optional[Tensor] = None,
         *,
-        attn_mask: Optional[Tensor] = None,
+        attn_mask: Optional[Union[Tensor, BlockSparseMask]] = None,
         key_padding_mask: Optional[Tensor] = None,
         is_causal: CausalArg = False,
         need_weights: bool = False,
@@ -228,10 +241,8 @@ class MultiHeadAttention(nn.Module):
         # 1. project, 2. split heads: (B, N, heads·Dh) -> (B, heads, N, Dh), rotate
         q, k, v = self._project(query, key, value, rotary, positions, past)
         nk = past + k.shape[2]  # every key the queries will see
-        if isinstance(attn_mask, BlockSparseMask):
-            attn_mask = attn_mask.to_dense(query.device)  # (Nq, Nk) or batched: what the layout means
         if attn_mask is not None:  # checked before the cache is touched, so a bad call changes nothing
-            attn_mask = self._head_mask(attn_mask, b, nq, nk)
+            attn_mask = self._head_mask(attn_mask, b, nq, nk, query.device)
         if cache is not None:
             k, v, key_padding_mask = cache.update(k, v, key_padding_mask)  # (B, Hk, Nk, Dh) each
             if is_causal is True:
