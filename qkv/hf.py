@@ -51,7 +51,7 @@ import inspect
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -139,8 +139,8 @@ class _CallObserver:
         self.fn(call)
 
 
-def _observer_hooks() -> List[hooks.Hook]:
-    return [h for h in hooks.registered(hooks.EVERY) if isinstance(h.fn, _CallObserver)]
+def _observer_hooks() -> List[Tuple[hooks.Hook, _CallObserver]]:
+    return [(h, h.fn) for h in hooks.registered(hooks.EVERY) if isinstance(h.fn, _CallObserver)]
 
 
 def add_observer(fn: Observer) -> Callable[[], None]:
@@ -157,15 +157,15 @@ def add_observer(fn: Observer) -> Callable[[], None]:
 
 def remove_observer(fn: Observer) -> None:
     """Stop calling ``fn``; a function that is not registered is ignored."""
-    for h in _observer_hooks():
-        if h.fn.fn is fn or h.fn.fn == fn:  # == lets a fresh bound method (list.append) match
+    for h, observer in _observer_hooks():
+        if observer.fn is fn or observer.fn == fn:  # == lets a fresh bound method (list.append) match
             hooks.Handle(h).remove()
             return
 
 
 def observers() -> Tuple[Observer, ...]:
     """The registered observers, in call order."""
-    return tuple(h.fn.fn for h in _observer_hooks())
+    return tuple(observer.fn for _, observer in _observer_hooks())
 
 
 @contextlib.contextmanager
@@ -232,7 +232,7 @@ def attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     mask, causal, window = _masks(attention_mask, position_bias, bool(is_causal), sliding_window, query, key.shape[-2])
-    call = dict(
+    call: Dict[str, Any] = dict(
         attn_mask=mask, is_causal=causal, scale=scaling, window=window, score_mod=score_mod, sinks=sinks,
         enable_gqa=(getattr(module, "num_key_value_groups", 1) or 1) > 1,
     )  # fmt: skip
@@ -309,7 +309,7 @@ def _hooked_attention(
     then the ``"call"`` observers → the (edited) ``query, key, value`` and ``out`` (B, H, Nq, D)."""
     query, key, value = hp.edit("q", query), hp.edit("k", key), hp.edit("v", value)
     observed = hp.observes("call")
-    result = attention(query, key, value, dropout_p=dropout_p, return_lse=observed, **call)
+    result: Any = attention(query, key, value, dropout_p=dropout_p, return_lse=observed, **call)
     out, lse = result if observed else (result, None)  # (B, H, Nq, D), (B, H, Nq)
     # the weights themselves edited: materialise, edit, multiply by V
     weights = hp.edited_weights(lambda: attention_weights(query, key, **call))
@@ -318,8 +318,8 @@ def _hooked_attention(
     out = hp.edit("output", out)
     if observed:
         hp.observe("call", HFAttentionCall(
-            module, query, key, value, call["attn_mask"], call["is_causal"], call["window"], call["scale"], out, lse,
-            call["score_mod"], call["sinks"],
+            module, query, key, value, call["attn_mask"], call["is_causal"], call["window"], call["scale"], out,
+            cast(Tensor, lse), call["score_mod"], call["sinks"],
         ))  # fmt: skip
     return query, key, value, out
 

@@ -67,7 +67,7 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     or for a Hugging Face model its attention modules."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    mods = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    mods: list[tuple[str, nn.Module]] = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
     if mods:
         return mods
     mods = [(p, m) for p, m in model.named_modules() if _is_hf_attention(m)]

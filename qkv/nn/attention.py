@@ -323,21 +323,21 @@ class MultiHeadAttention(nn.Module):
         hp = hooks.site(self)
         if hp is None:  # nothing hooks this module: the plain call
             if need_weights:
-                weights = attention_weights(q, k, enable_gqa=gqa, **masks)  # (B, H, Nq, Nk)
-                return hooks.attend_weights(weights, v, dropout_p), weights
+                w = attention_weights(q, k, enable_gqa=gqa, **masks)  # (B, H, Nq, Nk)
+                return hooks.attend_weights(w, v, dropout_p), w
             return attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa, backend=backend, **masks), None
         q, k, v = hp.edit("q", q), hp.edit("k", k), hp.edit("v", v)
         for name, t in (("q", q), ("k", k), ("v", v)):
             hp.observe(name, t)
         lse: Optional[Tensor] = None
+        weights: Optional[Tensor] = None
         if need_weights or hp.edits("weights"):  # the materialising path
             weights = attention_weights(q, k, enable_gqa=gqa, **masks)  # (B, H, Nq, Nk)
             weights = hp.edit("weights", weights)
             out = hooks.attend_weights(weights, v, dropout_p)  # (B, H, Nq, Dh)
         else:
-            weights = None
             # an observer may run the call itself (output, lse and statistics in one pass)
-            res = hp.attend(q, k, v, enable_gqa=gqa, **masks) if backend == "auto" and dropout_p == 0.0 else None
+            res: Any = hp.attend(q, k, v, enable_gqa=gqa, **masks) if backend == "auto" and dropout_p == 0.0 else None
             if res is None:
                 # no backend returns the lse together with dropout; the observer then computes it itself
                 want_lse = hp.wants_lse and not (self.training and self.dropout > 0)
