@@ -379,6 +379,12 @@ def test_register_installs_the_checks_once():
     assert PreTrainedModel.get_correct_attn_implementation._qkv_checks
 
 
+def test_record_stats_lives_in_inspect_and_stays_reachable_from_hf():
+    import qkv.inspect
+
+    assert qkv.hf.record_stats is qkv.inspect.record_stats
+
+
 def test_record_stats_matches_output_attentions():
     """Streaming statistics of a HF model on qkv equal those of the eager attention maps."""
     eager, mine = _pair(transformers.LlamaModel, _llama_config())
