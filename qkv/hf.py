@@ -39,7 +39,8 @@ implementations on models without support.
 Observers (:func:`add_observer`, :func:`observe`) get an :class:`HFAttentionCall` per call,
 with the log-sum-exp of every query row; :mod:`qkv.inspect` builds on them. Interventions
 (:func:`qkv.inspect.patch`, :func:`qkv.inspect.ablate`) replace a module's q, k, v, weights or
-head outputs during the call.
+head outputs during the call. Both are :mod:`qkv.hooks` hooks: observers watch every module's
+``"call"`` point, editors a module's ``q``/``k``/``v``/``weights``/``output`` points.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ import inspect
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
 
+from . import hooks
 from .functional import attention, attention_weights
 from .score_mods import Softcap
 
@@ -75,10 +77,6 @@ __all__ = [
 NAME = "qkv"
 
 Observer = Callable[["HFAttentionCall"], Any]
-_OBSERVERS: List[Observer] = []
-# id(attention module) -> its intervention (set by qkv.inspect.patch): called as
-# edit(point, tensor) -> tensor for "q", "k", "v", "weights" (when edit.edits_weights) and "output"
-_EDITORS: Dict[int, Any] = {}
 
 
 @dataclass
@@ -131,6 +129,20 @@ def _describe(fn: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------- observers
+class _CallObserver:
+    """Adapts ``fn(HFAttentionCall)`` to a :mod:`qkv.hooks` observer of every module's ``"call"`` point."""
+
+    def __init__(self, fn: Observer) -> None:
+        self.fn = fn
+
+    def __call__(self, point: str, call: "HFAttentionCall") -> None:
+        self.fn(call)
+
+
+def _observer_hooks() -> List[Tuple[hooks.Hook, _CallObserver]]:
+    return [(h, h.fn) for h in hooks.registered(hooks.EVERY) if isinstance(h.fn, _CallObserver)]
+
+
 def add_observer(fn: Observer) -> Callable[[], None]:
     """Call ``fn(HFAttentionCall)`` after every attention call; returns a function that removes it.
 
@@ -139,21 +151,21 @@ def add_observer(fn: Observer) -> Callable[[], None]:
     """
     if not callable(fn):
         raise TypeError(f"an observer must be callable, got {type(fn).__name__}")
-    _OBSERVERS.append(fn)
+    hooks.add_observer(hooks.EVERY, _CallObserver(fn), points=("call",))
     return lambda: remove_observer(fn)
 
 
 def remove_observer(fn: Observer) -> None:
     """Stop calling ``fn``; a function that is not registered is ignored."""
-    for i, registered in enumerate(_OBSERVERS):
-        if registered is fn or registered == fn:  # == lets a fresh bound method (list.append) match
-            del _OBSERVERS[i]
+    for h, observer in _observer_hooks():
+        if observer.fn is fn or observer.fn == fn:  # == lets a fresh bound method (list.append) match
+            hooks.Handle(h).remove()
             return
 
 
 def observers() -> Tuple[Observer, ...]:
     """The registered observers, in call order."""
-    return tuple(_OBSERVERS)
+    return tuple(observer.fn for _, observer in _observer_hooks())
 
 
 @contextlib.contextmanager
@@ -172,32 +184,15 @@ def observe(fn: Optional[Observer] = None) -> Iterator[List[HFAttentionCall]]:
         remove()
 
 
-@contextlib.contextmanager
-def record_stats(
-    *, topk: int = 5, key_positions: Sequence[int] = (0,), relative_positions: Sequence[int] = (-1, 0)
-) -> Iterator[List[Any]]:
-    """Streaming attention statistics of every layer of a Hugging Face model running on qkv.
+def __getattr__(name: str) -> Any:
+    # record_stats lives in qkv.inspect (which builds on observe); kept reachable here because the
+    # README documents qkv.hf.record_stats. Lazy, and the only import of qkv.inspect in this
+    # module: qkv.inspect imports qkv.hf, so a module-level import would be a circle.
+    if name == "record_stats":
+        from .inspect import record_stats
 
-    Yields a list that receives one :class:`qkv.inspect.AttentionStats` per attention call, in
-    call order (``stats.layer_idx`` is set when the model numbers its layers). Computed from
-    each call's q, k and log-sum-exp tile by tile, so no N×N map is ever built — what
-    ``output_attentions=True`` cannot offer on long inputs.
-    """
-    from .inspect import attention_stats
-
-    collected: List[Any] = []
-
-    def on_call(c: HFAttentionCall) -> None:
-        st = attention_stats(
-            c.query, c.key, lse=c.lse, attn_mask=c.attn_mask, is_causal=c.is_causal, window=c.window,
-            scale=c.scale, enable_gqa=c.query.shape[1] != c.key.shape[1], topk=topk,
-            key_positions=key_positions, relative_positions=relative_positions, score_mod=c.score_mod, sinks=c.sinks,
-        )  # fmt: skip
-        st.layer_idx = c.layer_idx
-        collected.append(st)
-
-    with observe(on_call):
-        yield collected
+        return record_stats
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------------- the function
@@ -231,28 +226,59 @@ def attention_forward(
     ``weights`` (B, H, Nq, Nk) only when ``output_attentions=True`` is passed, else None.
     See the module docstring for how HF's arguments map to qkv's.
     """
+    _refuse_kwargs(module, kwargs)
+    score_mod = Softcap(softcap) if softcap else None  # HF passes None (or 0) for "no cap"
+    sinks = _sinks(module, s_aux, query)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    mask, causal, window = _masks(attention_mask, position_bias, bool(is_causal), sliding_window, query, key.shape[-2])
+    call: Dict[str, Any] = dict(
+        attn_mask=mask, is_causal=causal, scale=scaling, window=window, score_mod=score_mod, sinks=sinks,
+        enable_gqa=(getattr(module, "num_key_value_groups", 1) or 1) > 1,
+    )  # fmt: skip
+    dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
+
+    hp = hooks.site(module)
+    if hp is None:  # nothing hooks this module: the plain call
+        out = attention(query, key, value, dropout_p=dropout_p, **call)  # (B, H, Nq, D)
+    else:
+        query, key, value, out = _hooked_attention(module, hp, query, key, value, dropout_p, call)
+
+    weights = None
+    if kwargs.get("output_attentions"):
+        # (B, H, Nq, Nk); with sinks a row sums to less than one, as in HF's eager code
+        weights = attention_weights(query, key, **call)
+    return out.transpose(1, 2).contiguous(), weights  # (B, Nq, H, D)
+
+
+def _refuse_kwargs(module: Any, kwargs: Dict[str, Any]) -> None:
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(
                 f"qkv's Hugging Face attention does not support {name}= ({what}), which "
                 f"{type(module).__name__} passes; load this model with attn_implementation='eager' or 'sdpa'"
             )
-    score_mod = Softcap(softcap) if softcap else None  # HF passes None (or 0) for "no cap"
-    sinks = None
-    if s_aux is not None:
-        h = query.shape[1]
-        if not isinstance(s_aux, Tensor) or not s_aux.is_floating_point() or s_aux.shape != (h,):
-            got = f"{s_aux.dtype} {tuple(s_aux.shape)}" if isinstance(s_aux, Tensor) else type(s_aux).__name__
-            raise ValueError(
-                f"{type(module).__name__} passes s_aux={got}; qkv takes attention sinks as one float "
-                f"logit per query head, shape ({h},)"
-            )
-        sinks = s_aux.to(query.device)
-    nq, nk = query.shape[-2], key.shape[-2]
-    groups = getattr(module, "num_key_value_groups", 1) or 1
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
 
+
+def _sinks(module: Any, s_aux: Optional[Tensor], query: Tensor) -> Optional[Tensor]:
+    """GPT-OSS's ``s_aux`` as qkv's sinks: one float logit per query head, ``(H,)``."""
+    if s_aux is None:
+        return None
+    h = query.shape[1]
+    if not isinstance(s_aux, Tensor) or not s_aux.is_floating_point() or s_aux.shape != (h,):
+        got = f"{s_aux.dtype} {tuple(s_aux.shape)}" if isinstance(s_aux, Tensor) else type(s_aux).__name__
+        raise ValueError(
+            f"{type(module).__name__} passes s_aux={got}; qkv takes attention sinks as one float "
+            f"logit per query head, shape ({h},)"
+        )
+    return s_aux.to(query.device)
+
+
+def _masks(
+    attention_mask: Optional[Tensor], position_bias: Optional[Tensor], is_causal: bool,
+    sliding_window: Optional[int], query: Tensor, nk: int,
+) -> Tuple[Optional[Tensor], bool, Optional[Tuple[int, int]]]:  # fmt: skip
+    """HF's mask arguments as qkv's: ``(attn_mask, is_causal, window)``."""
     mask = attention_mask
     if mask is not None:
         if mask.dim() == 2:  # (B, Nk) padding mask, from code that skipped HF's mask builder
@@ -263,7 +289,7 @@ def attention_forward(
             mask = mask.to(query.dtype)
     # As HF's sdpa: with a mask, the mask says everything; without, causality (top-left
     # aligned, so a static cache's empty tail is ignored) unless a single query decodes.
-    causal = bool(is_causal) and mask is None and nq > 1
+    causal = is_causal and mask is None and query.shape[-2] > 1
     window = (sliding_window - 1, 0) if (causal and sliding_window) else None
     if position_bias is not None:  # T5-style additive bias, combined with the mask
         bias = position_bias.to(query.dtype)
@@ -273,51 +299,29 @@ def attention_forward(
             mask = bias.masked_fill(~mask, float("-inf"))
         else:
             mask = bias + mask
+    return mask, causal, window
 
-    gqa = groups > 1
-    dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
-    observed = bool(_OBSERVERS)
-    ed = _EDITORS.get(id(module))
-    if ed is not None:
-        query, key, value = ed("q", query), ed("k", key), ed("v", value)
-    result = attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        is_causal=causal,
-        scale=scaling,
-        enable_gqa=gqa,
-        window=window,
-        return_lse=observed,
-        score_mod=score_mod,
-        sinks=sinks,
-    )
+
+def _hooked_attention(
+    module: Any, hp: hooks.Site, query: Tensor, key: Tensor, value: Tensor, dropout_p: float, call: Dict[str, Any]
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The call through its hook points (:mod:`qkv.hooks`): edits of q, k, v, weights and output,
+    then the ``"call"`` observers → the (edited) ``query, key, value`` and ``out`` (B, H, Nq, D)."""
+    query, key, value = hp.edit("q", query), hp.edit("k", key), hp.edit("v", value)
+    observed = hp.observes("call")
+    result: Any = attention(query, key, value, dropout_p=dropout_p, return_lse=observed, **call)
     out, lse = result if observed else (result, None)  # (B, H, Nq, D), (B, H, Nq)
-    if ed is not None:
-        if ed.edits_weights:  # the weights themselves are edited: materialise, edit, multiply by V
-            w = ed("weights", attention_weights(
-                query, key, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa, window=window,
-                score_mod=score_mod, sinks=sinks,
-            ))  # fmt: skip
-            if dropout_p > 0:
-                w = torch.nn.functional.dropout(w, dropout_p)
-            b, hk, nk_, d = value.shape
-            out = (w.reshape(b, hk, -1, nq, nk_) @ value.unsqueeze(2)).reshape(b, -1, nq, d)  # (B, H, Nq, D)
-        out = ed("output", out)
+    # the weights themselves edited: materialise, edit, multiply by V
+    weights = hp.edited_weights(lambda: attention_weights(query, key, **call))
+    if weights is not None:
+        out = hooks.attend_weights(weights, value, dropout_p)
+    out = hp.edit("output", out)
     if observed:
-        call = HFAttentionCall(module, query, key, value, mask, causal, window, scaling, out, lse, score_mod, sinks)
-        for fn in tuple(_OBSERVERS):
-            fn(call)
-
-    weights = None
-    if kwargs.get("output_attentions"):
-        weights = attention_weights(
-            query, key, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa, window=window,
-            score_mod=score_mod, sinks=sinks,
-        )  # (B, H, Nq, Nk); with sinks a row sums to less than one, as in HF's eager code
-    return out.transpose(1, 2).contiguous(), weights  # (B, Nq, H, D)
+        hp.observe("call", HFAttentionCall(
+            module, query, key, value, call["attn_mask"], call["is_causal"], call["window"], call["scale"], out,
+            cast(Tensor, lse), call["score_mod"], call["sinks"],
+        ))  # fmt: skip
+    return query, key, value, out
 
 
 # ---------------------------------------------------------------------------------- registration

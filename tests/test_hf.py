@@ -283,8 +283,6 @@ def _eager_with(q, k, v, scale, softcap=None, sinks=None):
 class _WeightsEditor:
     """An intervention that edits nothing: the weights path must give the normal output."""
 
-    edits_weights = True
-
     def __init__(self):
         self.seen = []
 
@@ -324,11 +322,9 @@ def test_softcap_and_sinks_map_to_score_mod_and_sinks():
             assert float((rebuilt - ref_w).abs().max()) <= TOL
         # the weight-editing path applies them too
         editor = _WeightsEditor()
-        qkv.hf._EDITORS[id(module)] = editor
-        try:
+        with qkv.hooks.add_editor(module, editor):
             edited, _ = qkv.hf.attention_forward(module, q, k, v, None, scaling=scale, **kw)
-        finally:
-            del qkv.hf._EDITORS[id(module)]
+        assert not qkv.hooks.registered(module)
         assert "weights" in editor.seen and float((edited - ref).abs().max()) <= TOL, f"{kw}: weights path"
     # sinks get their gradient like the rest
     s = sinks.clone().requires_grad_(True)
@@ -381,6 +377,12 @@ def test_register_installs_the_checks_once():
     qkv.hf.register()
     assert (PreTrainedModel.get_correct_attn_implementation, PreTrainedModel.post_init) == before
     assert PreTrainedModel.get_correct_attn_implementation._qkv_checks
+
+
+def test_record_stats_lives_in_inspect_and_stays_reachable_from_hf():
+    import qkv.inspect
+
+    assert qkv.hf.record_stats is qkv.inspect.record_stats
 
 
 def test_record_stats_matches_output_attentions():

@@ -7,17 +7,21 @@
 - :func:`record` — capture ``q``/``k``/``v``/``scores``/``weights``/``lse``/``output`` (or only
   statistics) from every :class:`qkv.nn.MultiHeadAttention` in a model during a forward pass;
   :func:`observed_map` / :func:`observed_stats` — the same from a Hugging Face model's calls
-  (:func:`qkv.hf.observe`), with the call's score function and sinks.
+  (:func:`qkv.hf.observe`), with the call's score function and sinks; :func:`record_stats` —
+  statistics of every call of a Hugging Face model (also reachable as ``qkv.hf.record_stats``).
 - :func:`trace_model` — one real head of a BERT model (default all-MiniLM-L6-v2) as a float64
   glass-box :class:`qkv.reference.Trace`, every step kept.
 - :func:`head_summary` — rank and classify heads (previous-token, sink, broad, self).
 - :func:`ablate`, :func:`patch`, :func:`patch_from`, :func:`patching_effects` — change what heads
   compute during a forward pass (qkv.nn models and Hugging Face models on qkv) and measure it.
+
+Recording and editing both register on the hook points of :mod:`qkv.hooks`.
 """
 
-from .capture import POINTS, Recording, observed_arguments, observed_map, observed_stats, record
+from .capture import POINTS, Recorder, Recording, observed_arguments, observed_map, observed_stats, record, record_stats
 from .intervene import (
     EDIT_POINTS,
+    Editor,
     PatchingEffects,
     ablate,
     attention_modules,
@@ -39,6 +43,8 @@ __all__ = [
     "AttentionStats",
     "record",
     "Recording",
+    "Recorder",
+    "record_stats",
     "observed_arguments",
     "observed_map",
     "observed_stats",
@@ -53,5 +59,6 @@ __all__ = [
     "capture_outputs",
     "patching_effects",
     "PatchingEffects",
+    "Editor",
     "trace_model",
 ]

@@ -28,19 +28,21 @@ map and statistic, so ``scores``/``weights``/``lse`` are the ones the model uses
 
 from __future__ import annotations
 
-import fnmatch
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ..nn.attention import MultiHeadAttention
+from .. import hooks
 from ..call import validate_qk
+from ..hf import HFAttentionCall, observe
+from ..hooks import matches, point_name
+from ..nn.attention import MultiHeadAttention
 from .maps import BLOCK, Index, attention_map, attention_scores, fused_lse
 from .stats import AttentionStats, attention_stats, attention_with_stats
 
-__all__ = ["POINTS", "Recording", "record", "observed_arguments", "observed_map", "observed_stats"]
+__all__ = ["POINTS", "Recording", "Recorder", "record", "record_stats", "observed_arguments", "observed_map", "observed_stats"]
 
 POINTS: tuple[str, ...] = ("q", "k", "v", "scores", "weights", "lse", "output")
 _MAPS = ("scores", "weights")
@@ -95,28 +97,29 @@ class Recording(Mapping[str, torch.Tensor]):
         return f"Recording({len(self._data)} tensors, stats for {len(self.stats)} modules, {len(self.modules)} modules attached)"
 
 
-class _Hook:
-    """The ``_capture`` callable set on one module while a recording is active."""
+class Recorder:
+    """The :mod:`qkv.hooks` observer of one module while a :func:`record` is active: stores the
+    ``wanted`` points of the module at ``path`` into ``rec`` (``opts``: :func:`record`'s options)."""
 
-    def __init__(self, path: str, wanted: set[str], rec: Recording, prev: Any, opts: dict[str, Any]) -> None:
-        self.path, self.wanted, self.rec, self.prev, self.opts = path, wanted, rec, prev, opts
+    def __init__(self, path: str, wanted: set[str], rec: Recording, opts: dict[str, Any]) -> None:
+        self.path, self.wanted, self.rec, self.opts = path, wanted, rec, opts
         self.stats = opts["stats"] and bool(wanted & set(_MAPS))
         # Asking the model's own call for the lse saves a pass but may route it to another
         # backend (rounding-level changes), so it is opt-in: by default the model runs untouched.
-        own = opts["reuse_lse"] and ("lse" in wanted or "weights" in wanted or self.stats)
-        self.wants_lse = own or bool(getattr(prev, "wants_lse", False))
+        self.wants_lse = opts["reuse_lse"] and ("lse" in wanted or "weights" in wanted or self.stats)
         self._fused: Optional[AttentionStats] = None  # statistics that attend() computed for the current call
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Run the module's attention call itself, or decline (None).
 
         Recording statistics with ``reuse_lse=True`` on the CPU (no gradient, no nested
-        recording), the output, the lse and the statistics come from one tiled pass
+        recording: :class:`qkv.hooks.Site` asks only a module's sole ``lse`` observer), the
+        output, the lse and the statistics come from one tiled pass
         (:func:`~qkv.inspect.attention_with_stats`), so the statistics do not repeat the score
         matmul. Like ``reuse_lse`` itself this changes the call's rounding, not its result.
         """
         o = self.opts
-        if not (self.stats and o["reuse_lse"]) or self.prev is not None or q.device.type != "cpu":
+        if not (self.stats and o["reuse_lse"]) or q.device.type != "cpu":
             return None
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             return None
@@ -127,14 +130,12 @@ class _Hook:
         return out, st.lse
 
     def _name(self, point: str) -> str:
-        return f"{self.path}.{point}" if self.path else point
+        return point_name(self.path, point)
 
     def _store(self, point: str, t: torch.Tensor) -> None:
         self.rec._data[self._name(point)] = t.detach().clone()  # clone: cache buffers are overwritten later
 
     def __call__(self, name: str, tensor: Optional[torch.Tensor], **ctx: Any) -> None:
-        if self.prev is not None:  # nested recordings of the same module all see the call
-            self.prev(name, tensor, **ctx)
         if name == "q":
             self.rec.calls[self.path] = self.rec.calls.get(self.path, 0) + 1
         if name == "lse":
@@ -226,9 +227,8 @@ def _plan(model: nn.Module, patterns: Sequence[str]) -> dict[str, tuple[MultiHea
         wanted = set()
         for point in POINTS:
             # the model itself: its points are plain names, and "*.weights" should still select them
-            names = (f"{path}.{point}",) if path else (point, f".{point}")
             for pat in patterns:
-                if any(fnmatch.fnmatchcase(name, pat) for name in names):
+                if matches(pat, path, point):
                     wanted.add(point)
                     used.add(pat)
         if wanted:
@@ -286,17 +286,34 @@ def record(
         stats=stats, rows=rows, heads=heads, topk=topk, key_positions=tuple(key_positions),
         relative_positions=tuple(relative_positions), reuse_lse=reuse_lse,
     )  # fmt: skip
-    attached: list[tuple[MultiHeadAttention, Any, bool]] = []
-    try:
+    with ExitStack() as attached:  # every hook removed on exit, also when the forward pass raises
         for path, (m, wanted) in plan.items():
-            had = "_capture" in m.__dict__
-            prev = m.__dict__.get("_capture")
-            m._capture = _Hook(path, wanted, rec, prev, opts)
-            attached.append((m, prev, had))
+            r = Recorder(path, wanted, rec, opts)
+            attached.enter_context(hooks.add_observer(m, r, wants_lse=r.wants_lse, attend=r.attend))
         yield rec
-    finally:
-        for m, prev, had in reversed(attached):
-            if had:
-                m._capture = prev
-            else:
-                del m.__dict__["_capture"]  # back to the class default (None)
+
+
+@contextmanager
+def record_stats(
+    *, topk: int = 5, key_positions: Sequence[int] = (0,), relative_positions: Sequence[int] = (-1, 0)
+) -> Iterator[list[AttentionStats]]:
+    """Streaming attention statistics of every layer of a Hugging Face model running on qkv.
+
+    Yields a list that receives one :class:`AttentionStats` per attention call, in call order
+    (``stats.layer_idx`` is set when the model numbers its layers). Computed from each call's
+    q, k and log-sum-exp tile by tile (:func:`qkv.hf.observe`), so no N×N map is ever built —
+    what ``output_attentions=True`` cannot offer on long inputs.
+    """
+    collected: list[AttentionStats] = []
+
+    def on_call(c: HFAttentionCall) -> None:
+        st = attention_stats(
+            c.query, c.key, lse=c.lse, attn_mask=c.attn_mask, is_causal=c.is_causal, window=c.window,
+            scale=c.scale, enable_gqa=c.query.shape[1] != c.key.shape[1], topk=topk,
+            key_positions=key_positions, relative_positions=relative_positions, score_mod=c.score_mod, sinks=c.sinks,
+        )  # fmt: skip
+        st.layer_idx = c.layer_idx
+        collected.append(st)
+
+    with observe(on_call):
+        yield collected

@@ -28,14 +28,16 @@ named) the model computes exactly what it computed before, bit for bit::
 
 from __future__ import annotations
 
-import fnmatch
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
+from .. import hooks
+from ..hf import NAME, is_registered
+from ..hooks import Edit, apply_edit, matches, point_name
 from ..nn.attention import MultiHeadAttention
 
 __all__ = [
@@ -47,10 +49,10 @@ __all__ = [
     "capture_outputs",
     "patching_effects",
     "PatchingEffects",
+    "Editor",
 ]
 
 EDIT_POINTS: tuple[str, ...] = ("q", "k", "v", "weights", "output")
-Edit = Union[Tensor, Callable[[Tensor], Optional[Tensor]]]
 HeadRef = Union[tuple[int, int], tuple[str, int]]
 
 
@@ -65,7 +67,7 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     or for a Hugging Face model its attention modules."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    mods = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    mods: list[tuple[str, nn.Module]] = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
     if mods:
         return mods
     mods = [(p, m) for p, m in model.named_modules() if _is_hf_attention(m)]
@@ -76,8 +78,6 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         )
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl is not None:
-        from ..hf import NAME, is_registered
-
         if impl != NAME or not is_registered():
             raise ValueError(
                 f"this Hugging Face model runs attention with {impl!r}, so qkv cannot edit it; call "
@@ -87,37 +87,17 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return mods
 
 
-class _Editor:
-    """The ``edit(point, tensor) -> tensor`` callable attached to one attention module."""
+class Editor:
+    """The :mod:`qkv.hooks` editor of one attention module inside :func:`patch`: applies
+    ``edits`` (point → edits, in order) to the module at ``path``."""
 
-    def __init__(self, path: str, edits: dict[str, list[Edit]], prev: Any) -> None:
-        self.path, self.edits, self.prev = path, edits, prev
-        self.edits_weights = "weights" in edits or bool(getattr(prev, "edits_weights", False))
+    def __init__(self, path: str, edits: dict[str, list[Edit]]) -> None:
+        self.path, self.edits = path, edits
 
     def __call__(self, point: str, t: Tensor) -> Tensor:
-        if self.prev is not None:  # an enclosing patch applies first
-            t = self.prev(point, t)
         for e in self.edits.get(point, ()):
-            t = _apply(e, t, f"{self.path}.{point}" if self.path else point)
+            t = apply_edit(e, t, point_name(self.path, point))
         return t
-
-
-def _apply(e: Edit, t: Tensor, name: str) -> Tensor:
-    if isinstance(e, Tensor):
-        try:
-            return e.to(device=t.device, dtype=t.dtype).expand_as(t)
-        except RuntimeError:
-            raise ValueError(
-                f"the replacement for {name} has shape {tuple(e.shape)}, which does not broadcast to the "
-                f"point's shape {tuple(t.shape)}"
-            ) from None
-    got = e(t.clone())  # a clone: an edit may write in place without touching the model's own tensor
-    if got is None:
-        raise ValueError(f"the edit for {name} returned None; return the tensor to use (e.g. the edited argument)")
-    if not isinstance(got, Tensor) or got.shape != t.shape:
-        shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
-        raise ValueError(f"the edit for {name} returned {shape}; it must return a tensor of shape {tuple(t.shape)}")
-    return got.to(t.dtype)
 
 
 def _resolve(model: nn.Module, edits: Mapping[str, Edit]) -> dict[str, tuple[nn.Module, dict[str, list[Edit]]]]:
@@ -130,8 +110,7 @@ def _resolve(model: nn.Module, edits: Mapping[str, Edit]) -> dict[str, tuple[nn.
         hits = 0
         for path, m in mods:
             for point in EDIT_POINTS:
-                names = (f"{path}.{point}",) if path else (point, f".{point}")
-                if any(fnmatch.fnmatchcase(n, key) for n in names):
+                if matches(key, path, point):
                     plan.setdefault(path, (m, {}))[1].setdefault(point, []).append(edit)
                     hits += 1
         if not hits:
@@ -155,30 +134,10 @@ def patch(model: nn.Module, edits: Mapping[str, Edit]) -> Iterator[None]:
     """
     if not isinstance(edits, Mapping):
         raise TypeError(f"edits must be a mapping from edit point to tensor or function, got {type(edits).__name__}")
-    from .. import hf
-
-    attached: list[tuple[nn.Module, bool, Any]] = []
-    try:
+    with ExitStack() as attached:  # every hook removed on exit, also when the forward pass raises
         for path, (m, point_edits) in _resolve(model, edits).items():
-            if isinstance(m, MultiHeadAttention):
-                had, prev = "_edit" in m.__dict__, m.__dict__.get("_edit")
-                m._edit = _Editor(path, point_edits, prev)
-            else:
-                had, prev = id(m) in hf._EDITORS, hf._EDITORS.get(id(m))
-                hf._EDITORS[id(m)] = _Editor(path, point_edits, prev)
-            attached.append((m, had, prev))
+            attached.enter_context(hooks.add_editor(m, Editor(path, point_edits), points=point_edits))
         yield
-    finally:
-        for m, had, prev in reversed(attached):
-            if isinstance(m, MultiHeadAttention):
-                if had:
-                    m._edit = prev
-                else:
-                    del m.__dict__["_edit"]  # back to the class default (None)
-            elif had:
-                hf._EDITORS[id(m)] = prev
-            else:
-                hf._EDITORS.pop(id(m), None)
 
 
 def _heads_by_module(model: nn.Module, heads: Sequence[HeadRef]) -> dict[str, list[int]]:
@@ -232,7 +191,7 @@ def ablate(model: nn.Module, heads: Sequence[HeadRef], mode: str = "zero") -> It
                 out[:, idx] = out[:, idx].mean(dim=(0, 2), keepdim=True).expand_as(out[:, idx])
             return out
 
-        edits[f"{path}.output" if path else "output"] = knock
+        edits[point_name(path, "output")] = knock
     with patch(model, edits):
         yield
 
@@ -248,13 +207,13 @@ def capture_outputs(model: nn.Module) -> Iterator[dict[str, Tensor]]:
             got[path] = out.detach().clone()
             return out
 
-        edits[f"{path}.output" if path else "output"] = keep
+        edits[point_name(path, "output")] = keep
     with patch(model, edits):
         yield got
 
 
 def _source_output(source: Mapping[str, Tensor], path: str) -> Tensor:
-    for key in (path, f"{path}.output" if path else "output"):
+    for key in (path, point_name(path, "output")):
         if key in source:
             return source[key]
     raise KeyError(f"no recorded output for {path!r}: record it with capture_outputs(model) or record(model, '*.output')")
@@ -280,7 +239,7 @@ def patch_from(model: nn.Module, source: Mapping[str, Tensor], heads: Sequence[H
             out[:, idx] = src[:, idx].to(out)
             return out
 
-        edits[f"{path}.output" if path else "output"] = put
+        edits[point_name(path, "output")] = put
     with patch(model, edits):
         yield
 

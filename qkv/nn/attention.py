@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import hooks
 from ..call import BackendName
 from ..functional import attention, attention_weights
 from ..reference.masks import IsCausal
@@ -61,23 +61,14 @@ class MultiHeadAttention(nn.Module):
     Parameters: ``q_proj`` (E → E), ``k_proj`` (Ek → Hk·Dh), ``v_proj`` (Ev → Hk·Dh),
     ``out_proj`` (E → E).
 
-    Capture points (set by :func:`qkv.inspect.record`; ``None`` costs one attribute check):
-    ``_capture(name, tensor, **context)`` is called with ``"q"`` (B, H, Nq, Dh), ``"k"``/``"v"``
-    (B, Hk, Nk, Dh) after the head split, rotary and cache, ``"lse"`` (B, H, Nq) or None with
-    the attention call's query, key and mask arguments as context, and ``"output"``
-    (B, H, Nq, Dh) before the heads merge. The log-sum-exp is requested from the fused
-    attention call only when ``_capture.wants_lse`` is true. A recorder with an ``attend(q, k,
-    v, **call)`` method may run the attention call itself (returning ``(out, lse)``, or None to
-    decline).
-
-    Edit points (set by :func:`qkv.inspect.patch` and friends): ``_edit(name, tensor)`` returns
-    the tensor to use instead for ``"q"``, ``"k"``, ``"v"``, ``"weights"`` (B, H, Nq, Nk) and
-    ``"output"``; with ``_edit.edits_weights`` the weights are materialised and multiplied by V.
-    Edits apply before capture, so a recording inside a patch sees the patched tensors.
+    Hook points (:mod:`qkv.hooks`; set by :func:`qkv.inspect.record`, :func:`qkv.inspect.patch`
+    and friends; none registered costs one dictionary lookup): ``"q"`` (B, H, Nq, Dh),
+    ``"k"``/``"v"`` (B, Hk, Nk, Dh) after the head split, rotary and cache, ``"weights"``
+    (B, H, Nq, Nk) (edits only: they are then materialised and multiplied by V), ``"lse"``
+    (B, H, Nq) or None with the attention call's query, key and mask arguments as context, and
+    ``"output"`` (B, H, Nq, Dh) before the heads merge. Edits apply before observers, so a
+    recording inside a patch sees the patched tensors.
     """
-
-    _capture = None  # an inspection recorder, or None
-    _edit = None  # an intervention (qkv.inspect.patch), or None
 
     def __init__(
         self,
@@ -170,14 +161,32 @@ class MultiHeadAttention(nn.Module):
                 f"key has {key.shape[1]} positions but value has {value.shape[1]}; each key needs a value"
             )
 
-    def _head_mask(self, attn_mask: Tensor, b: int, nq: int, nk: int) -> Tensor:
-        """attn_mask (Nq, Nk) | (B, Nq, Nk) | (B, H, Nq, Nk) → broadcastable to (B, H, Nq, Nk)."""
-        given = tuple(attn_mask.shape)
-        if attn_mask.dim() == 3:
-            attn_mask = attn_mask.unsqueeze(1)  # (B, 1, Nq, Nk)
-        ok = attn_mask.dim() in (2, 4) and attn_mask.shape[-2:] == (nq, nk)
-        if ok and attn_mask.dim() == 4:
-            ok = attn_mask.shape[0] in (1, b) and attn_mask.shape[1] in (1, self.num_heads)
+    def _head_mask(
+        self, attn_mask: Union[Tensor, BlockSparseMask], b: int, nq: int, nk: int, device: torch.device
+    ) -> Union[Tensor, BlockSparseMask]:
+        """attn_mask (Nq, Nk) | (B, Nq, Nk) | (B, H, Nq, Nk) → broadcastable to (B, H, Nq, Nk).
+
+        A :class:`BlockSparseMask` with a 2-D or 4-D layout goes to :func:`qkv.attention` as it
+        is (it carries its block layout there); a 3-D layout means ``(B, Nq, Nk)`` here but
+        ``(H, Nq, Nk)`` to :func:`qkv.attention`, so it is densified and read as this module reads masks.
+        """
+        if isinstance(attn_mask, BlockSparseMask):
+            if attn_mask.layout.dim() != 3:
+                self._check_mask_shape((*attn_mask.layout.shape[:-2], *attn_mask.shape), b, nq, nk)
+                return attn_mask
+            attn_mask = attn_mask.to_dense(device)  # (B, Nq, Nk): what the layout means
+        self._check_mask_shape(tuple(attn_mask.shape), b, nq, nk)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(
+                f"attn_mask must be bool (True = may attend) or float (added to the scores), got {attn_mask.dtype}"
+            )
+        return attn_mask.unsqueeze(1) if attn_mask.dim() == 3 else attn_mask  # (B, 1, Nq, Nk)
+
+    def _check_mask_shape(self, given: Tuple[int, ...], b: int, nq: int, nk: int) -> None:
+        shape = (given[0], 1, *given[1:]) if len(given) == 3 else given
+        ok = len(shape) in (2, 4) and shape[-2:] == (nq, nk)
+        if ok and len(shape) == 4:
+            ok = shape[0] in (1, b) and shape[1] in (1, self.num_heads)
         if not ok:
             raise ValueError(
                 f"attn_mask has shape {given}; expected (Nq, Nk), (B, Nq, Nk) or "
@@ -185,11 +194,6 @@ class MultiHeadAttention(nn.Module):
                 "(Nk counts cached keys too). Note: a torch.nn.MultiheadAttention (B*H, Nq, Nk) mask "
                 f"must be reshaped to (B, H, Nq, Nk)"
             )
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise TypeError(
-                f"attn_mask must be bool (True = may attend) or float (added to the scores), got {attn_mask.dtype}"
-            )
-        return attn_mask
 
     # ---------------------------------------------------------------------------- forward
     def forward(
@@ -198,7 +202,7 @@ class MultiHeadAttention(nn.Module):
         key: Optional[Tensor] = None,
         value: Optional[Tensor] = None,
         *,
-        attn_mask: Optional[Tensor] = None,
+        attn_mask: Optional[Union[Tensor, BlockSparseMask]] = None,
         key_padding_mask: Optional[Tensor] = None,
         is_causal: CausalArg = False,
         need_weights: bool = False,
@@ -235,6 +239,46 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``(out (B, Nq, E), weights or None)``.
         """
+        key, value = self._check_call(query, key, value, key_padding_mask)
+        b, nq, _ = query.shape
+        past = 0 if cache is None else cache.length
+
+        # 1. project, 2. split heads: (B, N, heads·Dh) -> (B, heads, N, Dh), rotate
+        q, k, v = self._project(query, key, value, rotary, positions, past)
+        nk = past + k.shape[2]  # every key the queries will see
+        if attn_mask is not None:  # checked before the cache is touched, so a bad call changes nothing
+            attn_mask = self._head_mask(attn_mask, b, nq, nk, query.device)
+        if cache is not None:
+            k, v, key_padding_mask = cache.update(k, v, key_padding_mask)  # (B, Hk, Nk, Dh) each
+            if is_causal is True:
+                is_causal = "bottom_right"
+        elif key_padding_mask is not None and key_padding_mask.shape != (b, nk):
+            raise ValueError(
+                f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, Nk) = ({b}, {nk})"
+            )
+        masks: dict[str, Any] = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask)
+        if self.score_mod is not None:
+            masks["score_mod"] = self.score_mod
+        if self.sinks is not None:
+            masks["sinks"] = self.sinks
+
+        # 3. attention: (B, H, Nq, Dh) x (B, Hk, Nk, Dh) -> (B, H, Nq, Dh), through the hook points
+        out, weights = self._attend(q, k, v, masks, need_weights, backend)
+
+        # 4. merge heads: (B, H, Nq, Dh) -> (B, Nq, H·Dh)
+        out = out.transpose(1, 2).reshape(b, nq, self.d_model)  # (B, Nq, E)
+
+        # 5. output projection
+        out = self.out_proj(out)  # (B, Nq, E)
+
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)  # (B, Nq, Nk)
+        return out, weights
+
+    def _check_call(
+        self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor]:
+        """The key and value to use (self-attention when both are None), after the input checks."""
         self_attention = key is None and value is None
         if key is None and value is not None:
             raise ValueError("value was given without key; pass key too (or neither for self-attention)")
@@ -248,20 +292,19 @@ class MultiHeadAttention(nn.Module):
                 f"key_padding_mask must be bool with True = may attend, got {key_padding_mask.dtype}; "
                 "a torch.nn.MultiheadAttention mask (True = ignore) converts with ~mask"
             )
+        return key, value
+
+    def _project(
+        self, query: Tensor, key: Tensor, value: Tensor, rotary: Optional[RotaryEmbedding],
+        positions: Optional[Tensor], past: int,
+    ) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """Steps 1 and 2: project, split heads, rotate → q (B, H, Nq, Dh), k/v (B, Hk, n, Dh)."""
         b, nq, _ = query.shape
-        past = 0 if cache is None else cache.length
         h, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
-
-        # 1. project
-        q = self.q_proj(query)  # (B, Nq, H·Dh)
-        k = self.k_proj(key)  # (B, n, Hk·Dh)
-        v = self.v_proj(value)  # (B, n, Hk·Dh)
-
-        # 2. split heads: (B, N, heads·Dh) -> (B, heads, N, Dh)
         n = key.shape[1]  # new keys: Nk without a cache
-        q = q.view(b, nq, h, dh).transpose(1, 2)  # (B, H, Nq, Dh)
-        k = k.view(b, n, hk, dh).transpose(1, 2)  # (B, Hk, n, Dh)
-        v = v.view(b, n, hk, dh).transpose(1, 2)  # (B, Hk, n, Dh)
+        q = self.q_proj(query).view(b, nq, h, dh).transpose(1, 2)  # (B, Nq, H·Dh) -> (B, H, Nq, Dh)
+        k = self.k_proj(key).view(b, n, hk, dh).transpose(1, 2)  # (B, n, Hk·Dh) -> (B, Hk, n, Dh)
+        v = self.v_proj(value).view(b, n, hk, dh).transpose(1, 2)  # (B, n, Hk·Dh) -> (B, Hk, n, Dh)
         if rotary is not None:
             if positions is not None and n != nq:
                 raise ValueError(
@@ -272,76 +315,43 @@ class MultiHeadAttention(nn.Module):
             k = rotary.rotate(k, offset=past, positions=positions)  # (B, Hk, n, Dh)
         elif positions is not None:
             raise ValueError("positions= only has an effect together with rotary=")
-        nk = past + n  # every key the queries will see
-        if isinstance(attn_mask, BlockSparseMask):
-            attn_mask = attn_mask.to_dense(query.device)  # (Nq, Nk) or batched: what the layout means
-        if attn_mask is not None:  # checked before the cache is touched, so a bad call changes nothing
-            attn_mask = self._head_mask(attn_mask, b, nq, nk)
-        if cache is not None:
-            k, v, key_padding_mask = cache.update(k, v, key_padding_mask)  # (B, Hk, Nk, Dh) each
-            if is_causal is True:
-                is_causal = "bottom_right"
-        elif key_padding_mask is not None and key_padding_mask.shape != (b, nk):
-            raise ValueError(
-                f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, Nk) = ({b}, {nk})"
-            )
+        return q, k, v
 
-        ed = self._edit
-        if ed is not None:
-            q, k, v = ed("q", q), ed("k", k), ed("v", v)
-        cap = self._capture
-        want_lse = False
-        if cap is not None:
-            # no backend returns the lse together with dropout; the recorder then computes it itself
-            want_lse = getattr(cap, "wants_lse", False) and not (self.training and self.dropout > 0)
-            cap("q", q)
-            cap("k", k)
-            cap("v", v)
-
-        # 3. attention: (B, H, Nq, Dh) x (B, Hk, Nk, Dh) -> (B, H, Nq, Dh)
-        gqa = hk != h
-        weights: Optional[Tensor] = None
-        lse: Optional[Tensor] = None
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, masks: dict[str, Any], need_weights: bool, backend: BackendName
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """Step 3 with its hook points (:mod:`qkv.hooks`): edits first, then observers, so a
+        recording inside a patch sees the patched tensors → ``(out (B, H, Nq, Dh), weights
+        (B, H, Nq, Nk) when need_weights, else None)``."""
+        gqa = self.num_kv_heads != self.num_heads
         dropout_p = self.dropout if self.training else 0.0
-        edit_weights = ed is not None and getattr(ed, "edits_weights", False)
-        masks: dict[str, Any] = dict(attn_mask=attn_mask, is_causal=is_causal, window=window, key_padding_mask=key_padding_mask)
-        if self.score_mod is not None:
-            masks["score_mod"] = self.score_mod
-        if self.sinks is not None:
-            masks["sinks"] = self.sinks
-        if need_weights or edit_weights:
+        hp = hooks.site(self)
+        if hp is None:  # nothing hooks this module: the plain call
+            if need_weights:
+                w = attention_weights(q, k, enable_gqa=gqa, **masks)  # (B, H, Nq, Nk)
+                return hooks.attend_weights(w, v, dropout_p), w
+            return attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa, backend=backend, **masks), None
+        q, k, v = hp.edit("q", q), hp.edit("k", k), hp.edit("v", v)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            hp.observe(name, t)
+        lse: Optional[Tensor] = None
+        weights: Optional[Tensor] = None
+        if need_weights or hp.edits("weights"):  # the materialising path
             weights = attention_weights(q, k, enable_gqa=gqa, **masks)  # (B, H, Nq, Nk)
-            if edit_weights:
-                weights = ed("weights", weights)
-            p = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-            p = p.reshape(b, hk, h // hk, nq, nk)  # (B, Hk, G, Nq, Nk): G query heads per kv head
-            out = (p @ v.unsqueeze(2)).view(b, h, nq, dh)  # (B, H, Nq, Dh)
+            weights = hp.edit("weights", weights)
+            out = hooks.attend_weights(weights, v, dropout_p)  # (B, H, Nq, Dh)
         else:
-            # a recorder may run the call itself (output, lse and statistics in one pass)
-            attend = getattr(cap, "attend", None) if backend == "auto" and dropout_p == 0.0 else None
-            res = None if attend is None else attend(q, k, v, enable_gqa=gqa, **masks)
+            # an observer may run the call itself (output, lse and statistics in one pass)
+            res: Any = hp.attend(q, k, v, enable_gqa=gqa, **masks) if backend == "auto" and dropout_p == 0.0 else None
             if res is None:
+                # no backend returns the lse together with dropout; the observer then computes it itself
+                want_lse = hp.wants_lse and not (self.training and self.dropout > 0)
                 res = attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa, return_lse=want_lse, backend=backend, **masks)
-            # (B, H, Nq, Dh), or with the lse (B, H, Nq) for a recorder
-            out, lse = res if isinstance(res, tuple) else (res, lse)
-        if cap is not None:
-            cap("lse", lse, query=q, key=k, enable_gqa=gqa, **masks)
-        if ed is not None:
-            out = ed("output", out)
-        if cap is not None:
-            cap("output", out)
-
-        # 4. merge heads: (B, H, Nq, Dh) -> (B, Nq, H·Dh)
-        out = out.transpose(1, 2).reshape(b, nq, h * dh)  # (B, Nq, E)
-
-        # 5. output projection
-        out = self.out_proj(out)  # (B, Nq, E)
-
-        if not need_weights:
-            weights = None  # materialised only for an edit
-        elif average_attn_weights:
-            weights = weights.mean(dim=1)  # (B, Nq, Nk)
-        return out, weights
+            out, lse = res if isinstance(res, tuple) else (res, None)  # (B, H, Nq, Dh), (B, H, Nq)
+        hp.observe("lse", lse, query=q, key=k, enable_gqa=gqa, **masks)
+        out = hp.edit("output", out)
+        hp.observe("output", out)
+        return out, weights if need_weights else None
 
     # ------------------------------------------------------------------------ conversion
     @classmethod

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+import qkv.hooks
+
 from qkv.inspect import ablate, attention_modules, capture_outputs, patch, patch_from, patching_effects, record
 from qkv.nn import MultiHeadAttention, TransformerEncoder, TransformerEncoderLayer
 
@@ -52,7 +54,7 @@ def test_zero_ablation_equals_a_model_without_the_heads_and_leaves_it_unchanged(
     assert (got - want).abs().max() < 1e-12
     assert not torch.equal(got, before)
     assert torch.equal(model(x, is_causal=True), before)  # outside the block: bit-identical
-    assert all("_edit" not in m.__dict__ for _, m in attention_modules(model))
+    assert all(not qkv.hooks.registered(m) for _, m in attention_modules(model))
 
 
 def test_mean_ablation_replaces_a_head_by_its_average_output():
@@ -164,7 +166,7 @@ def test_bad_arguments_say_what_to_do():
     with pytest.raises(ValueError, match="does not broadcast"):
         with patch(model, {"encoder.layers.0.self_attn.output": torch.zeros(3, 3)}):
             model(x)
-    assert all("_edit" not in m.__dict__ for _, m in attention_modules(model))  # removed after the error
+    assert all(not qkv.hooks.registered(m) for _, m in attention_modules(model))  # removed after the error
     with pytest.raises(ValueError, match="no qkv.nn.MultiHeadAttention"):
         attention_modules(nn.Linear(2, 2))
 

@@ -22,7 +22,7 @@ from qkv.inspect import (
     observed_stats,
 )
 from qkv.inspect import stats as stats_mod
-from qkv.inspect.capture import _Hook
+from qkv.inspect.capture import Recorder
 from qkv.reference.attention import attention_ref
 from qkv.score_mods import ALiBi, Softcap
 from qkv.score_mods.alibi import alibi_slopes
@@ -195,13 +195,13 @@ def test_a_recording_hook_passes_the_calls_score_function_and_sinks_on():
     w = qkv.attention_weights(q, k, enable_gqa=True, **masks)
     opts = dict(stats=False, rows=None, heads=None, topk=TOPK, key_positions=(0,), relative_positions=(-1, 0), reuse_lse=False)
     rec = Recording()
-    hook = _Hook("", {"weights", "scores", "lse"}, rec, None, opts)
+    hook = Recorder("", {"weights", "scores", "lse"}, rec, opts)
     hook("lse", None, query=q, key=k, enable_gqa=True, **masks)  # no lse from the model: the hook finds it
     assert torch.allclose(rec["weights"], w, atol=1e-12, rtol=0)
     _, lse = qkv.attention(q, k, v, return_lse=True, enable_gqa=True, **masks)
     assert torch.allclose(rec["lse"], lse, atol=1e-12, rtol=0)
     rec = Recording()
-    _Hook("", {"weights"}, rec, None, dict(opts, stats=True))("lse", lse, query=q, key=k, enable_gqa=True, **masks)
+    Recorder("", {"weights"}, rec, dict(opts, stats=True))("lse", lse, query=q, key=k, enable_gqa=True, **masks)
     assert rec.stats[""].sink_share is not None
     assert torch.allclose(rec.stats[""].max_weight, w.amax(-1), atol=1e-12, rtol=0)
 
