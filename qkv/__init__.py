@@ -30,11 +30,14 @@ if TYPE_CHECKING:
     from . import backends as backends
     from . import distributed as distributed
     from . import functional as functional
+    from . import allocation as allocation
     from . import hf as hf
+    from . import hooks as hooks
     from . import inspect as inspect
     from . import linear as linear
     from . import models as models
     from . import nn as nn
+    from . import nonfinite as nonfinite
     from . import score_mods as score_mods
     from . import sinks as sinks
     from . import sparse as sparse
@@ -63,7 +66,8 @@ def __getattr__(name: str) -> object:
         from .varlen import attention_varlen
 
         value = attention_varlen
-    elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz", "distributed", "sparse", "linear", "score_mods", "sinks"):
+    elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz", "distributed", "sparse", "linear",
+                  "score_mods", "sinks", "hooks", "nonfinite", "allocation"):
         import importlib
 
         value = importlib.import_module(f".{name}", __name__)
@@ -96,6 +100,9 @@ __all__ = [
     "inspect",
     "models",
     "hf",
+    "hooks",
+    "nonfinite",
+    "allocation",
     "viz",
     "distributed",
     "BackendError",

@@ -183,18 +183,6 @@ def observe(fn: Optional[Observer] = None) -> Iterator[List[HFAttentionCall]]:
     finally:
         remove()
 
-
-def __getattr__(name: str) -> Any:
-    # record_stats lives in qkv.inspect (which builds on observe); kept reachable here because the
-    # README documents qkv.hf.record_stats. Lazy, and the only import of qkv.inspect in this
-    # module: qkv.inspect imports qkv.hf, so a module-level import would be a circle.
-    if name == "record_stats":
-        from .inspect import record_stats
-
-        return record_stats
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # ---------------------------------------------------------------------------------- the function
 # Arguments some models pass that qkv cannot express. Each is refused rather than ignored: the
 # sparse indices are what those models fold into the mask only for "eager" and "sdpa".

@@ -379,17 +379,11 @@ def test_register_installs_the_checks_once():
     assert PreTrainedModel.get_correct_attn_implementation._qkv_checks
 
 
-def test_record_stats_lives_in_inspect_and_stays_reachable_from_hf():
-    import qkv.inspect
-
-    assert qkv.hf.record_stats is qkv.inspect.record_stats
-
-
 def test_record_stats_matches_output_attentions():
     """Streaming statistics of a HF model on qkv equal those of the eager attention maps."""
     eager, mine = _pair(transformers.LlamaModel, _llama_config())
     ids, mask = _ids(2, 10), _padding(2, 10, [10, 6])
-    with torch.no_grad(), qkv.hf.record_stats(topk=3) as stats:
+    with torch.no_grad(), qkv.inspect.record_stats(topk=3) as stats:
         mine(input_ids=ids, attention_mask=mask)
     with torch.no_grad():
         maps = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
@@ -422,7 +416,7 @@ def test_record_stats_with_softcap_or_sinks(arch):
                 if hasattr(layer.self_attn, "sinks"):
                     layer.self_attn.sinks.copy_(torch.linspace(-2, 2, 4))
     ids, mask = _ids(2, 10), _padding(2, 10, [10, 6])
-    with torch.no_grad(), qkv.hf.record_stats(topk=3) as stats:
+    with torch.no_grad(), qkv.inspect.record_stats(topk=3) as stats:
         mine(input_ids=ids, attention_mask=mask)
     with torch.no_grad():
         maps = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions

@@ -8,7 +8,7 @@
   statistics) from every :class:`qkv.nn.MultiHeadAttention` in a model during a forward pass;
   :func:`observed_map` / :func:`observed_stats` — the same from a Hugging Face model's calls
   (:func:`qkv.hf.observe`), with the call's score function and sinks; :func:`record_stats` —
-  statistics of every call of a Hugging Face model (also reachable as ``qkv.hf.record_stats``).
+  statistics of every call of a Hugging Face model.
 - :func:`trace_model` — one real head of a BERT model (default all-MiniLM-L6-v2) as a float64
   glass-box :class:`qkv.reference.Trace`, every step kept.
 - :func:`head_summary` — rank and classify heads (previous-token, sink, broad, self).

@@ -41,6 +41,47 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_inputs(query: Tensor, key: Tensor, value: Tensor, d_model: int, kdim: int, vdim: int,
+                 self_attention: bool) -> None:
+    """Batch-first ``(B, N, width)`` float query, key and value of one batch, with a value per key;
+    each mistake named with its fix (for every module that takes them as MultiHeadAttention does)."""
+    for name, x, width, width_name in (
+        ("query", query, d_model, "d_model"),
+        ("key", key, kdim, "kdim"),
+        ("value", value, vdim, "vdim"),
+    ):
+        if x.dim() != 3:
+            raise ValueError(
+                f"{name} must be 3-D (B, N, {width}) batch-first, got shape {tuple(x.shape)}; "
+                f"add a batch dimension with {name}.unsqueeze(0), or, for sequence-first "
+                f"(N, B, E) inputs as in torch.nn.MultiheadAttention, use {name}.transpose(0, 1)"
+            )
+        if not x.is_floating_point():
+            raise TypeError(
+                f"{name} must be a floating-point tensor (B, N, {width}), got {x.dtype}; token ids go through "
+                f"an embedding first (torch.nn.Embedding), numbers can be converted with {name}.float()"
+            )
+        if x.shape[-1] != width:
+            hint = (
+                "; for self-attention with kdim/vdim != d_model pass key and value explicitly"
+                if self_attention and name != "query"
+                else ""
+            )
+            raise ValueError(
+                f"{name} has last dimension {x.shape[-1]} but this module expects "
+                f"{width_name}={width}{hint}"
+            )
+    if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}; "
+            "query, key and value must hold the same batch of sequences (lengths may differ)"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            f"key has {key.shape[1]} positions but value has {value.shape[1]}; each key needs a value"
+        )
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head (optionally grouped-query) attention, batch-first.
 
@@ -125,41 +166,7 @@ class MultiHeadAttention(nn.Module):
 
     # ----------------------------------------------------------------------------- checks
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool) -> None:
-        for name, x, width, width_name in (
-            ("query", query, self.d_model, "d_model"),
-            ("key", key, self.kdim, "kdim"),
-            ("value", value, self.vdim, "vdim"),
-        ):
-            if x.dim() != 3:
-                raise ValueError(
-                    f"{name} must be 3-D (B, N, {width}) batch-first, got shape {tuple(x.shape)}; "
-                    f"add a batch dimension with {name}.unsqueeze(0), or, for sequence-first "
-                    f"(N, B, E) inputs as in torch.nn.MultiheadAttention, use {name}.transpose(0, 1)"
-                )
-            if not x.is_floating_point():
-                raise TypeError(
-                    f"{name} must be a floating-point tensor (B, N, {width}), got {x.dtype}; token ids go through "
-                    f"an embedding first (torch.nn.Embedding), numbers can be converted with {name}.float()"
-                )
-            if x.shape[-1] != width:
-                hint = (
-                    "; for self-attention with kdim/vdim != d_model pass key and value explicitly"
-                    if self_attention and name != "query"
-                    else ""
-                )
-                raise ValueError(
-                    f"{name} has last dimension {x.shape[-1]} but this module expects "
-                    f"{width_name}={width}{hint}"
-                )
-        if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
-            raise ValueError(
-                f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}; "
-                "query, key and value must hold the same batch of sequences (lengths may differ)"
-            )
-        if key.shape[1] != value.shape[1]:
-            raise ValueError(
-                f"key has {key.shape[1]} positions but value has {value.shape[1]}; each key needs a value"
-            )
+        check_inputs(query, key, value, self.d_model, self.kdim, self.vdim, self_attention)
 
     def _head_mask(
         self, attn_mask: Union[Tensor, BlockSparseMask], b: int, nq: int, nk: int, device: torch.device

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..linear import FeatureMap, LinearAttentionState, linear_attention
-from .attention import MultiHeadAttention
+from .attention import MultiHeadAttention, check_inputs
 
 __all__ = ["LinearAttention"]
 
@@ -91,7 +91,7 @@ class LinearAttention(nn.Module):
             raise ValueError("value was given without key; pass key too (or neither for self-attention)")
         key = query if key is None else key
         value = key if value is None else value
-        MultiHeadAttention._check_inputs(self, query, key, value, self_attention)  # type: ignore[arg-type]
+        check_inputs(query, key, value, self.d_model, self.kdim, self.vdim, self_attention)
         if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool or key_padding_mask.shape != key.shape[:2]):
             raise ValueError(
                 f"key_padding_mask must be bool (B, Nk) = {tuple(key.shape[:2])} with True = real key, got "
