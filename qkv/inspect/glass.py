@@ -23,17 +23,18 @@ import numpy as np
 
 from qkv.reference.trace import Trace, trace
 
-__all__ = ["trace_model", "MAX_TOKENS", "BUNDLED_NAME"]
+__all__ = ["trace_model", "load_model", "MAX_TOKENS", "BUNDLED_NAME"]
 
 MAX_TOKENS = 64
 """Default limit on word pieces: a trace keeps and prints several N × N matrices per step."""
 BUNDLED_NAME = "all-MiniLM-L6-v2"
 
-_MODELS: dict[str, Any] = {}  # loaded once per process: tracing only reads the weights
+def load_model(model: Union[None, str, os.PathLike, Any]) -> tuple[Any, str]:
+    """(model, its name) from None (the bundled model), a directory, or a loaded model.
 
-
-def _load(model: Union[None, str, os.PathLike, Any]) -> tuple[Any, str]:
-    """(model, its name) from None (the bundled model), a directory, or a loaded model."""
+    Directories are read through :func:`qkv.models.load_shared`: once per process, shared with
+    ``qkv explain``.
+    """
     if model is not None and not isinstance(model, (str, os.PathLike)):
         if not (hasattr(model, "embeddings") and hasattr(model, "encoder") and hasattr(model, "tokenizer")):
             raise TypeError(
@@ -41,7 +42,7 @@ def _load(model: Union[None, str, os.PathLike, Any]) -> tuple[Any, str]:
                 f"qkv.models.load(); got {type(model).__name__}"
             )
         return model, _name(getattr(model, "path", None))
-    from qkv.models import default_model_dir, load
+    from qkv.models import default_model_dir, load_shared
 
     key = str(default_model_dir() if model is None else Path(model))
     if model is not None and not Path(model).is_dir():
@@ -49,9 +50,7 @@ def _load(model: Union[None, str, os.PathLike, Any]) -> tuple[Any, str]:
             f"model={str(model)!r} is not a directory; pass a BERT-style model directory holding config.json, "
             "model.safetensors and tokenizer.json, or None for the bundled model"
         )
-    if key not in _MODELS:
-        _MODELS[key] = load(key)
-    return _MODELS[key], _name(key)
+    return load_shared(key), _name(key)
 
 
 def _name(path: Optional[Union[str, os.PathLike]]) -> str:
@@ -112,7 +111,7 @@ def trace_model(
         raise ValueError(f"max_tokens={max_tokens!r} must be a positive int (default {MAX_TOKENS})")
     import torch
 
-    m, name = _load(model)
+    m, name = load_model(model)
     cfg = m.config
     layer = _count(layer, "layer", cfg.num_hidden_layers, "layers", name)
     head = _count(head, "head", cfg.num_attention_heads, "heads per layer", name)

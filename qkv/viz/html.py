@@ -25,21 +25,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .explain import zh_note
+from ..analysis.explain import zh_note
+from .pages import decode_weights, encode_weights
 
 __all__ = ["render_html", "save_html", "page_data", "decode_weights", "MAX_HTML_MAP_BYTES", "MAX_HTML_VECTOR_BYTES"]
 
 MAX_HTML_MAP_BYTES = 8_000_000  # 16-bit maps beyond this (about 240 tokens × 72 heads) stay out of the page
-
-
-def _encode(a: np.ndarray) -> str:
-    q = np.round(np.clip(a, 0.0, 1.0) * 65535.0).astype("<u2")  # 16 bits: weights to 1.5e-5
-    return base64.b64encode(q.tobytes()).decode("ascii")
-
-
-def decode_weights(b64: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Inverse of the page's encoding: base64 little-endian uint16 → float weights of ``shape``."""
-    return (np.frombuffer(base64.b64decode(b64), dtype="<u2").astype(np.float64) / 65535.0).reshape(shape)
 
 
 def _labels(lang: str) -> dict[str, Any]:
@@ -60,7 +51,7 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
     maps = None
     if ex.maps is not None:
         if ex.maps.size * 2 <= max_map_bytes:
-            maps = _encode(ex.maps)
+            maps = encode_weights(ex.maps)
         else:
             notes.append(f"{N} tokens: the full maps would make the page {ex.maps.size * 2 / 1e6:.0f} MB; "
                          "it shows the focus token's attention only")
@@ -81,7 +72,7 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "initial": {"layer": int(layer), "head": int(head)},
         "encoding": "base64 little-endian uint16, weight = value / 65535",
         "maps": maps,  # (L, H, N, N) or None
-        "focus_weights": _encode(ex.focus_weights),  # (L, H, N)
+        "focus_weights": encode_weights(ex.focus_weights),  # (L, H, N)
         "vectors": None if cross else _vectors(ex),  # (L, 2, H, N, Dh) float32 base64, or None
         "head_dim": None if getattr(ex, "vectors", None) is None else int(ex.vectors.shape[-1]),
         "scale": getattr(ex, "scale", None),

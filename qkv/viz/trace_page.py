@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import json
 import os
-from functools import lru_cache
-from importlib import resources
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
 from ..reference.masks import parse_causal
 from ..reference.render import shown
+from .pages import asset as _asset, environment as _environment, script_json
 
 if TYPE_CHECKING:
-    from jinja2 import Environment
-
     from ..reference.block import BlockTrace
     from ..reference.trace import Trace
 
@@ -401,35 +398,3 @@ def _static_title(data: dict[str, Any]) -> str:
     if data["kind"] == "block":
         return "编码器块逐步演示" if zh else "An encoder block, step by step"
     return "自注意力逐步演示" if zh else "Self-attention, step by step"
-
-
-def script_json(data: Any) -> Any:
-    """``data`` as JSON that is safe inside an inline ``<script>`` element (a jinja2 Markup)."""
-    from markupsafe import Markup
-
-    payload = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    # Inside <script> only "</" can end the element; escaping <, > and & covers it and "<!--".
-    payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    payload = payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
-    return Markup(payload)
-
-
-@lru_cache(maxsize=None)
-def _environment() -> "Environment":
-    import jinja2
-
-    return jinja2.Environment(
-        loader=jinja2.PackageLoader("qkv.viz", "templates"),
-        autoescape=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        undefined=jinja2.StrictUndefined,
-    )
-
-
-@lru_cache(maxsize=None)
-def _asset(name: str) -> str:
-    text = resources.files("qkv.viz").joinpath("templates", name).read_text(encoding="utf-8")
-    if "</script" in text.lower() or "</style" in text.lower():  # would end the inline element early
-        raise RuntimeError(f"templates/{name} must not contain a closing script or style tag")
-    return text
