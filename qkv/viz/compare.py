@@ -13,6 +13,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..analysis.compare import Comparison, align_tokens, compare
+from ..analysis.explain import shorten
 from .figure import CMAP, fonts_for, pyplot, tick_labels
 
 __all__ = ["Comparison", "compare", "align_tokens", "figure", "save_compare_png", "page_data", "render_compare_html", "save_compare_html"]
