@@ -729,34 +729,11 @@ def explain(
     """
     import torch
 
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a string, got {type(text).__name__}")
-    if pair is not None and not isinstance(pair, str):
-        raise TypeError(f"pair must be a string (the second sentence), got {type(pair).__name__}")
-    if pair is not None and not pair.strip():
-        raise ValueError("pair is empty; pass the second sentence of the pair, e.g. --pair 'It was too big.'")
-    if ablate_mode not in ("zero", "mean"):
-        raise ValueError(f"ablate_mode={ablate_mode!r} is not available; use 'zero' or 'mean' (--ablate-mode)")
-    for name, limit in (("max_map_tokens", max_map_tokens), ("max_map_bytes", max_map_bytes)):
-        if not limit >= 0:  # also NaN, which every comparison would quietly treat as "too big"
-            raise ValueError(f"{name}={limit!r} must be >= 0 (math.inf: no limit)")
-    if not text.strip():
-        raise ValueError('the text is empty; pass a sentence, e.g. qkv explain "Alice said she ..." --focus she')
+    _check_arguments(text, pair, ablate_mode, max_map_tokens, max_map_bytes)
     if model is None:
         model = load_model(model_path)
-    enc = encode(model, text, pair)
     notes: list[str] = []
-    limit = _max_positions(model)
-    if len(enc.ids) > limit and enc.segments is not None:  # a pair: shorten the longer text first
-        keep = longest_first(enc.segments, limit)
-        notes.append(f"the pair has {len(enc.ids)} tokens but the model reads at most {limit}; "
-                     f"keeping the first {sum(enc.segments[i] == 0 for i in keep)} of the first text and "
-                     f"{sum(enc.segments[i] == 1 for i in keep)} of the second")
-        enc = enc.cut(keep)
-    elif len(enc.ids) > limit:
-        notes.append(f"the text has {len(enc.ids)} tokens but the model reads at most {limit}; "
-                     f"using the first {limit - 1} and the closing {enc.tokens[-1]}")
-        enc = enc.cut(list(range(limit - 1)) + [len(enc.ids) - 1])
+    enc = _fit_positions(encode(model, text, pair), _max_positions(model), notes)
     ids, tokens, offsets = enc.ids, enc.tokens, enc.offsets
     n = len(ids)
     layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or getattr(model, "num_layers", 0) or 6)
@@ -779,34 +756,11 @@ def explain(
     mask = torch.ones_like(input_ids)  # (1, N)
     types = None if enc.type_ids is None else torch.tensor([enc.type_ids], dtype=torch.long)  # (1, N)
     run = (input_ids, mask) if types is None else (input_ids, mask, types)
-    with torch.inference_mode():
-        streamed = None if keep else _stats_run(model, run, f_idx[0])
-        if streamed is not None:
-            fw, mean_ent, maps = streamed, None, None
-            notes.append("the focus token's rows were recorded by qkv.inspect.record: no N×N map was built")
-        else:
-            pairs: Optional[list[tuple[Any, Any]]] = None
-            if n <= MAX_VECTOR_TOKENS and not hasattr(model, "hf_tokenizer"):
-                try:
-                    from qkv.inspect import record
-
-                    with record(model, ["*.q", "*.k"]) as rec:
-                        result = model(*run, output_attentions=True)
-                    pairs = [(rec[f"{m}.q" if m else "q"], rec[f"{m}.k" if m else "k"]) for m in rec.modules]
-                except (ImportError, ValueError, TypeError, AttributeError):  # not a qkv.nn model
-                    result = model(*run, output_attentions=True)
-            else:
-                result = model(*run, output_attentions=True)
-                if n <= MAX_VECTOR_TOKENS:
-                    pairs = getattr(result, "vectors", None)
-            attentions = getattr(result, "attentions", None)
-            if attentions is None and isinstance(result, (tuple, list)):
-                attentions = result[-1]
-            fw, mean_ent, maps = _reduce(attentions, f_idx[0], n, keep)
+    fw, mean_ent, maps, pairs = _run(model, run, f_idx[0], n, keep, notes)
     ex = _build(both, tokens, f_idx, fw, mean_ent, maps, focus=focus, target=target, offsets=offsets,
                 model_name=name, notes=notes, segments=enc.segments)
     ex.text, ex.pair = text, pair or ""
-    if streamed is None and pairs and len(pairs) == ex.num_layers:
+    if pairs and len(pairs) == ex.num_layers:
         ex.vectors = _vectors(pairs, ex.num_heads)
         ex.scale = float(ex.vectors.shape[-1]) ** -0.5
     if ablate is not None:
@@ -815,6 +769,72 @@ def explain(
         ex.ablation = ablation_effect(model, input_ids, mask, ablate, focus_index=ex.focus_index, tokens=tokens,
                                       mode=ablate_mode, token_type_ids=types)
     return ex
+
+
+def _check_arguments(text: Any, pair: Any, ablate_mode: str, max_map_tokens: float, max_map_bytes: float) -> None:
+    """Step 1 of :func:`explain`: every argument checked before a model is loaded."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string, got {type(text).__name__}")
+    if pair is not None and not isinstance(pair, str):
+        raise TypeError(f"pair must be a string (the second sentence), got {type(pair).__name__}")
+    if pair is not None and not pair.strip():
+        raise ValueError("pair is empty; pass the second sentence of the pair, e.g. --pair 'It was too big.'")
+    if ablate_mode not in ("zero", "mean"):
+        raise ValueError(f"ablate_mode={ablate_mode!r} is not available; use 'zero' or 'mean' (--ablate-mode)")
+    for name, limit in (("max_map_tokens", max_map_tokens), ("max_map_bytes", max_map_bytes)):
+        if not limit >= 0:  # also NaN, which every comparison would quietly treat as "too big"
+            raise ValueError(f"{name}={limit!r} must be >= 0 (math.inf: no limit)")
+    if not text.strip():
+        raise ValueError('the text is empty; pass a sentence, e.g. qkv explain "Alice said she ..." --focus she')
+
+
+def _fit_positions(enc: Encoded, limit: int, notes: list[str]) -> Encoded:
+    """Step 2 of :func:`explain`: the tokens cut to the model's ``limit`` positions (a pair
+    shortens its longer text first), saying so in ``notes``."""
+    if len(enc.ids) > limit and enc.segments is not None:
+        keep = longest_first(enc.segments, limit)
+        notes.append(f"the pair has {len(enc.ids)} tokens but the model reads at most {limit}; "
+                     f"keeping the first {sum(enc.segments[i] == 0 for i in keep)} of the first text and "
+                     f"{sum(enc.segments[i] == 1 for i in keep)} of the second")
+        return enc.cut(keep)
+    if len(enc.ids) > limit:
+        notes.append(f"the text has {len(enc.ids)} tokens but the model reads at most {limit}; "
+                     f"using the first {limit - 1} and the closing {enc.tokens[-1]}")
+        return enc.cut(list(range(limit - 1)) + [len(enc.ids) - 1])
+    return enc
+
+
+def _run(model: Any, run: tuple[Any, ...], f: int, n: int, keep: bool, notes: list[str],
+         ) -> tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray], Optional[list[tuple[Any, Any]]]]:
+    """Step 3 of :func:`explain`: the forward pass. Returns the focus rows ``(L, H, N)``, the mean
+    row entropy ``(L, H)`` and maps ``(L, H, N, N)`` (None in statistics mode), and each layer's
+    (q, k) for the neuron view (None when not recorded)."""
+    import torch
+
+    with torch.inference_mode():
+        streamed = None if keep else _stats_run(model, run, f)
+        if streamed is not None:
+            notes.append("the focus token's rows were recorded by qkv.inspect.record: no N×N map was built")
+            return streamed, None, None, None
+        pairs: Optional[list[tuple[Any, Any]]] = None
+        if n <= MAX_VECTOR_TOKENS and not hasattr(model, "hf_tokenizer"):
+            try:
+                from qkv.inspect import record
+
+                with record(model, ["*.q", "*.k"]) as rec:
+                    result = model(*run, output_attentions=True)
+                pairs = [(rec[f"{m}.q" if m else "q"], rec[f"{m}.k" if m else "k"]) for m in rec.modules]
+            except (ImportError, ValueError, TypeError, AttributeError):  # not a qkv.nn model
+                result = model(*run, output_attentions=True)
+        else:
+            result = model(*run, output_attentions=True)
+            if n <= MAX_VECTOR_TOKENS:
+                pairs = getattr(result, "vectors", None)
+        attentions = getattr(result, "attentions", None)
+        if attentions is None and isinstance(result, (tuple, list)):
+            attentions = result[-1]
+        fw, mean_ent, maps = _reduce(attentions, f, n, keep)
+    return fw, mean_ent, maps, pairs
 
 
 def explain_cross_attention(
