@@ -287,7 +287,7 @@ def _json_round(obj: Any, precision: Optional[int]) -> Any:
 def _model_trace(args: argparse.Namespace, text: str) -> tuple[Any, Optional[int]]:
     """(Trace of one real head, the narrated token) for ``qkv trace --model``."""
     try:
-        from .inspect.glass import MAX_TOKENS, load_model, trace_model
+        from .analysis.glass import MAX_TOKENS, load_model, trace_model
     except ImportError as e:
         raise UsageError(f"--model needs torch and qkv.models ({e})") from None
     try:

@@ -9,11 +9,14 @@
   :func:`observed_map` / :func:`observed_stats` — the same from a Hugging Face model's calls
   (:func:`qkv.hf.observe`), with the call's score function and sinks.
 - :func:`trace_model` — one real head of a BERT model (default all-MiniLM-L6-v2) as a float64
-  glass-box :class:`qkv.reference.Trace`, every step kept.
+  glass-box :class:`qkv.reference.Trace`, every step kept (it lives in :mod:`qkv.analysis.glass`,
+  a layer up, and is imported from there when first used).
 - :func:`head_summary` — rank and classify heads (previous-token, sink, broad, self).
 - :func:`ablate`, :func:`patch`, :func:`patch_from`, :func:`patching_effects` — change what heads
   compute during a forward pass (qkv.nn models and Hugging Face models on qkv) and measure it.
 """
+
+from typing import Any
 
 from .capture import POINTS, Recording, observed_arguments, observed_map, observed_stats, record
 from .intervene import (
@@ -26,7 +29,6 @@ from .intervene import (
     patch_from,
     patching_effects,
 )
-from .glass import trace_model
 from .maps import attention_map, attention_scores
 from .stats import AttentionStats, attention_stats, attention_with_stats
 from .summary import HeadSummary, head_summary
@@ -55,3 +57,12 @@ __all__ = [
     "PatchingEffects",
     "trace_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # trace_model builds a qkv.reference glass-box trace (a layer above inspect): imported when first used
+    if name == "trace_model":
+        from ..analysis.glass import trace_model
+
+        return trace_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
