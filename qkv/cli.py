@@ -287,11 +287,11 @@ def _json_round(obj: Any, precision: Optional[int]) -> Any:
 def _model_trace(args: argparse.Namespace, text: str) -> tuple[Any, Optional[int]]:
     """(Trace of one real head, the narrated token) for ``qkv trace --model``."""
     try:
-        from .inspect.glass import MAX_TOKENS, _load, trace_model
+        from .analysis.glass import MAX_TOKENS, load_model, trace_model
     except ImportError as e:
         raise UsageError(f"--model needs torch and qkv.models ({e})") from None
     try:
-        model, name = _load(args.model or None)
+        model, name = load_model(args.model or None)
     except FileNotFoundError as e:
         if args.model:
             raise UsageError(f"--model {args.model}: {e}") from None

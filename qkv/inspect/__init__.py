@@ -10,13 +10,16 @@
   (:func:`qkv.hf.observe`), with the call's score function and sinks; :func:`record_stats` —
   statistics of every call of a Hugging Face model.
 - :func:`trace_model` — one real head of a BERT model (default all-MiniLM-L6-v2) as a float64
-  glass-box :class:`qkv.reference.Trace`, every step kept.
+  glass-box :class:`qkv.reference.Trace`, every step kept (it lives in :mod:`qkv.analysis.glass`,
+  a layer up, and is imported from there when first used).
 - :func:`head_summary` — rank and classify heads (previous-token, sink, broad, self).
 - :func:`ablate`, :func:`patch`, :func:`patch_from`, :func:`patching_effects` — change what heads
   compute during a forward pass (qkv.nn models and Hugging Face models on qkv) and measure it.
 
 Recording and editing both register on the hook points of :mod:`qkv.hooks`.
 """
+
+from typing import Any
 
 from .capture import POINTS, Recorder, Recording, observed_arguments, observed_map, observed_stats, record, record_stats
 from .intervene import (
@@ -30,7 +33,6 @@ from .intervene import (
     patch_from,
     patching_effects,
 )
-from .glass import trace_model
 from .maps import attention_map, attention_scores
 from .stats import AttentionStats, attention_stats, attention_with_stats
 from .summary import HeadSummary, head_summary
@@ -62,3 +64,12 @@ __all__ = [
     "Editor",
     "trace_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # trace_model builds a qkv.reference glass-box trace (a layer above inspect): imported when first used
+    if name == "trace_model":
+        from ..analysis.glass import trace_model
+
+        return trace_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

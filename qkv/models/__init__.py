@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -26,6 +26,8 @@ from .bert import BertConfig, BertModel, BertOutput, CheckpointMismatchError, Po
 
 __all__ = [
     "load",
+    "load_shared",
+    "clear_loaded",
     "default_model_dir",
     "BertModel",
     "BertConfig",
@@ -81,3 +83,30 @@ def load(
     """
     directory = default_model_dir() if path is None else Path(path)
     return load_bert(directory, dtype=dtype, device=device)
+
+
+_LOADED: dict[str, Any] = {}  # one model per directory per process: analysis and traces only read the weights
+
+
+def load_shared(
+    path: Optional[Union[str, Path]] = None,
+    *,
+    build: Optional[Callable[[str], Any]] = None,
+) -> Any:
+    """The process's one copy of the model in ``path`` (None: the bundled all-MiniLM-L6-v2).
+
+    The first call loads it (with :func:`load`, or with ``build(directory)`` for checkpoints
+    qkv.models does not rebuild: :mod:`qkv.analysis` passes its transformers loader, which this
+    layer may not import); later calls for the same directory return the same object. Every
+    reader of pretrained weights (``qkv explain``, ``qkv trace --model``, :func:`qkv.inspect.trace_model`)
+    goes through here, so a model is read from disk once.
+    """
+    key = str(default_model_dir() if path is None else Path(path))
+    if key not in _LOADED:
+        _LOADED[key] = load(key) if build is None else build(key)
+    return _LOADED[key]
+
+
+def clear_loaded() -> None:
+    """Forget every model :func:`load_shared` holds (the next call reads from disk again)."""
+    _LOADED.clear()

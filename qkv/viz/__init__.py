@@ -1,4 +1,4 @@
-"""Pictures of attention: heatmaps (PNG), an interactive offline page (HTML), and ``qkv explain``.
+"""Pictures of attention, drawn from results that :mod:`qkv.analysis` computes: heatmaps (PNG), an interactive offline page (HTML), and ``qkv explain``.
 
 :func:`save_trace_page` writes a glass-box trace (or a whole encoder block) as one interactive
 offline page: step through the computation, hover a cell to see where its number comes from.
@@ -18,6 +18,9 @@ Importing this package needs neither torch nor matplotlib (each is imported when
 
 from __future__ import annotations
 
+# The analyses are qkv.analysis's, re-exported so that `from qkv.viz import explain` keeps working.
+# Through the submodules of the same names: loading them here first keeps `qkv.viz.explain` and
+# `qkv.viz.compare` the functions (a submodule loaded later would replace the package attribute).
 from .compare import Comparison, compare, save_compare_html, save_compare_png
 from .explain import (
     Explanation,

@@ -1,6 +1,6 @@
 """A single self-contained interactive attention report (one HTML file, works offline).
 
-:func:`save_html` writes, from an :class:`~qkv.viz.explain.Explanation`, a page with
+:func:`save_html` writes, from an :class:`~qkv.analysis.explain.Explanation`, a page with
 
 * a **head view**: the tokens twice, queries on the left and keys on the right, with a line from
   the selected token to every key, its width and opacity the attention weight, one colour per
@@ -11,21 +11,22 @@
   and a per-head statistics table of the selected token (entropy, max weight, first/last token).
 
 Everything is inline: the data (weights quantised to 16 bits, base64, in a
-``<script type="application/json" id="qkv-data">``), the script and the style. No network request,
-no CDN, no web font. In statistics mode (no maps) only the focus token's rows are shown. The page
-is ``templates/report.html.j2`` with ``report.css`` and ``report.js`` inlined.
+``<script type="application/json" id="qkv-data">``), the script and the style (``templates/explain.*``). No network request,
+no CDN, no web font. In statistics mode (no maps) only the focus token's rows are shown.
 """
 
 from __future__ import annotations
 
 import base64
+import html as _html
+import json
 import os
 from typing import Any, Optional
 
 import numpy as np
 
-from .explain import zh_note
-from .pages import asset, decode_weights, encode_weights, environment, script_json
+from ..analysis.explain import zh_note
+from .pages import asset, decode_weights, encode_weights, environment
 
 __all__ = ["render_html", "save_html", "page_data", "decode_weights", "MAX_HTML_MAP_BYTES", "MAX_HTML_VECTOR_BYTES"]
 
@@ -93,13 +94,22 @@ def _vectors(ex: Any) -> Optional[str]:
 def render_html(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
                 max_map_bytes: int = MAX_HTML_MAP_BYTES, lang: str = "en") -> str:
     """The page as a string; ``lang`` ("en" or "zh") is the language of every label and tooltip."""
+    from markupsafe import Markup
+
     labels = _labels(lang)
     data = page_data(ex, layer, head, max_map_bytes, lang)
+    blob = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    blob = blob.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")  # inert inside <script>
+    title = labels["title"].format(model=ex.model_name)
     shown = ex.text + (f" ‖ {ex.pair}" if getattr(ex, "pair", "") else "")
-    return environment().get_template("report.html.j2").render(
-        labels={k: v for k, v in labels.items() if isinstance(v, str)}, title=labels["title"].format(model=ex.model_name),
-        model=ex.model_name, text=shown, data=script_json(data), css=asset("report.css"), js=asset("report.js"),
-    )
+    # attends_most carries the page's own markup; every other label is plain text
+    t = {key: Markup(value if key == "attends_most" else _html.escape(value, quote=False).replace('"', "&quot;"))
+         for key, value in labels.items() if isinstance(value, str)}
+    return environment().get_template("explain.html.j2").render(
+        html_lang=labels["html_lang"], title=Markup(_html.escape(title)), css=Markup(asset("explain.css")),
+        text=Markup(_html.escape(shown)), model=Markup(_html.escape(ex.model_name)), t=t,
+        data_json=Markup(blob), script=Markup(asset("explain.js")),
+    ) + "\n"  # jinja2 drops the template's final newline
 
 
 def save_html(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = None, head: Optional[int] = None,
@@ -111,7 +121,7 @@ def save_html(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = No
     return os.fspath(path)
 
 
-# Every visible word of the page, per language. Static ones fill {{ labels.key }} in the template; the script
+# Every visible word of the page, per language. Static ones fill %key% in _BODY; the script
 # builds the rest from the templates under "js" ({name} placeholders).
 _LABELS: dict[str, dict[str, Any]] = {
     "en": {
@@ -174,3 +184,5 @@ _LABELS: dict[str, dict[str, Any]] = {
         },
     },
 }
+
+

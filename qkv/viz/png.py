@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from .figure import CMAP, drawable, fonts_for, pyplot, tick_labels
+
 __all__ = ["save_png", "figure"]
 
-_CMAP = "viridis"
 _TEXT: dict[str, dict[str, str]] = {
     "en": {
         "grid": "All {L} layers × {H} heads (rows: queries, columns: keys)",
@@ -33,34 +34,6 @@ _TEXT: dict[str, dict[str, str]] = {
         "stats": "统计模式（{N} 个词元，矩阵太大）：“{tok}”（第 {i} 个词元）在每个头中的注意力",
     },
 }
-_MAX_LABELS = 80  # more token labels than this are unreadable: show every k-th
-
-
-def _plt() -> Any:
-    from .trace_png import _plt as pyplot  # Agg, and quiet about CJK fonts without a bold face
-
-    return pyplot()
-
-
-def _tick_labels(ax: Any, tokens: list[str], axis: str, highlight: tuple[int, ...] = ()) -> None:
-    n = len(tokens)
-    step = max(1, -(-n // _MAX_LABELS))
-    pos = list(range(0, n, step))
-    labels = [tokens[i] for i in pos]
-    if axis == "x":
-        ax.set_xticks(pos)
-        ax.set_xticklabels(labels, rotation=90, fontsize=8)
-        ticks = ax.get_xticklabels()
-    else:
-        ax.set_yticks(pos)
-        ax.set_yticklabels(labels, fontsize=8)
-        ticks = ax.get_yticklabels()
-    for p, t in zip(pos, ticks, strict=False):  # matplotlib may add no label for an off-axis tick
-        if p in highlight:
-            t.set_color("crimson")
-            t.set_fontweight("bold")
-
-
 def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None, lang: str = "en") -> Any:
     """The matplotlib figure for ``ex``; the big map shows ``(layer, head)``, default the top head's.
 
@@ -69,21 +42,20 @@ def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None, lan
     """
     import matplotlib
 
-    from .trace_png import _drawable, _fonts_for
 
     if lang not in _TEXT:
         raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
     layer, head = ex.select(layer, head)
-    families, lang = _fonts_for(lang)
+    families, lang = fonts_for(lang)
     # token labels no installed font can draw become their index instead of empty boxes
-    toks = [tok if _drawable(tok, families) else f"#{k}" for k, tok in enumerate(ex.tokens)]
-    keys = [tok if _drawable(tok, families) else f"#{k}" for k, tok in enumerate(getattr(ex, "keys", ex.tokens))]
+    toks = [tok if drawable(tok, families) else f"#{k}" for k, tok in enumerate(ex.tokens)]
+    keys = [tok if drawable(tok, families) else f"#{k}" for k, tok in enumerate(getattr(ex, "keys", ex.tokens))]
     with matplotlib.rc_context({"font.family": families}):
         return _figure(ex, layer, head, _TEXT[lang], toks, keys)
 
 
 def _figure(ex: Any, layer: int, head: int, tx: dict[str, str], toks: list[str], keys: list[str]) -> Any:
-    plt = _plt()
+    plt = pyplot()
     L, H = ex.num_layers, ex.num_heads
     f, t = ex.focus_index, ex.target_index
     if ex.maps is None:
@@ -96,7 +68,7 @@ def _figure(ex: Any, layer: int, head: int, tx: dict[str, str], toks: list[str],
     for l in range(L):
         for h in range(H):
             ax = fig.add_subplot(grid[l, h])
-            ax.imshow(ex.maps[l, h], cmap=_CMAP, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
+            ax.imshow(ex.maps[l, h], cmap=CMAP, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
             ax.set_xticks([])
             ax.set_yticks([])
             if l == 0:
@@ -110,9 +82,9 @@ def _figure(ex: Any, layer: int, head: int, tx: dict[str, str], toks: list[str],
     fig.text(0.04 + 0.5 * H * 0.95 / (H * 0.95 + big) * 0.9, 0.93, tx["grid"].format(L=L, H=H),
              ha="center", fontsize=11)
     ax = fig.add_subplot(gs[1])
-    im = ax.imshow(ex.maps[layer, head], cmap=_CMAP, vmin=0.0, interpolation="nearest")
-    _tick_labels(ax, keys, "x", (t,))
-    _tick_labels(ax, toks, "y", (f,))
+    im = ax.imshow(ex.maps[layer, head], cmap=CMAP, vmin=0.0, interpolation="nearest")
+    tick_labels(ax, keys, "x", (t,))
+    tick_labels(ax, toks, "y", (f,))
     ax.set_xlabel(tx["key"])
     ax.set_ylabel(tx["query"])
     w = float(ex.focus_weights[layer, head, t])
@@ -137,10 +109,10 @@ def _stats_figure(plt: Any, ex: Any, tx: dict[str, str], toks: list[str], keys: 
     L, H, N = ex.focus_weights.shape
     rows = ex.focus_weights.reshape(L * H, N)  # (L·H, N)
     fig, ax = plt.subplots(figsize=(min(24.0, 6 + N * 0.03), 10), dpi=100)
-    im = ax.imshow(rows, cmap=_CMAP, vmin=0.0, aspect="auto", interpolation="nearest")
+    im = ax.imshow(rows, cmap=CMAP, vmin=0.0, aspect="auto", interpolation="nearest")
     ax.set_yticks(range(0, L * H, H))
     ax.set_yticklabels([f"L{l} H0" for l in range(L)], fontsize=8)
-    _tick_labels(ax, keys, "x", (ex.target_index,))
+    tick_labels(ax, keys, "x", (ex.target_index,))
     ax.set_xlabel(tx["key"])
     ax.set_ylabel(tx["layer_head"])
     ax.set_title(tx["stats"].format(N=N, tok=toks[ex.focus_index], i=ex.focus_index), fontsize=11)
@@ -152,7 +124,7 @@ def _stats_figure(plt: Any, ex: Any, tx: dict[str, str], toks: list[str], keys: 
 def save_png(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = None, head: Optional[int] = None,
              lang: str = "en") -> str:
     """Write the heatmaps of ``ex`` to ``path`` (PNG) and return the path; ``lang`` as in :func:`figure`."""
-    plt = _plt()
+    plt = pyplot()
     fig = figure(ex, layer, head, lang)
     try:
         fig.savefig(path, format="png")

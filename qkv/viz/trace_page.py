@@ -31,7 +31,6 @@ from ..reference.render import shown
 from .pages import asset, environment, script_json
 
 if TYPE_CHECKING:
-
     from ..reference.block import BlockTrace
     from ..reference.trace import Trace
 
@@ -59,11 +58,14 @@ def render_trace_page(
     decimals shown, ``token`` the query token narrated first (index counted from 0, or label).
     """
     data = page_data(trace, lang=lang, precision=precision, token=token)
-    template = environment().get_template("trace_page.html.j2")
+    from markupsafe import Markup
+
+    env = environment()
+    template = env.get_template("trace_page.html.j2")
     return template.render(
         data_json=script_json(data),
-        script=asset("trace_page.js"),
-        style=asset("trace_page.css"),
+        script=Markup(asset("trace_page.js")),
+        style=Markup(asset("trace_page.css")),
         lang=data["lang"],
         title=_static_title(data),
     )

@@ -18,102 +18,18 @@ empty boxes for every character; token labels the fonts cannot draw become ``#i`
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from .figure import cjk_font, drawable, fonts_for, pyplot
+
 __all__ = ["save_trace_png", "trace_figure", "cjk_font", "MAX_COLS", "MAX_ANNOTATED_ROWS"]
 
 MAX_COLS = 12  # wider matrices show their first 12 columns: more would be unreadable on a slide
 MAX_ANNOTATED_ROWS = 12  # more rows than this: colours only, no numbers in the cells
-_KNOWN_CJK = (
-    "Noto Sans CJK SC", "Noto Sans SC", "Source Han Sans SC", "Source Han Sans CN", "WenQuanYi Micro Hei",
-    "WenQuanYi Zen Hei", "Microsoft YaHei", "SimHei", "PingFang SC", "Hiragino Sans GB", "Heiti SC",
-    "Noto Sans CJK JP", "Noto Sans CJK TC", "AR PL UMing CN", "AR PL UKai CN", "Droid Sans Fallback",
-)
-_PROBE = "注意力词元输出"  # characters a Chinese figure certainly uses
-
-
-def _plt() -> Any:
-    import logging
-
-    import matplotlib
-
-    fonts_log = logging.getLogger("matplotlib.font_manager")
-    if fonts_log.level == logging.NOTSET:  # CJK fonts rarely ship a bold face; the regular one is fine
-        fonts_log.setLevel(logging.ERROR)
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-@functools.lru_cache(maxsize=256)
-def _charmap(path: str) -> frozenset[int]:
-    from matplotlib.ft2font import FT2Font
-
-    try:
-        return frozenset(FT2Font(path).get_charmap())
-    except (OSError, RuntimeError, ValueError):
-        return frozenset()
-
-
-def _covers(path: str, text: str) -> bool:
-    codes = _charmap(path)
-    return all(ord(c) in codes for c in text if not c.isspace())
-
-
-@functools.lru_cache(maxsize=None)
-def cjk_font() -> Optional[str]:
-    """The family name of a font that can draw Chinese, or None when this machine has none.
-
-    ``QKV_CJK_FONT`` may name a font file (.ttf, .otf, .ttc), which is registered with matplotlib.
-    """
-    _plt()
-    from matplotlib import font_manager as fm
-
-    path = os.environ.get("QKV_CJK_FONT")
-    if path:
-        if not os.path.isfile(path):
-            warnings.warn(f"QKV_CJK_FONT={path!r} is not a file; looking for an installed CJK font instead", stacklevel=2)
-        elif _covers(path, _PROBE):
-            fm.fontManager.addfont(path)
-            return fm.FontProperties(fname=path).get_name()
-        else:
-            warnings.warn(f"QKV_CJK_FONT={path!r} has no Chinese glyphs; looking for an installed CJK font instead",
-                          stacklevel=2)
-    fonts = {f.name: f.fname for f in fm.fontManager.ttflist}
-    for name in _KNOWN_CJK:
-        if name in fonts and _covers(fonts[name], _PROBE):
-            return name
-    for name, fname in sorted(fonts.items()):  # any other font that happens to cover Chinese
-        if "last resort" not in name.lower() and _covers(fname, _PROBE):  # Last Resort draws placeholder boxes
-            return name
-    known = set(fonts.values())
-    for fname in sorted(fm.findSystemFonts()):  # installed after matplotlib cached its font list
-        if fname not in known and "lastresort" not in fname.lower().replace(" ", "") and _covers(fname, _PROBE):
-            fm.fontManager.addfont(fname)
-            return fm.FontProperties(fname=fname).get_name()
-    return None
-
-
-def _drawable(text: str, families: Sequence[str]) -> bool:
-    """Whether one of ``families`` has a glyph for every character of ``text``."""
-    paths = [_find(f) for f in families]
-    return all(any(_covers(p, c) for p in paths) for c in text if not c.isspace())
-
-
-@functools.lru_cache(maxsize=32)
-def _find(family: str) -> str:
-    from matplotlib import font_manager as fm
-
-    return fm.findfont(fm.FontProperties(family=[family]), fallback_to_default=True)
-
-
 # -- words -----------------------------------------------------------------------------------
 
 _TEXT: dict[str, dict[str, str]] = {
@@ -324,7 +240,7 @@ def _heatmap(fig: Any, ax: Any, p: _Panel, tx: dict[str, str], precision: int) -
     else:
         cols = p.cols
     shown = np.ma.masked_invalid(a)
-    cmap = _plt().get_cmap("Blues" if p.weights else "RdBu_r").with_extremes(bad="#cccccc")  # masked: grey
+    cmap = pyplot().get_cmap("Blues" if p.weights else "RdBu_r").with_extremes(bad="#cccccc")  # masked: grey
     if p.weights:  # up to the largest weight: near-uniform rows over many tokens stay visible
         vmin, vmax = 0.0, max(float(np.nanmax(np.where(np.isfinite(a), a, 0.0))), 1e-9)
     else:
@@ -368,32 +284,14 @@ def trace_figure(trace: Any, *, lang: str = "en", head: Optional[int] = None, to
         raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
     if not isinstance(trace, (Trace, BlockTrace)):
         raise TypeError(f"trace must be a qkv.reference Trace or BlockTrace, got {type(trace).__name__}")
-    families, lang = _fonts_for(lang)
-    plt = _plt()
+    families, lang = fonts_for(lang)
+    plt = pyplot()
     import matplotlib
 
     # Concrete family names (not "sans-serif"): each Text keeps them, so a later savefig outside
     # this context still draws Chinese with the CJK font and everything else with DejaVu Sans.
     with matplotlib.rc_context({"font.family": families, "axes.unicode_minus": False}):
         return _draw(plt, trace, BlockTrace, lang, head, token, precision, families)
-
-
-def _fonts_for(lang: str) -> tuple[list[str], str]:
-    """(font families to draw with, the language the labels can be drawn in)."""
-    families = _families(lang)
-    if families is None:
-        warnings.warn("no font with Chinese glyphs was found, so the figure is drawn with English labels; "
-                      "install one (e.g. apt-get install fonts-noto-cjk) or set QKV_CJK_FONT=/path/to/font.otf",
-                      UserWarning, stacklevel=4)
-        return ["DejaVu Sans"], "en"
-    return families, lang
-
-
-def _families(lang: str) -> Optional[list[str]]:
-    if lang == "en":
-        return ["DejaVu Sans"]
-    name = cjk_font()
-    return None if name is None else [name, "DejaVu Sans"]
 
 
 def _draw(plt: Any, trace: Any, block_cls: type, lang: str, head: Optional[int], token: Union[int, str, None],
@@ -403,7 +301,7 @@ def _draw(plt: Any, trace: Any, block_cls: type, lang: str, head: Optional[int],
     t = trace.attention if is_block else trace
     i = _resolve_token(t.tokens, token)
     ht, h, default = _resolve_head(t, head)
-    toks = [tok if _drawable(tok, families) else f"#{k}" for k, tok in enumerate(t.tokens)]
+    toks = [tok if drawable(tok, families) else f"#{k}" for k, tok in enumerate(t.tokens)]
     head_text = tx["head_of"].format(h=h, n=t.num_heads) + (tx["head_default"] if default and t.num_heads > 1 else "")
     panels = _attention_panels(t, ht, t.x, tx, i, toks, is_block)
     if is_block:
@@ -451,7 +349,7 @@ def save_trace_png(trace: Any, path: "str | os.PathLike[str]", *, lang: str = "e
     English and a warning says why).
     """
     fig = trace_figure(trace, lang=lang, head=head, token=token)
-    plt = _plt()
+    plt = pyplot()
     try:
         fig.savefig(path, format="png")
     finally:

@@ -36,9 +36,9 @@ def model64(model):
 
 def _model_maps(model, text: str, layer: int) -> tuple[list[str], np.ndarray]:
     """The model's own weights of every head of ``layer``, rebuilt by qkv.inspect.attention_map."""
-    from qkv.inspect.glass import _encode
+    from qkv.analysis.glass import encode_text
 
-    ids, tokens = _encode(model, text)
+    ids, tokens = encode_text(model, text)
     input_ids = torch.tensor([ids])  # (1, N)
     with torch.no_grad(), record(model, ["*.q", "*.k"]) as rec:
         model(input_ids, torch.ones_like(input_ids))

@@ -205,12 +205,12 @@ def test_cli_lang_zh_report_and_page(tmp_path, capsys):
 
 
 def test_long_pairs_shorten_the_longer_text_first(model):
-    from qkv.viz.explain import _longest_first
+    from qkv.analysis.explain import longest_first
 
     seg = [None] + [0] * 6 + [None] + [1] * 3 + [None]
-    keep = _longest_first(seg, 9)  # 3 specials + 6 texts tokens: 3 of each
+    keep = longest_first(seg, 9)  # 3 specials + 6 texts tokens: 3 of each
     assert [seg[i] for i in keep] == [None, 0, 0, 0, None, 1, 1, 1, None] and keep[:4] == [0, 1, 2, 3]
-    assert _longest_first(seg, 100) == list(range(len(seg)))
+    assert longest_first(seg, 100) == list(range(len(seg)))
     long_a = " ".join(["The trophy did not fit."] * 150)
     ex = explain(long_a, focus="it", model=model, pair="It was too big.")
     assert len(ex.tokens) == 512 and ex.tokens[-1] == "[SEP]"

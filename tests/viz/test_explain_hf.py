@@ -70,11 +70,10 @@ def test_maps_match_eager_attention(checkpoint):
 
 
 def test_cli_json_png_html(checkpoint, tmp_path, capsys, monkeypatch):
-    import sys
+    import qkv.models
 
     kind, path = checkpoint
-    # load the checkpoint afresh in this test (the module, not the function qkv.viz.explain)
-    monkeypatch.setattr(sys.modules["qkv.viz.explain"], "_MODELS", {})
+    qkv.models.clear_loaded()  # load the checkpoint afresh in this test
     png, page = tmp_path / "m.png", tmp_path / "m.html"
     assert main(["explain", TEXT, "--model", str(path), "--focus", "it", "--json", "--png", str(png), "--html", str(page)]) == 0
     captured = capsys.readouterr()

@@ -212,7 +212,7 @@ def _texts(fig) -> str:
 def test_png_labels_in_chinese(keep_maps, monkeypatch, tmp_path):
     import matplotlib.pyplot as plt
 
-    from qkv.viz import png, trace_png
+    from qkv.viz import figure, png, trace_png
 
     ex = explain_attentions(list(_maps()), TOKENS, focus="she", text=TEXT, offsets=_offsets(TEXT, TOKENS),
                             keep_maps=keep_maps)
@@ -229,7 +229,7 @@ def test_png_labels_in_chinese(keep_maps, monkeypatch, tmp_path):
             assert label not in zh, label
         with PIL.open(save_png(ex, tmp_path / "zh.png", lang="zh")) as im:
             assert im.format == "PNG"
-    monkeypatch.setattr(trace_png, "cjk_font", lambda: None)  # a machine without a Chinese font
+    monkeypatch.setattr(figure, "cjk_font", lambda: None)  # a machine without a Chinese font
     with pytest.warns(UserWarning, match="English labels"):
         fig = png.figure(ex, lang="zh")
     assert "key (attended-to token)" in _texts(fig)

@@ -15,7 +15,7 @@ from qkv.reference.block import toy_block_trace  # noqa: E402
 from qkv.reference.render import fmt  # noqa: E402
 from qkv.reference.toy import sentence_trace  # noqa: E402
 from qkv.reference.trace import trace  # noqa: E402
-from qkv.viz import trace_png  # noqa: E402
+from qkv.viz import figure, trace_png  # noqa: E402
 from qkv.viz.trace_png import MAX_COLS, cjk_font, save_trace_png, trace_figure  # noqa: E402
 
 
@@ -153,7 +153,7 @@ def test_large_trace_is_summarised() -> None:
 
 
 def test_chinese_without_a_cjk_font_falls_back_to_english(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(trace_png, "cjk_font", lambda: None)
+    monkeypatch.setattr(figure, "cjk_font", lambda: None)
     t = trace(np.eye(3), np.eye(3), np.eye(3), np.eye(3), tokens=["注", "意", "cat"])
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

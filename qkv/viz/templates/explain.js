@@ -1,3 +1,4 @@
+
 (function () {
   'use strict';
   var D = JSON.parse(document.getElementById('qkv-data').textContent);
