@@ -33,7 +33,7 @@
 #include <immintrin.h>
 #endif
 
-#define TK 32 /* keys per tile: a float32 K tile of d = 128 is 16 KiB, in L1 with V's */
+#define TK 32 /* keys per tile: the scores of 8 rows (1 KiB) stay in L1 between the softmax and V */
 
 #define T float
 #define SUFFIX _decode
@@ -85,66 +85,24 @@ static inline void axpy_f32(float *acc, float p, const float *x, int64_t dv) {
 typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2), may_alias));
 typedef _Float16 v8h __attribute__((vector_size(16), aligned(2), may_alias));
 
-/* Are the w rows (ld apart) of a float32 tile all finite? x·0 is 0 for a finite x and NaN for
- * NaN or ±inf. */
-static inline int tile_finite(const float *t, int64_t ld, int64_t w, int64_t width) {
-    v8f acc = v_set(0.0f);
-    float tail = 0;
-    for (int64_t r = 0; r < w; r++) {
-        const float *row = t + r * ld;
-        int64_t e = 0;
-        for (; e + LANES <= width; e += LANES) acc += v_loadu(row + e) * v_set(0.0f);
-        for (; e < width; e++) tail += row[e] * 0.0f;
-    }
-    const float total = hsum(acc) + tail;
-    return total == total;
+/* Entries [i, i + 8) of a cache as float32 (kind: 0 float32; 1 bfloat16, the upper half of a
+ * float32; 2 float16, converted in hardware with F16C). Converting where the entries are used,
+ * rather than a tile at a time beforehand, lets the loads of the cache overlap the arithmetic. */
+static inline __attribute__((always_inline)) v8f load8(const void *base, int kind, int64_t i) {
+    if (kind == 0) return v_loadu((const float *)base + i);
+    if (kind == 1) return (v8f)(__builtin_convertvector(*(const v8u16 *)((const uint16_t *)base + i), v8i) << 16);
+    return __builtin_convertvector(*(const v8h *)((const _Float16 *)base + i), v8f);
 }
 
-/* Rows [n0, n0 + w) of a cache (row stride `stride` elements) as float32, and into *finite
- * whether every entry is finite: for a float32 cache the rows themselves (*ld = stride), checked
- * in one pass; otherwise converted into buf (w × width, *ld = width), 8 lanes at a time
- * (bfloat16 is the upper half of a float32; float16 converts in hardware with F16C), the check
- * reading the exponent bits on the way (all ones: NaN or ±inf, in both formats). */
-static inline __attribute__((always_inline)) const float *rows_f32(const void *base, int kind, int64_t n0, int64_t w,
-                                                                   int64_t stride, int64_t width, float *buf,
-                                                                   int64_t *ld, int *finite) {
-    if (kind == 0) {
-        *ld = stride;
-        const float *rows = (const float *)base + n0 * stride;
-        *finite = tile_finite(rows, stride, w, width);
-        return rows;
+static inline __attribute__((always_inline)) float load1(const void *base, int kind, int64_t i) {
+    if (kind == 0) return ((const float *)base)[i];
+    if (kind == 1) {
+        const uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
     }
-    *ld = width;
-    const uint16_t ones = kind == 1 ? 0x7F80 : 0x7C00; /* the exponent field of bfloat16 / float16 */
-    typedef uint16_t v8u16v __attribute__((vector_size(16)));
-    v8u16v bad = {0};
-    uint16_t bad_tail = 0;
-    for (int64_t t = 0; t < w; t++) {
-        float *dst = buf + t * width;
-        const uint16_t *src = (const uint16_t *)base + (n0 + t) * stride;
-        int64_t e = 0;
-        for (; e + LANES <= width; e += LANES) {
-            const v8u16v x = *(const v8u16 *)(src + e);
-            bad |= (v8u16v)((x & ones) == ones);
-            if (kind == 1)
-                v_storeu(dst + e, (v8f)(__builtin_convertvector(x, v8i) << 16));
-            else
-                v_storeu(dst + e, __builtin_convertvector(*(const v8h *)(src + e), v8f));
-        }
-        for (; e < width; e++) {
-            bad_tail |= (src[e] & ones) == ones;
-            if (kind == 1) {
-                const uint32_t u = (uint32_t)src[e] << 16;
-                memcpy(dst + e, &u, 4);
-            } else {
-                dst[e] = (float)((const _Float16 *)src)[e];
-            }
-        }
-    }
-    uint16_t any = bad_tail;
-    for (int i = 0; i < LANES; i++) any |= bad[i];
-    *finite = !any;
-    return buf;
+    return (float)((const _Float16 *)base)[i];
 }
 
 /* {Σ a0, Σ a1, …, Σ a7}: eight horizontal sums at once. */
@@ -159,25 +117,27 @@ static inline v8f hsum8(const v8f *a) {
 }
 
 #define RG 8 /* query rows that share each load of K and V */
-/* Up to this many rows, a float32 cache's V rows are read whole and in order (the prefetchers
- * stream them); beyond, 8 lanes of each row's output stay in a register while the tile's V rows
- * pass (fewer loads and stores, and the first row has brought the tile into cache). Measured on
- * a 2-core AVX-512 EPYC, 1 thread, Nk = 32768: 8 heads of D = 64 (1 row) 7 ms in order vs 14 ms
- * in registers; 4 rows of D = 128 34 vs 43 ms; 16 rows 67 vs 81 ms. */
+/* Up to this many rows, V's rows are read whole and in order (the prefetchers stream them) and
+ * added into each row's output in L1; beyond, 8 lanes of each row's output stay in a register
+ * while the tile's V rows pass. Measured on a 2-core AVX-512 EPYC, 1 thread, Nk = 32768: 8
+ * heads of D = 64 (1 row) 7 ms in order vs 14 ms in registers; 4 rows of D = 128 34 vs 43 ms;
+ * 16 rows 67 vs 81 ms. */
 #define IN_ORDER_ROWS 4
 
-/* s[r·TK + t] = q_r · k_t for rows r < g (g ≤ RG, q rows d apart) and the w keys of a tile (rows
- * ld apart): each K load feeds g rows; two keys at a time keep 2·g sums in flight. */
-static inline __attribute__((always_inline)) void scores_group(const float *q, int64_t g, const float *kt, int64_t ld,
-                                                               int64_t w, int64_t d, float *s) {
+/* s[r·TK + t] = q_r · k_(n0+t) for rows r < g (g ≤ RG, q rows d apart, float32) and the w keys
+ * from n0 (cache rows ld apart): each K load feeds g rows; two keys at a time keep 2·g sums in
+ * flight. */
+static inline __attribute__((always_inline)) void scores_group(const float *q, int64_t g, const void *k, int kind,
+                                                               int64_t ld, int64_t n0, int64_t w, int64_t d, float *s) {
     const int64_t d8 = d - d % LANES;
+    const v8f zero = v_set(0.0f);
     for (int64_t t = 0; t < w; t += 2) {
         const int two = t + 1 < w;
-        const float *k0 = kt + t * ld, *k1 = two ? k0 + ld : k0;
+        const int64_t i0 = (n0 + t) * ld, i1 = two ? i0 + ld : i0;
         v8f a[RG], b[RG];
-        for (int64_t r = 0; r < RG; r++) a[r] = b[r] = v_set(0.0f);
+        for (int64_t r = 0; r < RG; r++) a[r] = b[r] = zero;
         for (int64_t e = 0; e < d8; e += LANES) {
-            const v8f x0 = v_loadu(k0 + e), x1 = v_loadu(k1 + e);
+            const v8f x0 = load8(k, kind, i0 + e), x1 = load8(k, kind, i1 + e);
             for (int64_t r = 0; r < g; r++) {
                 const v8f y = v_loadu(q + r * d + e);
                 a[r] += y * x0;
@@ -188,8 +148,9 @@ static inline __attribute__((always_inline)) void scores_group(const float *q, i
         for (int64_t r = 0; r < g; r++) {
             float xa = sa[r], xb = sb[r];
             for (int64_t e = d8; e < d; e++) {
-                xa += q[r * d + e] * k0[e];
-                xb += q[r * d + e] * k1[e];
+                const float k0 = load1(k, kind, i0 + e), k1 = load1(k, kind, i1 + e);
+                xa += q[r * d + e] * k0;
+                xb += q[r * d + e] * k1;
             }
             s[r * TK + t] = xa;
             if (two) s[r * TK + t + 1] = xb;
@@ -197,45 +158,120 @@ static inline __attribute__((always_inline)) void scores_group(const float *q, i
     }
 }
 
-/* o_r (dv) = alpha_r·o_r + Σ_t p_r[t]·v_t for rows r < g (o rows dv + 2 apart, p rows TK apart),
- * over w keys (rows ld apart): each V load feeds g rows, 8 lanes of each o_r in a register. */
+/* o_r (dv) = alpha_r·o_r + Σ_t p_r[t]·v_(n0+t) for rows r < g (o rows dv + 2 apart, p rows TK
+ * apart) over w keys (cache rows ld apart): each V load feeds g rows. in_order: V's rows whole and
+ * in order, o in L1; otherwise 8 lanes of each o_r in a register while the tile's rows pass.
+ * No key is skipped, even at weight 0, so a non-finite value reaches every row (decode_part). */
 static inline __attribute__((always_inline)) void weigh_group(float *o, const float *alpha, const float *p, int64_t g,
-                                                              const float *vt, int64_t ld, int64_t w, int64_t dv,
-                                                              int in_order) {
-    if (in_order) { /* V straight from a float32 cache: read each row whole, in order, for all g rows */
+                                                              const void *v, int kind, int64_t ld, int64_t n0,
+                                                              int64_t w, int64_t dv, int in_order) {
+    const int64_t d8 = dv - dv % LANES;
+    if (in_order) {
         for (int64_t r = 0; r < g; r++)
             if (alpha[r] != 1)
                 for (int64_t e = 0; e < dv; e++) o[r * (dv + 2) + e] *= alpha[r];
-        for (int64_t t = 0; t < w; t++)
-            for (int64_t r = 0; r < g; r++)
-                if (p[r * TK + t] != 0) axpy_f32(o + r * (dv + 2), p[r * TK + t], vt + t * ld, dv);
+        for (int64_t t = 0; t < w; t++) {
+            const int64_t i = (n0 + t) * ld;
+            for (int64_t e = 0; e < d8; e += LANES) {
+                const v8f x = load8(v, kind, i + e);
+                for (int64_t r = 0; r < g; r++) {
+                    float *orow = o + r * (dv + 2) + e;
+                    v_storeu(orow, v_loadu(orow) + v_set(p[r * TK + t]) * x);
+                }
+            }
+            for (int64_t e = d8; e < dv; e++) {
+                const float x = load1(v, kind, i + e);
+                for (int64_t r = 0; r < g; r++) o[r * (dv + 2) + e] += p[r * TK + t] * x;
+            }
+        }
         return;
     }
-    int64_t e = 0;
-    for (; e + LANES <= dv; e += LANES) {
+    for (int64_t e = 0; e < d8; e += LANES) {
         v8f a[RG];
         for (int64_t r = 0; r < g; r++) a[r] = v_loadu(o + r * (dv + 2) + e) * v_set(alpha[r]);
         for (int64_t t = 0; t < w; t++) {
-            const v8f x = v_loadu(vt + t * ld + e);
+            const v8f x = load8(v, kind, (n0 + t) * ld + e);
             for (int64_t r = 0; r < g; r++) a[r] += v_set(p[r * TK + t]) * x;
         }
         for (int64_t r = 0; r < g; r++) v_storeu(o + r * (dv + 2) + e, a[r]);
     }
-    for (; e < dv; e++)
+    for (int64_t e = d8; e < dv; e++)
         for (int64_t r = 0; r < g; r++) {
             float a = o[r * (dv + 2) + e] * alpha[r];
-            for (int64_t t = 0; t < w; t++) a += p[r * TK + t] * vt[t * ld + e];
+            for (int64_t t = 0; t < w; t++) {
+                const float x = load1(v, kind, (n0 + t) * ld + e);
+                a += p[r * TK + t] * x;
+            }
             o[r * (dv + 2) + e] = a;
         }
 }
 
-/* One job: rows R of head j (q: R × d) against keys [a, z): writes the running (O, m, l) of each
- * row into part (R × (dv + 2)). buf: TK·d + TK·dv + RG·TK + RG + R·d floats. */
+/* g a constant in each case, so that the per-row sums of scores_group and weigh_group stay in
+ * registers (with a variable g the compiler keeps them in memory, and every FMA waits on a store). */
+#define FOR_ROWS(g, CALL)       \
+    switch (g) {                \
+    case 1: CALL(1); break;     \
+    case 2: CALL(2); break;     \
+    case 3: CALL(3); break;     \
+    case 4: CALL(4); break;     \
+    case 5: CALL(5); break;     \
+    case 6: CALL(6); break;     \
+    case 7: CALL(7); break;     \
+    default: CALL(8); break;    \
+    }
+
+/* scores_group and weigh_group for each cache type and group size, as functions of their own:
+ * compiled apart, their loops keep their sums in registers (inlined into the tile loop, the
+ * float32 cache ran 10–15% slower). */
+#define FOR_KINDS(kind, CALL_G)                                   \
+    switch (kind) {                                               \
+    case 0: { FOR_ROWS(g, CALL_G##0) } break;                     \
+    case 1: { FOR_ROWS(g, CALL_G##1) } break;                     \
+    default: { FOR_ROWS(g, CALL_G##2) } break;                    \
+    }
+
+static __attribute__((noinline)) void scores_rows(const float *q, int64_t g, const void *k, int kind, int64_t ld,
+                                                  int64_t n0, int64_t w, int64_t d, float *s) {
+#define SC0(G) scores_group(q, G, k, 0, ld, n0, w, d, s)
+#define SC1(G) scores_group(q, G, k, 1, ld, n0, w, d, s)
+#define SC2(G) scores_group(q, G, k, 2, ld, n0, w, d, s)
+    FOR_KINDS(kind, SC)
+#undef SC0
+#undef SC1
+#undef SC2
+}
+
+static __attribute__((noinline)) void weigh_rows(float *o, const float *alpha, const float *p, int64_t g, const void *v,
+                                                 int kind, int64_t ld, int64_t n0, int64_t w, int64_t dv) {
+#define WE0(G) weigh_group(o, alpha, p, G, v, 0, ld, n0, w, dv, G <= IN_ORDER_ROWS)
+#define WE1(G) weigh_group(o, alpha, p, G, v, 1, ld, n0, w, dv, G <= IN_ORDER_ROWS)
+#define WE2(G) weigh_group(o, alpha, p, G, v, 2, ld, n0, w, dv, G <= IN_ORDER_ROWS)
+    FOR_KINDS(kind, WE)
+#undef WE0
+#undef WE1
+#undef WE2
+}
+
+/* Are x[0 .. n) all finite? x·0 is 0 for a finite x, NaN for NaN or ±inf. */
+static inline int all_finite(const float *x, int64_t n) {
+    float z = 0;
+    for (int64_t i = 0; i < n; i++) z += x[i] * 0.0f;
+    return z == z;
+}
+
+/* One job: rows R of head j (q: R × d) against keys [a, z) of its K and V (kind as load8):
+ * writes the running (O, m, l) of each row into part (R × (dv + 2)). buf: RG·TK + RG + R·d
+ * floats. Returns whether every K and V entry it read was finite, read off what they reach: a
+ * NaN or ±inf in a key makes its score non-finite (checked on the first row, before the masks),
+ * one in a value makes every output row non-finite (0·inf is NaN, and no key is skipped); an
+ * overflowing score or sum also answers "no", which only sends the caller to the full check.
+ * Instantiated per cache type
+ * and per group size below, so that the conversions and the row loops are compiled out. */
 static inline __attribute__((always_inline)) int decode_part(const float *q, const void *kj, const void *vj, int kind,
                                                               int64_t ks, int64_t vs, int64_t R, int64_t nq, int64_t d,
                                                               int64_t dv, const band_t *bd, const uint8_t *pad, float c,
                                                               int64_t a, int64_t z, float *part, float *buf) {
-    float *kbuf = buf, *vbuf = kbuf + TK * d, *s = vbuf + TK * dv, *alpha = s + RG * TK, *qj = alpha + RG;
+    float *s = buf, *alpha = s + RG * TK, *qj = alpha + RG;
     int finite = 1;
     for (int64_t i = 0; i < R * d; i++) qj[i] = c * q[i]; /* scores come out in log2 units */
     for (int64_t r = 0; r < R; r++) {
@@ -246,16 +282,12 @@ static inline __attribute__((always_inline)) int decode_part(const float *q, con
     }
     for (int64_t n0 = a; n0 < z; n0 += TK) {
         const int64_t w = z - n0 < TK ? z - n0 : TK;
-        int64_t ldk, ldv;
-        int kfin, vfin;
-        const float *kt = rows_f32(kj, kind, n0, w, ks, d, kbuf, &ldk, &kfin);
-        const float *vt = rows_f32(vj, kind, n0, w, vs, dv, vbuf, &ldv, &vfin);
         const int masks = FN(tile_masks_)(nq, w, 0, n0, bd, pad);
-        finite = finite && kfin && vfin;
         for (int64_t r0 = 0; r0 < R; r0 += RG) {
             const int64_t g = R - r0 < RG ? R - r0 : RG;
             float *o = part + r0 * (dv + 2);
-            scores_group(qj + r0 * d, g, kt, ldk, w, d, s);
+            scores_rows(qj + r0 * d, g, kj, kind, ks, n0, w, d, s);
+            if (r0 == 0) finite = finite && all_finite(s, w); /* before the masks: every key of the tile */
             for (int64_t r = 0; r < g; r++) { /* masks and the online softmax, row by row */
                 float *sr = s + r * TK, *orow = o + r * (dv + 2);
                 if (masks) FN(mask_row_)(sr, w, (r0 + r) % nq, n0, bd, pad, masks);
@@ -273,26 +305,27 @@ static inline __attribute__((always_inline)) int decode_part(const float *q, con
                 orow[dv] = mn;
                 orow[dv + 1] = orow[dv + 1] * alpha[r] + sum;
             }
-            weigh_group(o, alpha, s, g, vt, ldv, w, dv, kind == 0 && g <= IN_ORDER_ROWS);
+            weigh_rows(o, alpha, s, g, vj, kind, vs, n0, w, dv);
         }
     }
+    for (int64_t r = 0; r < R && finite; r++) finite = all_finite(part + r * (dv + 2), dv);
     return finite;
 }
 
 /* decode_part for each cache type, with the type's conversion inlined. */
 static int decode_part_f32(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R, int64_t nq,
-                            int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a, int64_t z,
-                            float *part, float *buf) {
+                           int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a, int64_t z,
+                           float *part, float *buf) {
     return decode_part(q, k, v, 0, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
 }
-static int decode_part_bf16(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R,
-                             int64_t nq, int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a,
-                             int64_t z, float *part, float *buf) {
+static int decode_part_bf16(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R, int64_t nq,
+                            int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a, int64_t z,
+                            float *part, float *buf) {
     return decode_part(q, k, v, 1, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
 }
 static int decode_part_f16(const float *q, const void *k, const void *v, int64_t ks, int64_t vs, int64_t R, int64_t nq,
-                            int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a, int64_t z,
-                            float *part, float *buf) {
+                           int64_t d, int64_t dv, const band_t *bd, const uint8_t *pad, float c, int64_t a, int64_t z,
+                           float *part, float *buf) {
     return decode_part(q, k, v, 2, ks, vs, R, nq, d, dv, bd, pad, c, a, z, part, buf);
 }
 
@@ -309,7 +342,7 @@ int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, const
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(TK * d + TK * dv + RG * TK + RG + R * d));
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(RG * TK + RG + R * d));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;

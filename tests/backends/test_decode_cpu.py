@@ -148,7 +148,8 @@ def test_bytes_read_counts_each_distinct_row_once() -> None:
 @pytest.mark.parametrize("where", ["query", "key", "value", "masked_key", "none"])
 def test_the_non_finite_rule_without_a_second_pass(where: str) -> None:
     """qkv's rule (qkv.nonfinite) holds through qkv.attention; the kernel's own check replaces
-    guard's pass over the cache when it read every key, and hands over to guard when it did not."""
+    guard's pass over the cache when it read every key and found nothing non-finite, and hands
+    over to guard otherwise."""
     q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 1000, 16), torch.randn(2, 2, 1000, 16)
     kw: dict = {"enable_gqa": True}
     if where == "query":
@@ -166,4 +167,14 @@ def test_the_non_finite_rule_without_a_second_pass(where: str) -> None:
     expected = qkv.nonfinite.nonfinite_rows(q, k, v)
     assert torch.equal(out.isnan().any(-1), expected)
     result = decode_cpu.decode_attention(validate(q, k, v, **kw))
-    assert isinstance(result, qkv.nonfinite.Checked) == (where in ("query", "none"))
+    # the kernel vouches for finite inputs only; anything else goes to guard's full check
+    assert isinstance(result, qkv.nonfinite.Checked) == (where == "none")
+
+
+def test_a_nan_query_row_with_no_key_is_still_nan() -> None:
+    q, k, v = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 900, 16), torch.randn(1, 2, 900, 16)
+    q[0, 1, 0, 3] = float("nan")  # row 0 of a bottom-right window (0, 0) sees key 898 only...
+    pad = torch.ones(1, 900, dtype=torch.bool)
+    pad[0, 898] = False  # ...which is padding: the row is empty, and its NaN never meets a score
+    out = qkv.attention(q, k, v, is_causal="bottom_right", window=(0, 0), key_padding_mask=pad)
+    assert out[0, 1, 0].isnan().all() and not out[0, 0].isnan().any() and not out[0, 1, 1].isnan().any()
