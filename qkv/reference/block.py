@@ -32,7 +32,8 @@ from .attention import as_float64
 from .masks import CausalArg
 from .render import Block, fmt, format_matrix, short, vec
 from .toy import toy_embeddings, toy_weights
-from .trace import Trace, _from_json, _to_json, trace
+from .serial import from_json, to_json
+from .trace import Trace, trace
 
 __all__ = ["BlockTrace", "trace_block", "toy_block_trace", "sinusoidal_positions", "layer_norm", "BLOCK_STEPS"]
 
@@ -228,16 +229,16 @@ class BlockTrace:
 
     def to_html(self, precision: int = 3, lang: str = "en") -> str:
         """Self-contained HTML tables of every step (no scripts, no external resources)."""
-        from .render import _STYLE, _html_table
+        from .render import STYLE, html_table
 
         tx = _text(lang)
         head = tx["header"].format(n=self.n, d=self.d_model, h=self.num_heads, f=self.d_ff, eps=f"{self.eps:g}")
-        out = ['<div class="qkv-trace">', _STYLE, f"<p><strong>{_html.escape(head)}</strong></p>"]
+        out = ['<div class="qkv-trace">', STYLE, f"<p><strong>{_html.escape(head)}</strong></p>"]
         for b in self.blocks(precision, lang):
             if b.step == "attention":
                 out.append(f"<details><summary>{_html.escape(tx['attn_part'])}</summary>"
                            f"{self.attention.to_html(precision=precision, lang=lang)}</details>")
-            out.append(_html_table(b, precision))
+            out.append(html_table(b, precision))
         out.append("</div>")
         return "\n".join(out)
 
@@ -251,9 +252,9 @@ class BlockTrace:
             "d_ff": self.d_ff,
             "num_heads": self.num_heads,
             "eps": float(self.eps),
-            "steps": {name: _to_json(getattr(self, name)) for name in BLOCK_STEPS},
-            "stats": {name: _to_json(getattr(self, name)) for name in ("mean1", "std1", "mean2", "std2")},
-            "params": {name: _to_json(getattr(self, name)) for name in _PARAMS},
+            "steps": {name: to_json(getattr(self, name)) for name in BLOCK_STEPS},
+            "stats": {name: to_json(getattr(self, name)) for name in ("mean1", "std1", "mean2", "std2")},
+            "params": {name: to_json(getattr(self, name)) for name in _PARAMS},
             "attention": self.attention.to_dict(),
         }
 
@@ -262,9 +263,9 @@ class BlockTrace:
         """Rebuild a block trace from :meth:`to_dict` output (after a JSON round trip, too)."""
         if d.get("kind", "block") != "block":
             raise ValueError(f"this dict is a {d.get('kind')!r} trace, not a block; use Trace.from_dict for it")
-        arrays = {name: _from_json(d["steps"][name]) for name in BLOCK_STEPS}
-        arrays.update({name: _from_json(d["stats"][name]) for name in ("mean1", "std1", "mean2", "std2")})
-        arrays.update({name: _from_json(d["params"][name]) for name in _PARAMS})
+        arrays = {name: from_json(d["steps"][name]) for name in BLOCK_STEPS}
+        arrays.update({name: from_json(d["stats"][name]) for name in ("mean1", "std1", "mean2", "std2")})
+        arrays.update({name: from_json(d["params"][name]) for name in _PARAMS})
         return cls(tokens=list(d["tokens"]), attention=Trace.from_dict(d["attention"]), eps=float(d["eps"]),
                    num_heads=int(d["num_heads"]), **arrays)  # type: ignore[arg-type]
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Block", "blocks", "fmt", "short", "vec", "root", "width", "format_matrix", "trace_to_string", "trace_to_html",
     "WIDE_COLS", "TALL_ROWS", "shown", "summary_note", "score_fn_formula", "score_fn_note",
+    "STYLE", "html_table",
 ]
 
 WIDE_COLS = 10
@@ -444,7 +445,7 @@ def trace_to_string(t: "Trace", precision: int = 3, steps: Optional[Sequence[str
 
 # -- HTML -------------------------------------------------------------------------------------
 
-_STYLE = """<style>
+STYLE = """<style>
 .qkv-trace { font-family: system-ui, sans-serif; }
 .qkv-trace table { border-collapse: collapse; margin: 4px 0 14px 0; font-size: 13px; }
 .qkv-trace caption { text-align: left; padding: 2px 0; }
@@ -458,7 +459,7 @@ _STYLE = """<style>
 </style>"""
 
 
-def _html_table(b: Block, precision: int, lang: str = "en") -> str:
+def html_table(b: Block, precision: int, lang: str = "en") -> str:
     e = html.escape
     shape = "×".join(str(s) for s in b.array.shape)
     r_idx, c_idx, wide = shown(b.array.shape, b.features)
@@ -504,13 +505,13 @@ def trace_to_html(t: "Trace", precision: int = 3, lang: str = "en") -> str:
     """Self-contained HTML: tables, a scoped stylesheet, no scripts or external resources."""
     e = html.escape
     tx = _text(lang)
-    out = ['<div class="qkv-trace">', _STYLE,
+    out = ['<div class="qkv-trace">', STYLE,
            f"<p><strong>{e(_header(t, tx)).replace(chr(10), '<br>')}</strong><br>{e(tx['tokens'] + tx['sep'].join(t.tokens))}</p>"]
     for b in blocks(t, precision, lang):
         if b.array is None:
             out.append(f"<h4>{e(b.title)} <small>({e(b.note)})</small></h4>")
         else:
-            out.append(_html_table(b, precision, lang))
+            out.append(html_table(b, precision, lang))
     out.append("</div>")
     return "\n".join(out)
 

@@ -38,10 +38,11 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .attention import _score_mod64, _with_sinks, as_float64, combined_mask, softmax_rows
+from .attention import as_float64, combined_mask, score_mod64, softmax_rows, with_sinks
 from .masks import CausalArg, parse_causal
+from .serial import from_json, to_json
 
-__all__ = ["Trace", "trace", "SCHEMA_VERSION", "STEPS"]
+__all__ = ["Trace", "trace", "remasked", "SCHEMA_VERSION", "STEPS"]
 
 SCHEMA_VERSION = 2
 """Version of the :meth:`Trace.to_dict` layout; readers accept older dicts and dicts without it.
@@ -266,7 +267,7 @@ class Trace:
             raise ValueError(f"precision={precision!r} must be None or an int from 0 to 15 (decimals kept)")
 
         def js(a: Optional[np.ndarray]) -> Any:
-            return _to_json(a, precision)
+            return to_json(a, precision)
 
         d: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
@@ -311,9 +312,9 @@ class Trace:
                 f"kind={d.get('kind')!r}: this is not an attention trace; a block trace is read by "
                 "qkv.reference.block"
             )
-        steps = {name: _from_json(d["steps"].get(name)) for name in STEPS + ("lse",)}
+        steps = {name: from_json(d["steps"].get(name)) for name in STEPS + ("lse",)}
         params = d.get("params") or {}
-        mats = {n: _from_json(params.get(n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")}
+        mats = {n: from_json(params.get(n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")}
         return cls(
             tokens=list(d["tokens"]),
             d_k=int(d["d_k"]),
@@ -323,11 +324,11 @@ class Trace:
             mask_kinds=tuple(d["mask"]),
             head=d.get("head"),
             heads=[cls.from_dict(h) for h in d.get("heads", [])],
-            concat=_from_json(d.get("concat")),
-            projected=_from_json(d.get("projected")),
+            concat=from_json(d.get("concat")),
+            projected=from_json(d.get("projected")),
             meta=dict(d.get("meta") or {}),
             score_mod=None if d.get("score_mod") is None else dict(d["score_mod"]),
-            sinks=_from_json(d.get("sinks")),
+            sinks=from_json(d.get("sinks")),
             **steps,  # type: ignore[arg-type]
             **mats,
         )
@@ -525,7 +526,7 @@ def _single_head(
             masked = np.where(allowed, masked, -np.inf)
     weights, lse = softmax_rows(before_mask if masked is None else masked)
     if sinks is not None:
-        weights, lse = _with_sinks(weights, lse, sinks)
+        weights, lse = with_sinks(weights, lse, sinks)
     return Trace(
         tokens=tokens,
         x=x,
@@ -549,7 +550,7 @@ def _single_head(
     )
 
 
-def _remasked(t: Trace, is_causal: CausalArg, attn_mask: Any = None) -> Trace:
+def remasked(t: Trace, is_causal: CausalArg, attn_mask: Any = None) -> Trace:
     """Single-head trace ``t`` under other masks, reusing its scores, its score function's output
     and its sink (for N × N self-attention the score function does not depend on the mask)."""
     allowed, bias, kinds = _masks(t.n, attn_mask, is_causal)
@@ -599,7 +600,7 @@ def _modified(fn: Any, qs: Sequence[np.ndarray], ks: Sequence[np.ndarray]) -> np
     so every alignment agrees)."""
     scaled = np.stack([q @ k.T / np.sqrt(q.shape[1]) for q, k in zip(qs, ks)])  # as _single_head computes them
     try:
-        out = np.array(_score_mod64(fn, scaled, "top_left"), dtype=np.float64)  # owned, not a broadcast view
+        out = np.array(score_mod64(fn, scaled, "top_left"), dtype=np.float64)  # owned, not a broadcast view
     except RuntimeError as e:  # a result that cannot broadcast to the scores
         raise ValueError(f"score_mod must return one score per (batch, head, query, key) of shape {scaled.shape}: {e}") from None
     if np.isnan(out).any() or np.isposinf(out).any():
@@ -697,21 +698,3 @@ def _masks(
             kinds.append("float")
     allowed, bias = combined_mask(n, n, attn_mask=attn_mask, is_causal=is_causal)
     return allowed, bias, tuple(kinds)
-
-
-def _to_json(a: Optional[np.ndarray], precision: Optional[int] = None) -> Any:
-    if a is None:
-        return None
-    if precision is not None:
-        a = np.round(a, precision)
-    obj = np.where(np.isfinite(a), a, np.nan).astype(object)
-    obj[~np.isfinite(a)] = None  # −∞ (masked) has no JSON spelling
-    return obj.tolist() if obj.ndim else obj.item()
-
-
-def _from_json(a: Any) -> Optional[np.ndarray]:
-    if a is None:
-        return None
-    arr = np.array(a, dtype=object)
-    out = np.where(arr == None, -np.inf, arr)  # noqa: E711  (elementwise test for null)
-    return out.astype(np.float64)

@@ -243,7 +243,7 @@ def _inputs(att: "Trace", block: Optional["BlockTrace"]) -> dict[str, Any]:
 
 def _variant(att: "Trace", block: Optional["BlockTrace"], causal: bool) -> dict[str, Any]:
     """The steps from the scores on, with the causal mask on or off (recomputed in float64)."""
-    from ..reference.trace import Trace, _remasked
+    from ..reference.trace import Trace, remasked
 
     causal_now = bool(parse_causal(att.is_causal)[0])
     same = causal_now == causal
@@ -260,7 +260,7 @@ def _variant(att: "Trace", block: Optional["BlockTrace"], causal: bool) -> dict[
             base = h.scaled if h.modified is None else h.modified  # what the mask was added to
             if h.masked is not None and not causal_now:  # keep the trace's own mask under the toggle
                 extra = np.where(np.isfinite(h.masked), h.masked - base, -np.inf)
-            per_head.append(_remasked(h, causal, extra))
+            per_head.append(remasked(h, causal, extra))
     out: dict[str, Any] = {
         "heads": [
             {
