@@ -368,10 +368,57 @@ def trace(
     number for every head. Both follow :func:`qkv.reference.attention_ref` exactly.
     """
     x = _matrix(x, "x", "(N, d_model): one row per token")
-    n, d_model = x.shape
+    n = x.shape[0]
     if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"num_heads={num_heads!r} must be a positive int (1 for single-head attention)")
     num_heads = int(num_heads)
+    mats = _weights(x.shape[1], w_q, w_k, w_v, num_heads)
+    d_k = mats["w_q"].shape[1] // num_heads
+    d_v = mats["w_v"].shape[1] // num_heads
+    biases = {
+        name: None if given is None else _bias(given, name, w, mats[w].shape[1])
+        for name, given, w in (("b_q", b_q, "w_q"), ("b_k", b_k, "w_k"), ("b_v", b_v, "w_v"))
+    }
+    if meta is not None and not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict such as {{'model': 'all-MiniLM-L6-v2', 'layer': 1}}, got {type(meta).__name__}")
+    w_o_arr = None if w_o is None else _out_weight(w_o, num_heads, d_v)
+    labels = _tokens(tokens, n, "x")
+    allowed, bias, kinds = _masks(n, attn_mask, is_causal)
+    fn, info = _score_fn(score_mod, num_heads)
+    sink_arr = _sinks(sinks, num_heads)
+
+    q, k, v = _project(x, mats, biases)  # step 1: (N, H·d_k), (N, H·d_k), (N, H·d_v)
+    qs = [q[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]  # head h owns a contiguous block of columns
+    ks = [k[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]
+    modified = None if fn is None else _modified(fn, qs, ks)  # (H, N, N): head h sees head index h
+    heads = [
+        _single_head(
+            labels, x, qs[h], ks[h], v[:, h * d_v : (h + 1) * d_v], allowed, bias, kinds, is_causal,
+            head=h if num_heads > 1 else None,
+            score_info=info,
+            modified=None if modified is None else modified[h],
+            sinks=None if sink_arr is None else sink_arr[h : h + 1],
+        )
+        for h in range(num_heads)
+    ]
+    params = dict(w_q=mats["w_q"], w_k=mats["w_k"], w_v=mats["w_v"], w_o=w_o_arr, **biases)
+    if num_heads == 1:
+        t = heads[0]
+        t.q, t.k, t.v = q, k, v
+        t.w_q, t.w_k, t.w_v, t.w_o = params["w_q"], params["w_k"], params["w_v"], w_o_arr
+        t.b_q, t.b_k, t.b_v = biases["b_q"], biases["b_k"], biases["b_v"]
+        t.meta = dict(meta or {})
+        if w_o_arr is not None:
+            t.projected = t.output @ w_o_arr  # (N, d_model_out)
+        return t
+    return _stacked(heads, x, q, k, v, params, is_causal=is_causal, meta=meta, score_info=info, sinks=sink_arr)
+
+
+# -- private machinery ----------------------------------------------------------------------
+
+
+def _weights(d_model: int, w_q: Any, w_k: Any, w_v: Any, num_heads: int) -> dict[str, np.ndarray]:
+    """W_Q, W_K, W_V as float64 matrices, checked against ``d_model`` and ``num_heads``."""
     mats: dict[str, np.ndarray] = {}
     for name, given, what in (("w_q", w_q, "d_k"), ("w_k", w_k, "d_k"), ("w_v", w_v, "d_v")):
         w = _matrix(given, name, f"(d_model, {what}·num_heads)")
@@ -393,108 +440,91 @@ def trace(
             f"w_q has {mats['w_q'].shape[1]} columns but w_k has {mats['w_k'].shape[1]}; queries "
             "and keys meet in a dot product, so both must be (d_model, d_k·num_heads)"
         )
-    d_k = mats["w_q"].shape[1] // num_heads
-    d_v = mats["w_v"].shape[1] // num_heads
-    biases: dict[str, Optional[np.ndarray]] = {}
-    for name, given, w in (("b_q", b_q, "w_q"), ("b_k", b_k, "w_k"), ("b_v", b_v, "w_v")):
-        biases[name] = None if given is None else _bias(given, name, w, mats[w].shape[1])
-    if meta is not None and not isinstance(meta, dict):
-        raise TypeError(f"meta must be a dict such as {{'model': 'all-MiniLM-L6-v2', 'layer': 1}}, got {type(meta).__name__}")
-    w_o_arr = None
-    if w_o is not None:
-        w_o_arr = _matrix(w_o, "w_o", "(num_heads·d_v, d_model_out)")
-        if w_o_arr.shape[0] != num_heads * d_v:
-            raise ValueError(
-                f"w_o has {w_o_arr.shape[0]} rows but the concatenated heads have "
-                f"num_heads·d_v = {num_heads}·{d_v} = {num_heads * d_v} columns; "
-                "w_o must be (num_heads·d_v, d_model_out)"
-            )
-    labels = _tokens(tokens, n, "x")
-    allowed, bias, kinds = _masks(n, attn_mask, is_causal)
-    fn, info = _score_fn(score_mod, num_heads)
-    sink_arr = _sinks(sinks, num_heads)
+    return mats
 
-    q = x @ mats["w_q"]  # (N, H·d_k)
-    k = x @ mats["w_k"]  # (N, H·d_k)
-    v = x @ mats["w_v"]  # (N, H·d_v)
+
+def _out_weight(w_o: Any, num_heads: int, d_v: int) -> np.ndarray:
+    """W_O (H·d_v, d_model_out) as a float64 matrix, checked against the concatenated heads."""
+    w_o_arr = _matrix(w_o, "w_o", "(num_heads·d_v, d_model_out)")
+    if w_o_arr.shape[0] != num_heads * d_v:
+        raise ValueError(
+            f"w_o has {w_o_arr.shape[0]} rows but the concatenated heads have "
+            f"num_heads·d_v = {num_heads}·{d_v} = {num_heads * d_v} columns; "
+            "w_o must be (num_heads·d_v, d_model_out)"
+        )
+    return w_o_arr
+
+
+def _project(
+    x: np.ndarray, mats: dict[str, np.ndarray], biases: dict[str, Optional[np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step *project*: Q = X·W_Q (+ b_Q), likewise K and V; (N, H·d_k), (N, H·d_k), (N, H·d_v)."""
+    q = x @ mats["w_q"]
+    k = x @ mats["w_k"]
+    v = x @ mats["w_v"]
     if biases["b_q"] is not None:
         q = q + biases["b_q"]  # (N, H·d_k) + (H·d_k,): the same bias for every token
     if biases["b_k"] is not None:
         k = k + biases["b_k"]
     if biases["b_v"] is not None:
         v = v + biases["b_v"]
-    qs = [q[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]  # head h owns a contiguous block of columns
-    ks = [k[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]
-    modified = None if fn is None else _modified(fn, qs, ks)  # (H, N, N): head h sees head index h
-    heads = [
-        _single_head(
-            labels,
-            x,
-            qs[h],
-            ks[h],
-            v[:, h * d_v : (h + 1) * d_v],
-            allowed,
-            bias,
-            kinds,
-            is_causal,
-            head=h if num_heads > 1 else None,
-            score_info=info,
-            modified=None if modified is None else modified[h],
-            sinks=None if sink_arr is None else sink_arr[h : h + 1],
-        )
-        for h in range(num_heads)
-    ]
+    return q, k, v
 
-    if num_heads == 1:
-        t = heads[0]
-        t.q, t.k, t.v = q, k, v
-        t.w_q, t.w_k, t.w_v, t.w_o = mats["w_q"], mats["w_k"], mats["w_v"], w_o_arr
-        t.b_q, t.b_k, t.b_v = biases["b_q"], biases["b_k"], biases["b_v"]
-        t.meta = dict(meta or {})
-        if w_o_arr is not None:
-            t.projected = t.output @ w_o_arr  # (N, d_model_out)
-        return t
 
+def _stacked(
+    heads: list[Trace],
+    x: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    params: dict[str, Optional[np.ndarray]],
+    *,
+    is_causal: CausalArg,
+    meta: Optional[dict[str, Any]],
+    score_info: Optional[dict[str, Any]],
+    sinks: Optional[np.ndarray],
+) -> Trace:
+    """The multi-head trace: each step stacked over heads (H, N, ·), heads concatenated (N, H·d_v)
+    and, with W_O, projected (N, d_model_out)."""
     concat = np.concatenate([h.output for h in heads], axis=-1)  # (N, H·d_v)
+    w_o_arr = params["w_o"]
 
     def stack(name: str) -> np.ndarray:
         return np.stack([getattr(h, name) for h in heads])  # (H, N, ·)
 
+    first = heads[0]
     return Trace(
-        tokens=labels,
+        tokens=first.tokens,
         x=x,
         q=q,
         k=k,
         v=v,
         scores=stack("scores"),
         scaled=stack("scaled"),
-        modified=None if heads[0].modified is None else stack("modified"),
-        score_mod=info,
-        sinks=sink_arr,
-        masked=None if heads[0].masked is None else stack("masked"),
+        modified=None if first.modified is None else stack("modified"),
+        score_mod=score_info,
+        sinks=sinks,
+        masked=None if first.masked is None else stack("masked"),
         weights=stack("weights"),
         output=stack("output"),
         lse=stack("lse"),
-        d_k=d_k,
-        d_v=d_v,
-        num_heads=num_heads,
+        d_k=first.d_k,
+        d_v=first.d_v,
+        num_heads=len(heads),
         is_causal=is_causal,
-        mask_kinds=kinds,
+        mask_kinds=first.mask_kinds,
         heads=heads,
         concat=concat,
         projected=None if w_o_arr is None else concat @ w_o_arr,  # (N, d_model_out)
-        w_q=mats["w_q"],
-        w_k=mats["w_k"],
-        w_v=mats["w_v"],
+        w_q=params["w_q"],
+        w_k=params["w_k"],
+        w_v=params["w_v"],
         w_o=w_o_arr,
-        b_q=biases["b_q"],
-        b_k=biases["b_k"],
-        b_v=biases["b_v"],
+        b_q=params["b_q"],
+        b_k=params["b_k"],
+        b_v=params["b_v"],
         meta=dict(meta or {}),
     )
-
-
-# -- private machinery ----------------------------------------------------------------------
 
 
 def _single_head(
