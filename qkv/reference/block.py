@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from ..locale import LANGUAGES, messages
 from .attention import as_float64
 from .masks import CausalArg
 from .render import Block, fmt, format_matrix, short, vec
@@ -395,40 +396,8 @@ def toy_block_trace(
 
 # -- words ----------------------------------------------------------------------------------
 
-_TEXT: dict[str, dict[str, str]] = {
-    "en": {
-        "header": "Encoder block, step by step: {n} tokens, d_model = {d}, {h} heads, d_ff = {f}, eps = {eps}",
-        "tokens": "tokens: ", "sep": ", ",
-        "embeddings": "the token embeddings, one row per token",
-        "positional": "the sinusoidal positional encoding of each position",
-        "x": "the attention input: embedding plus position",
-        "attention": "multi-head self-attention ({h} heads) after W_O",
-        "attn_part": "inside multi-head attention", "attn_end": "end of multi-head attention",
-        "residual": "residual connection: the step's input added back",
-        "norm": "LayerNorm: each row shifted to mean 0, scaled to std 1, then γ and β",
-        "hidden": "feed-forward: each token alone, widened to d_ff",
-        "relu": "ReLU: negative units switched off",
-        "relu_off": "units switched off: {parts}",
-        "ffn": "feed-forward output, back to d_model",
-        "output": "the block's output: LayerNorm of the second residual",
-    },
-    "zh": {
-        "header": "编码器块逐步计算：{n} 个词元，d_model = {d}，{h} 个头，d_ff = {f}，eps = {eps}",
-        "tokens": "词元：", "sep": "，",
-        "embeddings": "词元嵌入，每个词元一行",
-        "positional": "每个位置的正弦位置编码",
-        "x": "注意力的输入：嵌入加上位置编码",
-        "attention": "多头自注意力（{h} 个头），已乘以 W_O",
-        "attn_part": "多头注意力内部", "attn_end": "多头注意力结束",
-        "residual": "残差连接：把这一步的输入加回来",
-        "norm": "层归一化：每行先移到均值 0、缩放到标准差 1，再乘 γ 加 β",
-        "hidden": "前馈网络：每个词元单独计算，扩展到 d_ff 维",
-        "relu": "ReLU：负值单元被关掉（置 0）",
-        "relu_off": "被关掉的单元数：{parts}",
-        "ffn": "前馈网络输出，变回 d_model 维",
-        "output": "整个块的输出：第二个残差的层归一化",
-    },
-}
+_TEXT: dict[str, dict[str, str]] = {lang: messages(lang, "block.") for lang in LANGUAGES}
+"""This module's words in each language, from the catalogue (``qkv/locale/<lang>.json``, keys ``block.*``)."""
 
 
 def _text(lang: str) -> dict[str, str]:
