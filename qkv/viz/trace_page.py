@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
+from ..locale import LANGUAGES, messages
 from ..reference.masks import parse_causal
 from ..reference.render import shown
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from ..reference.block import BlockTrace
     from ..reference.trace import Trace
 
-__all__ = ["render_trace_page", "save_trace_page", "page_data", "PAGE_SCHEMA_VERSION", "TOP_TERMS"]
+__all__ = ["render_trace_page", "save_trace_page", "page_data", "page_words", "PAGE_SCHEMA_VERSION", "TOP_TERMS"]
 
 PAGE_SCHEMA_VERSION = 2
 """Version of the JSON embedded in the page (``page_data``); 2 added the score function
@@ -45,7 +46,7 @@ PAGE_SCHEMA_VERSION = 2
 TOP_TERMS = 8
 """A projection cell with more terms than this lists the largest ones and sums the rest."""
 _SIGNIFICANT = 10  # digits kept in the embedded JSON: far below any displayed precision
-_LANGS = ("en", "zh")
+_LANGS = LANGUAGES
 
 
 def render_trace_page(
@@ -67,6 +68,7 @@ def render_trace_page(
     template = env.get_template("trace_page.html.j2")
     return template.render(
         data_json=script_json(data),
+        words_json=script_json(page_words()),
         script=Markup(_asset("trace_page.js")),
         style=Markup(_asset("trace_page.css")),
         lang=data["lang"],
@@ -401,6 +403,12 @@ def _static_title(data: dict[str, Any]) -> str:
     if data["kind"] == "block":
         return "编码器块逐步演示" if zh else "An encoder block, step by step"
     return "自注意力逐步演示" if zh else "Self-attention, step by step"
+
+
+def page_words() -> dict[str, dict[str, str]]:
+    """The page script's words: for each language, the catalogue's ``page.*`` messages keyed by
+    the rest of the key (the script fills their ``{name}`` placeholders itself)."""
+    return {lang: messages(lang, "page.") for lang in LANGUAGES}
 
 
 def script_json(data: Any) -> Any:
