@@ -31,7 +31,7 @@ import numpy as np
 from ..locale import LANGUAGES, messages
 from .attention import as_float64
 from .masks import CausalArg
-from .render import Block, fmt, format_matrix, short, vec
+from .render import STYLE, Block, fmt, format_matrix, html_table, notebook_frame, short, vec
 from .toy import toy_embeddings, toy_weights
 from .serial import from_json, to_json
 from .trace import Trace, trace
@@ -224,14 +224,10 @@ class BlockTrace:
     def _repr_html_(self) -> str:
         """In a notebook: the interactive stepper page in a sandboxed iframe (see
         :meth:`Trace._repr_html_`); :meth:`to_html` gives the static tables."""
-        from .render import notebook_frame
-
         return notebook_frame(self)
 
     def to_html(self, precision: int = 3, lang: str = "en") -> str:
         """Self-contained HTML tables of every step (no scripts, no external resources)."""
-        from .render import STYLE, html_table
-
         tx = _text(lang)
         head = tx["header"].format(n=self.n, d=self.d_model, h=self.num_heads, f=self.d_ff, eps=f"{self.eps:g}")
         out = ['<div class="qkv-trace">', STYLE, f"<p><strong>{_html.escape(head)}</strong></p>"]

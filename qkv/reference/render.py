@@ -433,6 +433,8 @@ def notebook_frame(trace: Any, height: int = 760) -> str:
     (the page carries its data, script and style: no network); the static tables when the
     page's template is not installed."""
     try:
+        # The one upward import of the glass box (layer 6 -> the viz layer 7), lazy: a notebook
+        # convenience, and viz.trace_page imports this module at its top.
         from ..viz.trace_page import render_trace_page
     except ImportError:  # a NumPy-only install without the viz templates
         return trace.to_html()

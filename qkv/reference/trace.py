@@ -39,7 +39,9 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from .attention import as_float64, combined_mask, score_mod64, softmax_rows, with_sinks
+from .explain import explain
 from .masks import CausalArg, parse_causal
+from .render import notebook_frame, trace_to_html, trace_to_string
 from .serial import from_json, to_json
 
 __all__ = ["Trace", "trace", "remasked", "SCHEMA_VERSION", "STEPS"]
@@ -229,28 +231,20 @@ class Trace:
         ``steps`` limits the output to some step names (e.g. ``("scores", "weights")``);
         ``lang`` ("en" or "zh") is the language of the notes beside each formula.
         """
-        from .render import trace_to_string
-
         return trace_to_string(self, precision=precision, steps=steps, lang=lang)
 
     def explain(self, lang: str = "en", *, token: Union[int, str] = 0, precision: int = 3) -> str:
         """A step-by-step narrative in English (``"en"``) or Chinese (``"zh"``) quoting this
         trace's numbers for one query token (index or label; the first token by default)."""
-        from .explain import explain
-
         return explain(self, lang=lang, token=token, precision=precision)
 
     def _repr_html_(self) -> str:
         """In a notebook: the interactive stepper page (``qkv trace --html``) in a sandboxed
         iframe, self-contained and offline; :meth:`to_html` gives the static tables."""
-        from .render import notebook_frame
-
         return notebook_frame(self)
 
     def to_html(self, precision: int = 3, lang: str = "en") -> str:
         """Self-contained HTML tables (no scripts, no external resources)."""
-        from .render import trace_to_html
-
         return trace_to_html(self, precision=precision, lang=lang)
 
     def to_dict(self, precision: Optional[int] = None) -> dict[str, Any]:

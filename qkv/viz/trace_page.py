@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import numpy as np
 
 from ..locale import LANGUAGES, messages
+from ..reference.block import BlockTrace, trace_block
 from ..reference.masks import parse_causal
 from ..reference.render import shown
+from ..reference.trace import Trace, remasked
 
 if TYPE_CHECKING:
     from jinja2 import Environment
-
-    from ..reference.block import BlockTrace
-    from ..reference.trace import Trace
 
 __all__ = ["render_trace_page", "save_trace_page", "page_data", "page_words", "PAGE_SCHEMA_VERSION", "TOP_TERMS"]
 
@@ -112,9 +111,6 @@ def page_data(
     one) and ``sinks`` holds each head's sink logit (None without sinks; null for a head whose
     sink is −∞).
     """
-    from ..reference.block import BlockTrace
-    from ..reference.trace import Trace
-
     if lang not in _LANGS:
         raise ValueError(f"lang={lang!r} is not supported; use 'en' (English) or 'zh' (Chinese)")
     if isinstance(precision, bool) or not isinstance(precision, (int, np.integer)) or not 0 <= precision <= 10:
@@ -245,8 +241,6 @@ def _inputs(att: "Trace", block: Optional["BlockTrace"]) -> dict[str, Any]:
 
 def _variant(att: "Trace", block: Optional["BlockTrace"], causal: bool) -> dict[str, Any]:
     """The steps from the scores on, with the causal mask on or off (recomputed in float64)."""
-    from ..reference.trace import Trace, remasked
-
     causal_now = bool(parse_causal(att.is_causal)[0])
     same = causal_now == causal
     # Only a non-causal trace is ever re-masked with its own mask kept: a causal trace with a
@@ -290,8 +284,6 @@ def _variant(att: "Trace", block: Optional["BlockTrace"], causal: bool) -> dict[
 
 
 def _block_steps(block: "BlockTrace", att: "Trace", causal: bool, same: bool) -> dict[str, Any]:
-    from ..reference.block import trace_block
-
     b = block
     if not same:
         b = trace_block(
