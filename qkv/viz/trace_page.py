@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
-from ..locale import LANGUAGES, messages
+from ..locale import LANGUAGES, messages, text
 from ..reference.block import BlockTrace, trace_block
 from ..reference.masks import parse_causal
 from ..reference.render import shown
@@ -383,18 +383,17 @@ def _num(a: Optional[np.ndarray]) -> Any:
 
 def _static_title(data: dict[str, Any]) -> str:
     """The <title> before the script runs (the script retitles it on a language switch)."""
-    meta = data["meta"]
-    zh = data["lang"] == "zh"
-    if "model" in meta:
+    meta, lang = data["meta"], data["lang"]
+    if "model" in meta:  # the same words the script uses when it retitles the page
         parts = [str(meta["model"])]
         if "layer" in meta:
-            parts.append(f"第 {meta['layer']} 层" if zh else f"layer {meta['layer']}")
+            parts.append(text("page.layer", lang, n=meta["layer"]))
         if "head" in meta:
-            parts.append(f"第 {meta['head']} 个头" if zh else f"head {meta['head']}")
-        return (" · ".join(parts)) + (" — 注意力逐步演示" if zh else " — attention, step by step")
+            parts.append(text("page.head_n", lang, n=meta["head"]))
+        return text("page.title_model", lang, what=" · ".join(parts))
     if data["kind"] == "block":
-        return "编码器块逐步演示" if zh else "An encoder block, step by step"
-    return "自注意力逐步演示" if zh else "Self-attention, step by step"
+        return text("page.title_block", lang)
+    return text("page.title", lang)
 
 
 def page_words() -> dict[str, dict[str, str]]:
