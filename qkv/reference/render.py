@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
-from ..locale import LANGUAGES, messages
+from ..locale import LANGUAGES, check_lang, messages
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -94,9 +94,7 @@ _TEXT: dict[str, dict[str, str]] = {lang: messages(lang, "render.") for lang in 
 
 
 def _text(lang: str) -> dict[str, str]:
-    if lang not in _TEXT:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
-    return _TEXT[lang]
+    return _TEXT[check_lang(lang)]
 
 
 def _dims(n: int) -> list[str]:

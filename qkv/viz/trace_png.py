@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ..locale import LANGUAGES, messages
+from ..locale import LANGUAGES, check_lang, messages
 
 __all__ = ["save_trace_png", "trace_figure", "cjk_font", "MAX_COLS", "MAX_ANNOTATED_ROWS"]
 
@@ -324,8 +324,7 @@ def trace_figure(trace: Any, *, lang: str = "en", head: Optional[int] = None, to
     from qkv.reference.block import BlockTrace
     from qkv.reference.trace import Trace
 
-    if lang not in _TEXT:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    check_lang(lang)
     if not isinstance(trace, (Trace, BlockTrace)):
         raise TypeError(f"trace must be a qkv.reference Trace or BlockTrace, got {type(trace).__name__}")
     families, lang = _fonts_for(lang)

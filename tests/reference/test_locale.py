@@ -60,7 +60,10 @@ def test_every_key_named_in_code_exists():
     named = set()
     for path in _code_files():
         src = path.read_text(encoding="utf-8")
-        named |= {m for m in re.findall(r"\btext\(\s*\"([a-z0-9_.]+)\"", src)}
+        named |= set(re.findall(r"\btext\(\s*\"([a-z0-9_.]+)\"\s*[,)]", src))
+        # a local say(key, ...) = text(PREFIX + key, ...): its keys are PREFIX + each say("key")
+        for prefix in re.findall(r"\btext\(\s*\"([a-z0-9_.]+)\"\s*\+", src):
+            named |= {prefix + key for key in re.findall(r"\bsay\(\"([a-z0-9_]+)\"", src)}
         for prefix in re.findall(r"\bmessages\(\s*\w+,\s*\"([a-z0-9_.]+)\"\)", src):
             assert any(k.startswith(prefix) for k in en), (path.name, prefix)
     js = (ROOT / "qkv" / "viz" / "templates" / "trace_page.js").read_text(encoding="utf-8")
