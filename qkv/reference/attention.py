@@ -196,14 +196,14 @@ def attention_ref(
     with np.errstate(invalid="ignore", over="ignore"):
         scores = q @ np.swapaxes(k, -1, -2) * scale  # (..., H, Nq, Nk)
         if score_mod is not None:
-            scores = _score_mod64(score_mod, scores, causal_bias_alignment(attn_mask) or parse_causal(is_causal)[1])
+            scores = score_mod64(score_mod, scores, causal_bias_alignment(attn_mask) or parse_causal(is_causal)[1])
         if bias is not None:
             scores = scores + bias
     if allowed is not None:
         scores = np.where(allowed, scores, -np.inf)
     weights, lse = softmax_rows(scores)
     if sinks is not None:
-        weights, lse = _with_sinks(weights, lse, as_float64(sinks, "sinks"))
+        weights, lse = with_sinks(weights, lse, as_float64(sinks, "sinks"))
     out = weights @ v  # (..., H, Nq, Dv)
     if bad.any():
         bad = np.broadcast_to(bad, lse.shape)
@@ -212,7 +212,7 @@ def attention_ref(
     return (out, lse) if return_lse else out
 
 
-def _score_mod64(score_mod: Any, scores: np.ndarray, alignment: str) -> np.ndarray:
+def score_mod64(score_mod: Any, scores: np.ndarray, alignment: str) -> np.ndarray:
     """``score_mod`` on float64 scores ``(..., H, Nq, Nk)``: batch = the flattened batch index,
     head, query row (a built-in sees it at its aligned position) and key, broadcast."""
     import torch
@@ -233,7 +233,7 @@ def _score_mod64(score_mod: Any, scores: np.ndarray, alignment: str) -> np.ndarr
     return out.reshape(scores.shape).numpy()
 
 
-def _with_sinks(weights: np.ndarray, lse: np.ndarray, sinks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def with_sinks(weights: np.ndarray, lse: np.ndarray, sinks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Softmax weights and lse with one extra logit per head in each row's denominator."""
     sink = sinks[:, None] if lse.ndim >= 2 else sinks.reshape(())  # (H, 1) against (..., H, Nq)
     with np.errstate(invalid="ignore"):

@@ -28,11 +28,13 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from ..locale import LANGUAGES, check_lang, messages, text
 from .attention import as_float64
 from .masks import CausalArg
-from .render import Block, fmt, format_matrix, short, vec
+from .render import STYLE, Block, fmt, format_matrix, html_table, notebook_frame, short, vec
 from .toy import toy_embeddings, toy_weights
-from .trace import Trace, _from_json, _to_json, trace
+from .serial import from_json, to_json
+from .trace import Trace, trace
 
 __all__ = ["BlockTrace", "trace_block", "toy_block_trace", "sinusoidal_positions", "layer_norm", "BLOCK_STEPS"]
 
@@ -217,27 +219,23 @@ class BlockTrace:
         quoting this trace's numbers. ``token`` is a 0-based index or a token label."""
         _text(lang)
         i = _resolve(self.tokens, token)
-        return (_explain_zh if lang == "zh" else _explain_en)(self, i, precision)
+        return _explain(self, i, precision, lang)
 
     def _repr_html_(self) -> str:
         """In a notebook: the interactive stepper page in a sandboxed iframe (see
         :meth:`Trace._repr_html_`); :meth:`to_html` gives the static tables."""
-        from .render import notebook_frame
-
         return notebook_frame(self)
 
     def to_html(self, precision: int = 3, lang: str = "en") -> str:
         """Self-contained HTML tables of every step (no scripts, no external resources)."""
-        from .render import _STYLE, _html_table
-
         tx = _text(lang)
         head = tx["header"].format(n=self.n, d=self.d_model, h=self.num_heads, f=self.d_ff, eps=f"{self.eps:g}")
-        out = ['<div class="qkv-trace">', _STYLE, f"<p><strong>{_html.escape(head)}</strong></p>"]
+        out = ['<div class="qkv-trace">', STYLE, f"<p><strong>{_html.escape(head)}</strong></p>"]
         for b in self.blocks(precision, lang):
             if b.step == "attention":
                 out.append(f"<details><summary>{_html.escape(tx['attn_part'])}</summary>"
                            f"{self.attention.to_html(precision=precision, lang=lang)}</details>")
-            out.append(_html_table(b, precision))
+            out.append(html_table(b, precision))
         out.append("</div>")
         return "\n".join(out)
 
@@ -251,9 +249,9 @@ class BlockTrace:
             "d_ff": self.d_ff,
             "num_heads": self.num_heads,
             "eps": float(self.eps),
-            "steps": {name: _to_json(getattr(self, name)) for name in BLOCK_STEPS},
-            "stats": {name: _to_json(getattr(self, name)) for name in ("mean1", "std1", "mean2", "std2")},
-            "params": {name: _to_json(getattr(self, name)) for name in _PARAMS},
+            "steps": {name: to_json(getattr(self, name)) for name in BLOCK_STEPS},
+            "stats": {name: to_json(getattr(self, name)) for name in ("mean1", "std1", "mean2", "std2")},
+            "params": {name: to_json(getattr(self, name)) for name in _PARAMS},
             "attention": self.attention.to_dict(),
         }
 
@@ -262,9 +260,9 @@ class BlockTrace:
         """Rebuild a block trace from :meth:`to_dict` output (after a JSON round trip, too)."""
         if d.get("kind", "block") != "block":
             raise ValueError(f"this dict is a {d.get('kind')!r} trace, not a block; use Trace.from_dict for it")
-        arrays = {name: _from_json(d["steps"][name]) for name in BLOCK_STEPS}
-        arrays.update({name: _from_json(d["stats"][name]) for name in ("mean1", "std1", "mean2", "std2")})
-        arrays.update({name: _from_json(d["params"][name]) for name in _PARAMS})
+        arrays = {name: from_json(d["steps"][name]) for name in BLOCK_STEPS}
+        arrays.update({name: from_json(d["stats"][name]) for name in ("mean1", "std1", "mean2", "std2")})
+        arrays.update({name: from_json(d["params"][name]) for name in _PARAMS})
         return cls(tokens=list(d["tokens"]), attention=Trace.from_dict(d["attention"]), eps=float(d["eps"]),
                    num_heads=int(d["num_heads"]), **arrays)  # type: ignore[arg-type]
 
@@ -394,46 +392,12 @@ def toy_block_trace(
 
 # -- words ----------------------------------------------------------------------------------
 
-_TEXT: dict[str, dict[str, str]] = {
-    "en": {
-        "header": "Encoder block, step by step: {n} tokens, d_model = {d}, {h} heads, d_ff = {f}, eps = {eps}",
-        "tokens": "tokens: ", "sep": ", ",
-        "embeddings": "the token embeddings, one row per token",
-        "positional": "the sinusoidal positional encoding of each position",
-        "x": "the attention input: embedding plus position",
-        "attention": "multi-head self-attention ({h} heads) after W_O",
-        "attn_part": "inside multi-head attention", "attn_end": "end of multi-head attention",
-        "residual": "residual connection: the step's input added back",
-        "norm": "LayerNorm: each row shifted to mean 0, scaled to std 1, then γ and β",
-        "hidden": "feed-forward: each token alone, widened to d_ff",
-        "relu": "ReLU: negative units switched off",
-        "relu_off": "units switched off: {parts}",
-        "ffn": "feed-forward output, back to d_model",
-        "output": "the block's output: LayerNorm of the second residual",
-    },
-    "zh": {
-        "header": "编码器块逐步计算：{n} 个词元，d_model = {d}，{h} 个头，d_ff = {f}，eps = {eps}",
-        "tokens": "词元：", "sep": "，",
-        "embeddings": "词元嵌入，每个词元一行",
-        "positional": "每个位置的正弦位置编码",
-        "x": "注意力的输入：嵌入加上位置编码",
-        "attention": "多头自注意力（{h} 个头），已乘以 W_O",
-        "attn_part": "多头注意力内部", "attn_end": "多头注意力结束",
-        "residual": "残差连接：把这一步的输入加回来",
-        "norm": "层归一化：每行先移到均值 0、缩放到标准差 1，再乘 γ 加 β",
-        "hidden": "前馈网络：每个词元单独计算，扩展到 d_ff 维",
-        "relu": "ReLU：负值单元被关掉（置 0）",
-        "relu_off": "被关掉的单元数：{parts}",
-        "ffn": "前馈网络输出，变回 d_model 维",
-        "output": "整个块的输出：第二个残差的层归一化",
-    },
-}
+_TEXT: dict[str, dict[str, str]] = {lang: messages(lang, "block.") for lang in LANGUAGES}
+"""This module's words in each language, from the catalogue (``qkv/locale/<lang>.json``, keys ``block.*``)."""
 
 
 def _text(lang: str) -> dict[str, str]:
-    if lang not in _TEXT:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
-    return _TEXT[lang]
+    return _TEXT[check_lang(lang)]
 
 
 def _resolve(tokens: Sequence[str], token: Union[int, str]) -> int:
@@ -451,82 +415,38 @@ def _heads(b: BlockTrace) -> list[Trace]:
     return [b.attention] if b.attention.num_heads == 1 else list(b.attention.heads)
 
 
-def _explain_en(b: BlockTrace, i: int, p: int) -> str:
+def _explain(b: BlockTrace, i: int, p: int, lang: str) -> str:
+    """Token ``i``'s way through the block in ``lang``, numbers to ``p`` decimals."""
+    def say(key: str, **values: object) -> str:
+        return text("block.explain." + key, lang, **values)
+
     def n(v: float) -> str:
         return short(float(v), p)
 
     def v(a: np.ndarray) -> str:
         return vec(a, p)
 
-    me = f'"{b.tokens[i]}"'
+    me = say("quote", tok=b.tokens[i])
     off = int(b.relu_off[i])
-    lines = [f"How the encoder block rewrites {me} (token {i} of {b.n}, counted from 0)", ""]
+    lines = [say("title", me=me, i=i, n=b.n), ""]
     if np.any(b.positional):
-        lines.append(f"1. Embedding and position. {me} starts as its embedding {v(b.embeddings[i])}. Attention "
-                     f"alone cannot tell word order, so the sinusoidal encoding of position {i}, "
-                     f"{v(b.positional[i])}, is added: x = {v(b.x[i])}.")
+        lines.append(say("position", me=me, e=v(b.embeddings[i]), i=i, pe=v(b.positional[i]), x=v(b.x[i])))
     else:
-        lines.append(f"1. Embedding. {me} starts as x = {v(b.x[i])} (no positional encoding was added).")
+        lines.append(say("embedding", me=me, x=v(b.x[i])))
     parts = []
     for h, t in enumerate(_heads(b)):
         j = int(t.top_keys[i])
-        label = f"head {h}" if b.num_heads > 1 else "the single head"
+        label = say("head", h=h) if b.num_heads > 1 else say("single_head")
         if j < 0:
-            parts.append(f"{label} sees no token")
+            parts.append(say("sees_none", label=label))
         else:
-            who = "itself" if j == i else f'"{b.tokens[j]}"'
-            parts.append(f"{label} looks most at {who} (weight {n(t.weights[i, j])})")
-    lines.append(f"2. Self-attention. {me} compares its query with every key: " + "; ".join(parts) + ". "
-                 f"The heads' outputs, joined and multiplied by W_O, give {v(b.attention.result[i])}.")
-    lines.append(f"3. Residual. That is added back onto x, so nothing of the input is lost: "
-                 f"residual1 = {v(b.residual1[i])}.")
-    lines.append(f"4. LayerNorm. Its {b.d_model} numbers have mean {n(b.mean1[i])} and standard deviation "
-                 f"{n(b.std1[i])}; subtracting the mean and dividing by the deviation gives "
-                 f"{v(b.normalized1[i])}, then γ₁ scales and β₁ shifts it: norm1 = {v(b.norm1[i])}.")
-    lines.append(f"5. Feed-forward. Each token now goes on alone: norm1·W1 + b1 widens it to d_ff = {b.d_ff} "
-                 f"units, {v(b.ffn_hidden[i])}. ReLU switches off the {off} negative "
-                 f"unit{'' if off == 1 else 's'} ({b.d_ff - off} of {b.d_ff} stay on), and ·W2 + b2 brings it back "
-                 f"to d_model: {v(b.ffn_out[i])}.")
-    lines.append(f"6. Residual and LayerNorm again. residual2 = norm1 + ffn = {v(b.residual2[i])} (mean "
-                 f"{n(b.mean2[i])}, std {n(b.std2[i])}); normalised and scaled by γ₂, β₂ it becomes the block's "
-                 f"output for {me}: {v(b.output[i])}.")
-    lines += ["", "Every row of the output is what the next block (or the model's head) reads for that token."]
-    return "\n".join(lines)
-
-
-def _explain_zh(b: BlockTrace, i: int, p: int) -> str:
-    def n(v: float) -> str:
-        return short(float(v), p)
-
-    def v(a: np.ndarray) -> str:
-        return vec(a, p)
-
-    me = f"“{b.tokens[i]}”"
-    off = int(b.relu_off[i])
-    lines = [f"编码器块如何重新计算{me}（第 {i} 个词元，从 0 数起，共 {b.n} 个）", ""]
-    if np.any(b.positional):
-        lines.append(f"1. 嵌入与位置。{me}一开始是它的嵌入向量 {v(b.embeddings[i])}。注意力本身分不出词的先后顺序，"
-                     f"所以要加上位置 {i} 的正弦位置编码 {v(b.positional[i])}，得到 x = {v(b.x[i])}。")
-    else:
-        lines.append(f"1. 嵌入。{me}一开始是 x = {v(b.x[i])}（没有加位置编码）。")
-    parts = []
-    for h, t in enumerate(_heads(b)):
-        j = int(t.top_keys[i])
-        label = f"第 {h} 个头" if b.num_heads > 1 else "唯一的头"
-        if j < 0:
-            parts.append(f"{label}看不到任何词元")
-        else:
-            who = "它自己" if j == i else f"“{b.tokens[j]}”"
-            parts.append(f"{label}最关注{who}（权重 {n(t.weights[i, j])}）")
-    lines.append(f"2. 自注意力。{me}用自己的查询向量去和每个键比较：" + "；".join(parts) + "。"
-                 f"各头的输出拼接后乘以 W_O，得到 {v(b.attention.result[i])}。")
-    lines.append(f"3. 残差连接。把它加回到 x 上，输入的信息不会丢失：residual1 = {v(b.residual1[i])}。")
-    lines.append(f"4. 层归一化。这 {b.d_model} 个数的均值是 {n(b.mean1[i])}，标准差是 {n(b.std1[i])}；"
-                 f"减去均值再除以标准差得到 {v(b.normalized1[i])}，再用 γ₁ 缩放、β₁ 平移：norm1 = {v(b.norm1[i])}。")
-    lines.append(f"5. 前馈网络。接下来每个词元各算各的：norm1·W1 + b1 把它扩展到 d_ff = {b.d_ff} 个单元，"
-                 f"{v(b.ffn_hidden[i])}。ReLU 把其中 {off} 个负值单元关掉（{b.d_ff} 个里留下 {b.d_ff - off} 个），"
-                 f"再经过 ·W2 + b2 变回 d_model 维：{v(b.ffn_out[i])}。")
-    lines.append(f"6. 再次残差与层归一化。residual2 = norm1 + ffn = {v(b.residual2[i])}（均值 {n(b.mean2[i])}，"
-                 f"标准差 {n(b.std2[i])}）；归一化并经 γ₂、β₂ 调整后，就是{me}在这个块的输出：{v(b.output[i])}。")
-    lines += ["", "输出的每一行，就是下一个块（或模型的输出层）读到的这个词元的表示。"]
+            who = say("itself") if j == i else say("quote", tok=b.tokens[j])
+            parts.append(say("looks", label=label, who=who, w=n(t.weights[i, j])))
+    lines.append(say("attention", me=me, parts=say("part_sep").join(parts), out=v(b.attention.result[i])))
+    lines.append(say("residual", r=v(b.residual1[i])))
+    lines.append(say("norm", d=b.d_model, mean=n(b.mean1[i]), std=n(b.std1[i]), z=v(b.normalized1[i]), y=v(b.norm1[i])))
+    lines.append(say("ffn", f=b.d_ff, hidden=v(b.ffn_hidden[i]), off=off, s="" if off == 1 else "s", on=b.d_ff - off,
+                     out=v(b.ffn_out[i])))
+    lines.append(say("again", r=v(b.residual2[i]), mean=n(b.mean2[i]), std=n(b.std2[i]), me=me, y=v(b.output[i])))
+    lines += ["", say("closing")]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
+from ..locale import LANGUAGES, check_lang
 from .render import WIDE_COLS, root, short, vec
 
 if TYPE_CHECKING:
@@ -22,13 +23,11 @@ if TYPE_CHECKING:
 
 __all__ = ["explain", "LANGUAGES"]
 
-LANGUAGES: tuple[str, ...] = ("en", "zh")
 
 
 def explain(t: "Trace", lang: str = "en", token: Union[int, str] = 0, precision: int = 3) -> str:
     """Narrate how query ``token`` (index or label) is turned into its output, quoting numbers."""
-    if lang not in LANGUAGES:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    check_lang(lang)
     i = _resolve(t, token)
     return (_En if lang == "en" else _Zh)(t, i, precision).text()
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from ..locale import LANGUAGES, messages
 from .attention import as_float64
 
 __all__ = ["FEATURE_MAPS", "favor_projection", "feature_map_ref", "linear_attention_ref", "LinearSteps", "linear_steps"]
@@ -74,36 +75,8 @@ def feature_map_ref(
     raise ValueError(f"feature_map={feature_map!r} is unknown; use one of {FEATURE_MAPS} or a callable")
 
 
-_TEXT = {
-    "en": {
-        "title": "Linear attention, step by step ({fm} features, {n} tokens, F = {f} features, {mask})",
-        "causal": "causal", "full": "no mask",
-        "phi_q": "φ(Q): each query mapped to {f} non-negative features",
-        "phi_k": "φ(K): each key mapped the same way",
-        "state": "S = φ(K)ᵀ·V  ({f} × {dv}): every key's value, summed once and shared by all queries",
-        "norm": "z = Σ_j φ(k_j)  ({f}): the normaliser, also shared",
-        "causal_state": "causal: query i uses the prefix sums S_i = Σ_(j≤i) φ(k_j)·v_jᵀ and z_i = Σ_(j≤i) φ(k_j) instead",
-        "kernel": "φ(Q)·φ(K)ᵀ: the N × N matrix linear attention never builds (shown to compare with softmax)",
-        "out": "output = φ(Q)·S / (φ(Q)·z + eps)",
-        "softmax": "softmax attention on the same Q, K, V, for comparison: weights",
-        "weights": "linear attention's implied weights: each row of φ(Q)·φ(K)ᵀ divided by its sum",
-        "cost": "cost: S and z take N·F·Dv steps, the outputs N·F·Dv more — linear in N; softmax needs N·N·(D + Dv)",
-    },
-    "zh": {
-        "title": "线性注意力逐步计算（{fm} 特征，{n} 个词元，F = {f} 个特征，{mask}）",
-        "causal": "因果", "full": "无掩码",
-        "phi_q": "φ(Q)：每个查询映射为 {f} 个非负特征",
-        "phi_k": "φ(K)：每个键按同样方式映射",
-        "state": "S = φ(K)ᵀ·V（{f} × {dv}）：所有键的值只求和一次，供所有查询共用",
-        "norm": "z = Σ_j φ(k_j)（{f}）：归一化项，同样共用",
-        "causal_state": "因果：查询 i 改用前缀和 S_i = Σ_(j≤i) φ(k_j)·v_jᵀ 与 z_i = Σ_(j≤i) φ(k_j)",
-        "kernel": "φ(Q)·φ(K)ᵀ：线性注意力从不构造的 N × N 矩阵（列出来与 softmax 对比）",
-        "out": "输出 = φ(Q)·S / (φ(Q)·z + eps)",
-        "softmax": "同一组 Q、K、V 上的 softmax 注意力权重（对比用）",
-        "weights": "线性注意力隐含的权重：φ(Q)·φ(K)ᵀ 的每一行除以该行之和",
-        "cost": "计算量：S 和 z 需要 N·F·Dv 步，输出再需 N·F·Dv 步——与 N 成线性；softmax 需要 N·N·(D + Dv)",
-    },
-}
+_TEXT: dict[str, dict[str, str]] = {lang: messages(lang, "linear.") for lang in LANGUAGES}
+"""This module's words in each language, from the catalogue (``qkv/locale/<lang>.json``, keys ``linear.*``)."""
 
 
 @dataclass

@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
+from ..locale import LANGUAGES, check_lang, messages
+
 if TYPE_CHECKING:
     from .trace import Trace
 
 __all__ = [
     "Block", "blocks", "fmt", "short", "vec", "root", "width", "format_matrix", "trace_to_string", "trace_to_html",
     "WIDE_COLS", "TALL_ROWS", "shown", "summary_note", "score_fn_formula", "score_fn_note",
+    "STYLE", "html_table",
 ]
 
 WIDE_COLS = 10
@@ -86,104 +89,12 @@ class Block:
     features: bool = False  # columns are feature dimensions (summarised when wide), not tokens
 
 
-_TEXT: dict[str, dict[str, str]] = {
-    "en": {
-        "x": "the input: one embedding row per token",
-        "w": "learned {role} weights",
-        "q": "queries: what each token is looking for",
-        "k": "keys: what each token can be found by",
-        "v": "values: what each token hands on",
-        "query": "query", "key": "key", "value": "value", "output": "output",
-        "given": "{m} (given)",
-        "slice": "head {h}'s {what}", "queries": "queries", "keys": "keys", "values": "values",
-        "scores": "row i, column j: query of token i · key of token j",
-        "scaled": "d_k = {d}, so every score is divided by {r}",
-        "causal": "causal: a token may not look at later tokens",
-        "bool": "boolean attn_mask: False pairs are hidden",
-        "float": "float attn_mask added to the scores",
-        "hidden": " (-inf = hidden, weight 0)",
-        "softmax": "weights{s} = softmax({src}{s}) row by row",
-        "weights": "row i: how much token i takes from each token",
-        "sums": "row sums: {parts} — {verdict}",
-        "empty_row": " (every key masked)",
-        "ok": "each row sums to 1 ✓", "bad": "NOT all rows sum to 1 ✗",
-        "out": "row i: the weighted average of the value rows",
-        "head": "Head {h} of heads 0–{last}", "cols": "columns {a}–{b} of Q and K, {c}–{d} of V",
-        "b": "learned {role} bias, added to every token's row",
-        "w_model": "{role} weights of layer {layer}, head {head}: its {d} of the layer's {width} columns",
-        "model": "model: {model}, layer {layer}, head {head} (real weights; X = the hidden states entering that layer)",
-        "summary": "(columns {shown} of {n} shown; ‖row‖ = length of the whole row)",
-        "summary_rows": "(rows {shown} of {n} shown)",
-        "concat": "the head outputs side by side",
-        "proj": "the layer's final output",
-        "header": "Self-attention, step by step: {dims}", "tokens": "tokens: ",
-        "n_tokens": "{n} token{s}", "n_heads": "{n} head{s}", "mask": "mask: {kinds}", "sep": ", ",
-        "kind_causal": "causal", "kind_bool": "bool", "kind_float": "float",
-        "score_fn": "score function: {text}", "sink_list": "sinks: {values}",
-        "mod_softcap": "{text}: every score is squashed smoothly into (−{c}, {c}); small ones barely move, "
-                       "large ones flatten out near ±{c}",
-        "mod_alibi": "{text}: a key d positions before the query loses m·d (later keys gain m·d); "
-                     "this head's slope m = {m}",
-        "mod_alibi_sym": "{text}: a key d positions away, on either side, loses m·d; this head's slope m = {m}",
-        "mod_rel": "{text}: a learned number for each query–key distance is added",
-        "mod_fn": "your score function {name}, run on every scaled score",
-        "mod_other": "{text}, run on every scaled score",
-        "softmax_sink": "weights{s} = exp({src}{s} − lse), lse = log(Σ_j exp({src}{s}) + exp(sink{s})), sink{s} = {v}",
-        "weights_sink": "row i: how much token i takes from each token; the sink takes the rest and hands on nothing",
-        "sink_part": " (sink {v})",
-        "ok_sink": "each row plus its sink's share sums to 1 ✓", "bad_sink": "NOT every row plus its sink's share sums to 1 ✗",
-    },
-    "zh": {
-        "x": "输入：每个词元一行嵌入向量",
-        "w": "可学习的{role}权重",
-        "q": "查询：每个词元想找什么",
-        "k": "键：每个词元凭什么被找到",
-        "v": "值：每个词元能提供的内容",
-        "query": "查询", "key": "键", "value": "值", "output": "输出",
-        "given": "{m}（给定）",
-        "slice": "第 {h} 个头的{what}", "queries": "查询", "keys": "键", "values": "值",
-        "scores": "第 i 行第 j 列：词元 i 的查询 · 词元 j 的键",
-        "scaled": "d_k = {d}，所以每个分数都除以 {r}",
-        "causal": "因果掩码：词元不能看到它后面的词元",
-        "bool": "布尔掩码：值为 False 的位置被屏蔽",
-        "float": "浮点掩码：直接加到分数上",
-        "hidden": "（-inf 表示被屏蔽，权重为 0）",
-        "softmax": "weights{s} = softmax({src}{s})（逐行）",
-        "weights": "第 i 行：词元 i 从每个词元那里取多少",
-        "sums": "行和：{parts} —— {verdict}",
-        "empty_row": "（所有键都被屏蔽）",
-        "ok": "每行之和都为 1 ✓", "bad": "并非每行之和都为 1 ✗",
-        "out": "第 i 行：各值向量按权重加权平均",
-        "head": "头 {h}（编号 0–{last}）", "cols": "Q、K 的第 {a}–{b} 列，V 的第 {c}–{d} 列",
-        "b": "可学习的{role}偏置，加到每个词元的那一行上",
-        "w_model": "第 {layer} 层第 {head} 号头的{role}权重：该层 {width} 列中属于它的 {d} 列",
-        "model": "模型：{model}，第 {layer} 层，头 {head}（真实权重；X 是进入这一层的隐藏状态）",
-        "summary": "（显示第 {shown} 列，共 {n} 列；‖row‖ 是整行向量的长度）",
-        "summary_rows": "（显示第 {shown} 行，共 {n} 行）",
-        "concat": "各头的输出并排拼接",
-        "proj": "这一层的最终输出",
-        "header": "自注意力逐步计算：{dims}", "tokens": "词元：",
-        "n_tokens": "{n} 个词元", "n_heads": "{n} 个头", "mask": "掩码：{kinds}", "sep": "，",
-        "kind_causal": "因果", "kind_bool": "布尔", "kind_float": "浮点",
-        "score_fn": "打分函数：{text}", "sink_list": "汇聚项（sink）：{values}",
-        "mod_softcap": "{text}：每个分数都被平滑地压进 (−{c}, {c})；小分数几乎不变，大分数在 ±{c} 附近变平",
-        "mod_alibi": "{text}：查询之前相隔 d 个位置的键减去 m·d（之后的键加上 m·d）；这个头的斜率 m = {m}",
-        "mod_alibi_sym": "{text}：无论在前还是在后，相隔 d 个位置的键都减去 m·d；这个头的斜率 m = {m}",
-        "mod_rel": "{text}：按查询与键的距离，加上一个学到的数",
-        "mod_fn": "你的打分函数 {name}，作用在每个缩放后的分数上",
-        "mod_other": "{text}，作用在每个缩放后的分数上",
-        "softmax_sink": "weights{s} = exp({src}{s} − lse)，lse = log(Σ_j exp({src}{s}) + exp(sink{s}))，sink{s} = {v}",
-        "weights_sink": "第 i 行：词元 i 从每个词元那里取多少；剩下的被汇聚项（sink）拿走，它不提供任何值",
-        "sink_part": "（汇聚项 {v}）",
-        "ok_sink": "每行之和加上汇聚项的份额都为 1 ✓", "bad_sink": "并非每行之和加上汇聚项的份额都为 1 ✗",
-    },
-}
+_TEXT: dict[str, dict[str, str]] = {lang: messages(lang, "render.") for lang in LANGUAGES}
+"""This module's words in each language, from the catalogue (``qkv/locale/<lang>.json``, keys ``render.*``)."""
 
 
 def _text(lang: str) -> dict[str, str]:
-    if lang not in _TEXT:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
-    return _TEXT[lang]
+    return _TEXT[check_lang(lang)]
 
 
 def _dims(n: int) -> list[str]:
@@ -444,7 +355,7 @@ def trace_to_string(t: "Trace", precision: int = 3, steps: Optional[Sequence[str
 
 # -- HTML -------------------------------------------------------------------------------------
 
-_STYLE = """<style>
+STYLE = """<style>
 .qkv-trace { font-family: system-ui, sans-serif; }
 .qkv-trace table { border-collapse: collapse; margin: 4px 0 14px 0; font-size: 13px; }
 .qkv-trace caption { text-align: left; padding: 2px 0; }
@@ -458,7 +369,7 @@ _STYLE = """<style>
 </style>"""
 
 
-def _html_table(b: Block, precision: int, lang: str = "en") -> str:
+def html_table(b: Block, precision: int, lang: str = "en") -> str:
     e = html.escape
     shape = "×".join(str(s) for s in b.array.shape)
     r_idx, c_idx, wide = shown(b.array.shape, b.features)
@@ -504,13 +415,13 @@ def trace_to_html(t: "Trace", precision: int = 3, lang: str = "en") -> str:
     """Self-contained HTML: tables, a scoped stylesheet, no scripts or external resources."""
     e = html.escape
     tx = _text(lang)
-    out = ['<div class="qkv-trace">', _STYLE,
+    out = ['<div class="qkv-trace">', STYLE,
            f"<p><strong>{e(_header(t, tx)).replace(chr(10), '<br>')}</strong><br>{e(tx['tokens'] + tx['sep'].join(t.tokens))}</p>"]
     for b in blocks(t, precision, lang):
         if b.array is None:
             out.append(f"<h4>{e(b.title)} <small>({e(b.note)})</small></h4>")
         else:
-            out.append(_html_table(b, precision, lang))
+            out.append(html_table(b, precision, lang))
     out.append("</div>")
     return "\n".join(out)
 
@@ -520,6 +431,8 @@ def notebook_frame(trace: Any, height: int = 760) -> str:
     (the page carries its data, script and style: no network); the static tables when the
     page's template is not installed."""
     try:
+        # The one upward import of the glass box (layer 6 -> the viz layer 7), lazy: a notebook
+        # convenience, and viz.trace_page imports this module at its top.
         from ..viz.trace_page import render_trace_page
     except ImportError:  # a NumPy-only install without the viz templates
         return trace.to_html()

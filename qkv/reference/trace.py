@@ -38,10 +38,13 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .attention import _score_mod64, _with_sinks, as_float64, combined_mask, softmax_rows
+from .attention import as_float64, combined_mask, score_mod64, softmax_rows, with_sinks
+from .explain import explain
 from .masks import CausalArg, parse_causal
+from .render import notebook_frame, trace_to_html, trace_to_string
+from .serial import from_json, to_json
 
-__all__ = ["Trace", "trace", "SCHEMA_VERSION", "STEPS"]
+__all__ = ["Trace", "trace", "remasked", "SCHEMA_VERSION", "STEPS"]
 
 SCHEMA_VERSION = 2
 """Version of the :meth:`Trace.to_dict` layout; readers accept older dicts and dicts without it.
@@ -228,28 +231,20 @@ class Trace:
         ``steps`` limits the output to some step names (e.g. ``("scores", "weights")``);
         ``lang`` ("en" or "zh") is the language of the notes beside each formula.
         """
-        from .render import trace_to_string
-
         return trace_to_string(self, precision=precision, steps=steps, lang=lang)
 
     def explain(self, lang: str = "en", *, token: Union[int, str] = 0, precision: int = 3) -> str:
         """A step-by-step narrative in English (``"en"``) or Chinese (``"zh"``) quoting this
         trace's numbers for one query token (index or label; the first token by default)."""
-        from .explain import explain
-
         return explain(self, lang=lang, token=token, precision=precision)
 
     def _repr_html_(self) -> str:
         """In a notebook: the interactive stepper page (``qkv trace --html``) in a sandboxed
         iframe, self-contained and offline; :meth:`to_html` gives the static tables."""
-        from .render import notebook_frame
-
         return notebook_frame(self)
 
     def to_html(self, precision: int = 3, lang: str = "en") -> str:
         """Self-contained HTML tables (no scripts, no external resources)."""
-        from .render import trace_to_html
-
         return trace_to_html(self, precision=precision, lang=lang)
 
     def to_dict(self, precision: Optional[int] = None) -> dict[str, Any]:
@@ -266,7 +261,7 @@ class Trace:
             raise ValueError(f"precision={precision!r} must be None or an int from 0 to 15 (decimals kept)")
 
         def js(a: Optional[np.ndarray]) -> Any:
-            return _to_json(a, precision)
+            return to_json(a, precision)
 
         d: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
@@ -311,9 +306,9 @@ class Trace:
                 f"kind={d.get('kind')!r}: this is not an attention trace; a block trace is read by "
                 "qkv.reference.block"
             )
-        steps = {name: _from_json(d["steps"].get(name)) for name in STEPS + ("lse",)}
+        steps = {name: from_json(d["steps"].get(name)) for name in STEPS + ("lse",)}
         params = d.get("params") or {}
-        mats = {n: _from_json(params.get(n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")}
+        mats = {n: from_json(params.get(n)) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v")}
         return cls(
             tokens=list(d["tokens"]),
             d_k=int(d["d_k"]),
@@ -323,11 +318,11 @@ class Trace:
             mask_kinds=tuple(d["mask"]),
             head=d.get("head"),
             heads=[cls.from_dict(h) for h in d.get("heads", [])],
-            concat=_from_json(d.get("concat")),
-            projected=_from_json(d.get("projected")),
+            concat=from_json(d.get("concat")),
+            projected=from_json(d.get("projected")),
             meta=dict(d.get("meta") or {}),
             score_mod=None if d.get("score_mod") is None else dict(d["score_mod"]),
-            sinks=_from_json(d.get("sinks")),
+            sinks=from_json(d.get("sinks")),
             **steps,  # type: ignore[arg-type]
             **mats,
         )
@@ -367,10 +362,57 @@ def trace(
     number for every head. Both follow :func:`qkv.reference.attention_ref` exactly.
     """
     x = _matrix(x, "x", "(N, d_model): one row per token")
-    n, d_model = x.shape
+    n = x.shape[0]
     if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"num_heads={num_heads!r} must be a positive int (1 for single-head attention)")
     num_heads = int(num_heads)
+    mats = _weights(x.shape[1], w_q, w_k, w_v, num_heads)
+    d_k = mats["w_q"].shape[1] // num_heads
+    d_v = mats["w_v"].shape[1] // num_heads
+    biases = {
+        name: None if given is None else _bias(given, name, w, mats[w].shape[1])
+        for name, given, w in (("b_q", b_q, "w_q"), ("b_k", b_k, "w_k"), ("b_v", b_v, "w_v"))
+    }
+    if meta is not None and not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict such as {{'model': 'all-MiniLM-L6-v2', 'layer': 1}}, got {type(meta).__name__}")
+    w_o_arr = None if w_o is None else _out_weight(w_o, num_heads, d_v)
+    labels = _tokens(tokens, n, "x")
+    allowed, bias, kinds = _masks(n, attn_mask, is_causal)
+    fn, info = _score_fn(score_mod, num_heads)
+    sink_arr = _sinks(sinks, num_heads)
+
+    q, k, v = _project(x, mats, biases)  # step 1: (N, H·d_k), (N, H·d_k), (N, H·d_v)
+    qs = [q[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]  # head h owns a contiguous block of columns
+    ks = [k[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]
+    modified = None if fn is None else _modified(fn, qs, ks)  # (H, N, N): head h sees head index h
+    heads = [
+        _single_head(
+            labels, x, qs[h], ks[h], v[:, h * d_v : (h + 1) * d_v], allowed, bias, kinds, is_causal,
+            head=h if num_heads > 1 else None,
+            score_info=info,
+            modified=None if modified is None else modified[h],
+            sinks=None if sink_arr is None else sink_arr[h : h + 1],
+        )
+        for h in range(num_heads)
+    ]
+    params = dict(w_q=mats["w_q"], w_k=mats["w_k"], w_v=mats["w_v"], w_o=w_o_arr, **biases)
+    if num_heads == 1:
+        t = heads[0]
+        t.q, t.k, t.v = q, k, v
+        t.w_q, t.w_k, t.w_v, t.w_o = params["w_q"], params["w_k"], params["w_v"], w_o_arr
+        t.b_q, t.b_k, t.b_v = biases["b_q"], biases["b_k"], biases["b_v"]
+        t.meta = dict(meta or {})
+        if w_o_arr is not None:
+            t.projected = t.output @ w_o_arr  # (N, d_model_out)
+        return t
+    return _stacked(heads, x, q, k, v, params, is_causal=is_causal, meta=meta, score_info=info, sinks=sink_arr)
+
+
+# -- private machinery ----------------------------------------------------------------------
+
+
+def _weights(d_model: int, w_q: Any, w_k: Any, w_v: Any, num_heads: int) -> dict[str, np.ndarray]:
+    """W_Q, W_K, W_V as float64 matrices, checked against ``d_model`` and ``num_heads``."""
     mats: dict[str, np.ndarray] = {}
     for name, given, what in (("w_q", w_q, "d_k"), ("w_k", w_k, "d_k"), ("w_v", w_v, "d_v")):
         w = _matrix(given, name, f"(d_model, {what}·num_heads)")
@@ -392,108 +434,91 @@ def trace(
             f"w_q has {mats['w_q'].shape[1]} columns but w_k has {mats['w_k'].shape[1]}; queries "
             "and keys meet in a dot product, so both must be (d_model, d_k·num_heads)"
         )
-    d_k = mats["w_q"].shape[1] // num_heads
-    d_v = mats["w_v"].shape[1] // num_heads
-    biases: dict[str, Optional[np.ndarray]] = {}
-    for name, given, w in (("b_q", b_q, "w_q"), ("b_k", b_k, "w_k"), ("b_v", b_v, "w_v")):
-        biases[name] = None if given is None else _bias(given, name, w, mats[w].shape[1])
-    if meta is not None and not isinstance(meta, dict):
-        raise TypeError(f"meta must be a dict such as {{'model': 'all-MiniLM-L6-v2', 'layer': 1}}, got {type(meta).__name__}")
-    w_o_arr = None
-    if w_o is not None:
-        w_o_arr = _matrix(w_o, "w_o", "(num_heads·d_v, d_model_out)")
-        if w_o_arr.shape[0] != num_heads * d_v:
-            raise ValueError(
-                f"w_o has {w_o_arr.shape[0]} rows but the concatenated heads have "
-                f"num_heads·d_v = {num_heads}·{d_v} = {num_heads * d_v} columns; "
-                "w_o must be (num_heads·d_v, d_model_out)"
-            )
-    labels = _tokens(tokens, n, "x")
-    allowed, bias, kinds = _masks(n, attn_mask, is_causal)
-    fn, info = _score_fn(score_mod, num_heads)
-    sink_arr = _sinks(sinks, num_heads)
+    return mats
 
-    q = x @ mats["w_q"]  # (N, H·d_k)
-    k = x @ mats["w_k"]  # (N, H·d_k)
-    v = x @ mats["w_v"]  # (N, H·d_v)
+
+def _out_weight(w_o: Any, num_heads: int, d_v: int) -> np.ndarray:
+    """W_O (H·d_v, d_model_out) as a float64 matrix, checked against the concatenated heads."""
+    w_o_arr = _matrix(w_o, "w_o", "(num_heads·d_v, d_model_out)")
+    if w_o_arr.shape[0] != num_heads * d_v:
+        raise ValueError(
+            f"w_o has {w_o_arr.shape[0]} rows but the concatenated heads have "
+            f"num_heads·d_v = {num_heads}·{d_v} = {num_heads * d_v} columns; "
+            "w_o must be (num_heads·d_v, d_model_out)"
+        )
+    return w_o_arr
+
+
+def _project(
+    x: np.ndarray, mats: dict[str, np.ndarray], biases: dict[str, Optional[np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step *project*: Q = X·W_Q (+ b_Q), likewise K and V; (N, H·d_k), (N, H·d_k), (N, H·d_v)."""
+    q = x @ mats["w_q"]
+    k = x @ mats["w_k"]
+    v = x @ mats["w_v"]
     if biases["b_q"] is not None:
         q = q + biases["b_q"]  # (N, H·d_k) + (H·d_k,): the same bias for every token
     if biases["b_k"] is not None:
         k = k + biases["b_k"]
     if biases["b_v"] is not None:
         v = v + biases["b_v"]
-    qs = [q[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]  # head h owns a contiguous block of columns
-    ks = [k[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]
-    modified = None if fn is None else _modified(fn, qs, ks)  # (H, N, N): head h sees head index h
-    heads = [
-        _single_head(
-            labels,
-            x,
-            qs[h],
-            ks[h],
-            v[:, h * d_v : (h + 1) * d_v],
-            allowed,
-            bias,
-            kinds,
-            is_causal,
-            head=h if num_heads > 1 else None,
-            score_info=info,
-            modified=None if modified is None else modified[h],
-            sinks=None if sink_arr is None else sink_arr[h : h + 1],
-        )
-        for h in range(num_heads)
-    ]
+    return q, k, v
 
-    if num_heads == 1:
-        t = heads[0]
-        t.q, t.k, t.v = q, k, v
-        t.w_q, t.w_k, t.w_v, t.w_o = mats["w_q"], mats["w_k"], mats["w_v"], w_o_arr
-        t.b_q, t.b_k, t.b_v = biases["b_q"], biases["b_k"], biases["b_v"]
-        t.meta = dict(meta or {})
-        if w_o_arr is not None:
-            t.projected = t.output @ w_o_arr  # (N, d_model_out)
-        return t
 
+def _stacked(
+    heads: list[Trace],
+    x: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    params: dict[str, Optional[np.ndarray]],
+    *,
+    is_causal: CausalArg,
+    meta: Optional[dict[str, Any]],
+    score_info: Optional[dict[str, Any]],
+    sinks: Optional[np.ndarray],
+) -> Trace:
+    """The multi-head trace: each step stacked over heads (H, N, ·), heads concatenated (N, H·d_v)
+    and, with W_O, projected (N, d_model_out)."""
     concat = np.concatenate([h.output for h in heads], axis=-1)  # (N, H·d_v)
+    w_o_arr = params["w_o"]
 
     def stack(name: str) -> np.ndarray:
         return np.stack([getattr(h, name) for h in heads])  # (H, N, ·)
 
+    first = heads[0]
     return Trace(
-        tokens=labels,
+        tokens=first.tokens,
         x=x,
         q=q,
         k=k,
         v=v,
         scores=stack("scores"),
         scaled=stack("scaled"),
-        modified=None if heads[0].modified is None else stack("modified"),
-        score_mod=info,
-        sinks=sink_arr,
-        masked=None if heads[0].masked is None else stack("masked"),
+        modified=None if first.modified is None else stack("modified"),
+        score_mod=score_info,
+        sinks=sinks,
+        masked=None if first.masked is None else stack("masked"),
         weights=stack("weights"),
         output=stack("output"),
         lse=stack("lse"),
-        d_k=d_k,
-        d_v=d_v,
-        num_heads=num_heads,
+        d_k=first.d_k,
+        d_v=first.d_v,
+        num_heads=len(heads),
         is_causal=is_causal,
-        mask_kinds=kinds,
+        mask_kinds=first.mask_kinds,
         heads=heads,
         concat=concat,
         projected=None if w_o_arr is None else concat @ w_o_arr,  # (N, d_model_out)
-        w_q=mats["w_q"],
-        w_k=mats["w_k"],
-        w_v=mats["w_v"],
+        w_q=params["w_q"],
+        w_k=params["w_k"],
+        w_v=params["w_v"],
         w_o=w_o_arr,
-        b_q=biases["b_q"],
-        b_k=biases["b_k"],
-        b_v=biases["b_v"],
+        b_q=params["b_q"],
+        b_k=params["b_k"],
+        b_v=params["b_v"],
         meta=dict(meta or {}),
     )
-
-
-# -- private machinery ----------------------------------------------------------------------
 
 
 def _single_head(
@@ -525,7 +550,7 @@ def _single_head(
             masked = np.where(allowed, masked, -np.inf)
     weights, lse = softmax_rows(before_mask if masked is None else masked)
     if sinks is not None:
-        weights, lse = _with_sinks(weights, lse, sinks)
+        weights, lse = with_sinks(weights, lse, sinks)
     return Trace(
         tokens=tokens,
         x=x,
@@ -549,7 +574,7 @@ def _single_head(
     )
 
 
-def _remasked(t: Trace, is_causal: CausalArg, attn_mask: Any = None) -> Trace:
+def remasked(t: Trace, is_causal: CausalArg, attn_mask: Any = None) -> Trace:
     """Single-head trace ``t`` under other masks, reusing its scores, its score function's output
     and its sink (for N × N self-attention the score function does not depend on the mask)."""
     allowed, bias, kinds = _masks(t.n, attn_mask, is_causal)
@@ -599,7 +624,7 @@ def _modified(fn: Any, qs: Sequence[np.ndarray], ks: Sequence[np.ndarray]) -> np
     so every alignment agrees)."""
     scaled = np.stack([q @ k.T / np.sqrt(q.shape[1]) for q, k in zip(qs, ks)])  # as _single_head computes them
     try:
-        out = np.array(_score_mod64(fn, scaled, "top_left"), dtype=np.float64)  # owned, not a broadcast view
+        out = np.array(score_mod64(fn, scaled, "top_left"), dtype=np.float64)  # owned, not a broadcast view
     except RuntimeError as e:  # a result that cannot broadcast to the scores
         raise ValueError(f"score_mod must return one score per (batch, head, query, key) of shape {scaled.shape}: {e}") from None
     if np.isnan(out).any() or np.isposinf(out).any():
@@ -697,21 +722,3 @@ def _masks(
             kinds.append("float")
     allowed, bias = combined_mask(n, n, attn_mask=attn_mask, is_causal=is_causal)
     return allowed, bias, tuple(kinds)
-
-
-def _to_json(a: Optional[np.ndarray], precision: Optional[int] = None) -> Any:
-    if a is None:
-        return None
-    if precision is not None:
-        a = np.round(a, precision)
-    obj = np.where(np.isfinite(a), a, np.nan).astype(object)
-    obj[~np.isfinite(a)] = None  # −∞ (masked) has no JSON spelling
-    return obj.tolist() if obj.ndim else obj.item()
-
-
-def _from_json(a: Any) -> Optional[np.ndarray]:
-    if a is None:
-        return None
-    arr = np.array(a, dtype=object)
-    out = np.where(arr == None, -np.inf, arr)  # noqa: E711  (elementwise test for null)
-    return out.astype(np.float64)

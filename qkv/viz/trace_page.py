@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
+from ..locale import LANGUAGES, messages, text
+from ..reference.block import BlockTrace, trace_block
 from ..reference.masks import parse_causal
 from ..reference.render import shown
+from ..reference.trace import Trace, remasked
 from .pages import asset, environment, script_json
 
-if TYPE_CHECKING:
-    from ..reference.block import BlockTrace
-    from ..reference.trace import Trace
-
-__all__ = ["render_trace_page", "save_trace_page", "page_data", "PAGE_SCHEMA_VERSION", "TOP_TERMS"]
+__all__ = ["render_trace_page", "save_trace_page", "page_data", "page_words", "PAGE_SCHEMA_VERSION", "TOP_TERMS"]
 
 PAGE_SCHEMA_VERSION = 2
 """Version of the JSON embedded in the page (``page_data``); 2 added the score function
@@ -42,7 +41,7 @@ PAGE_SCHEMA_VERSION = 2
 TOP_TERMS = 8
 """A projection cell with more terms than this lists the largest ones and sums the rest."""
 _SIGNIFICANT = 10  # digits kept in the embedded JSON: far below any displayed precision
-_LANGS = ("en", "zh")
+_LANGS = LANGUAGES
 
 
 def render_trace_page(
@@ -64,6 +63,7 @@ def render_trace_page(
     template = env.get_template("trace_page.html.j2")
     return template.render(
         data_json=script_json(data),
+        words_json=script_json(page_words()),
         script=Markup(asset("trace_page.js")),
         style=Markup(asset("trace_page.css")),
         lang=data["lang"],
@@ -107,9 +107,6 @@ def page_data(
     one) and ``sinks`` holds each head's sink logit (None without sinks; null for a head whose
     sink is −∞).
     """
-    from ..reference.block import BlockTrace
-    from ..reference.trace import Trace
-
     if lang not in _LANGS:
         raise ValueError(f"lang={lang!r} is not supported; use 'en' (English) or 'zh' (Chinese)")
     if isinstance(precision, bool) or not isinstance(precision, (int, np.integer)) or not 0 <= precision <= 10:
@@ -240,8 +237,6 @@ def _inputs(att: "Trace", block: Optional["BlockTrace"]) -> dict[str, Any]:
 
 def _variant(att: "Trace", block: Optional["BlockTrace"], causal: bool) -> dict[str, Any]:
     """The steps from the scores on, with the causal mask on or off (recomputed in float64)."""
-    from ..reference.trace import Trace, _remasked
-
     causal_now = bool(parse_causal(att.is_causal)[0])
     same = causal_now == causal
     # Only a non-causal trace is ever re-masked with its own mask kept: a causal trace with a
@@ -257,7 +252,7 @@ def _variant(att: "Trace", block: Optional["BlockTrace"], causal: bool) -> dict[
             base = h.scaled if h.modified is None else h.modified  # what the mask was added to
             if h.masked is not None and not causal_now:  # keep the trace's own mask under the toggle
                 extra = np.where(np.isfinite(h.masked), h.masked - base, -np.inf)
-            per_head.append(_remasked(h, causal, extra))
+            per_head.append(remasked(h, causal, extra))
     out: dict[str, Any] = {
         "heads": [
             {
@@ -285,8 +280,6 @@ def _variant(att: "Trace", block: Optional["BlockTrace"], causal: bool) -> dict[
 
 
 def _block_steps(block: "BlockTrace", att: "Trace", causal: bool, same: bool) -> dict[str, Any]:
-    from ..reference.block import trace_block
-
     b = block
     if not same:
         b = trace_block(
@@ -386,15 +379,20 @@ def _num(a: Optional[np.ndarray]) -> Any:
 
 def _static_title(data: dict[str, Any]) -> str:
     """The <title> before the script runs (the script retitles it on a language switch)."""
-    meta = data["meta"]
-    zh = data["lang"] == "zh"
-    if "model" in meta:
+    meta, lang = data["meta"], data["lang"]
+    if "model" in meta:  # the same words the script uses when it retitles the page
         parts = [str(meta["model"])]
         if "layer" in meta:
-            parts.append(f"第 {meta['layer']} 层" if zh else f"layer {meta['layer']}")
+            parts.append(text("page.layer", lang, n=meta["layer"]))
         if "head" in meta:
-            parts.append(f"第 {meta['head']} 个头" if zh else f"head {meta['head']}")
-        return (" · ".join(parts)) + (" — 注意力逐步演示" if zh else " — attention, step by step")
+            parts.append(text("page.head_n", lang, n=meta["head"]))
+        return text("page.title_model", lang, what=" · ".join(parts))
     if data["kind"] == "block":
-        return "编码器块逐步演示" if zh else "An encoder block, step by step"
-    return "自注意力逐步演示" if zh else "Self-attention, step by step"
+        return text("page.title_block", lang)
+    return text("page.title", lang)
+
+
+def page_words() -> dict[str, dict[str, str]]:
+    """The page script's words: for each language, the catalogue's ``page.*`` messages keyed by
+    the rest of the key (the script fills their ``{name}`` placeholders itself)."""
+    return {lang: messages(lang, "page.") for lang in LANGUAGES}

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from ..locale import LANGUAGES, check_lang, messages
 from .figure import cjk_font, drawable, fonts_for, pyplot
 
 __all__ = ["save_trace_png", "trace_figure", "cjk_font", "MAX_COLS", "MAX_ANNOTATED_ROWS"]
@@ -32,50 +33,8 @@ MAX_COLS = 12  # wider matrices show their first 12 columns: more would be unrea
 MAX_ANNOTATED_ROWS = 12  # more rows than this: colours only, no numbers in the cells
 # -- words -----------------------------------------------------------------------------------
 
-_TEXT: dict[str, dict[str, str]] = {
-    "en": {
-        "X": "input X", "Q": "query Q", "K": "key K", "V": "value V", "scores": "scores\nQ·Kᵀ",
-        "scale": "scale\n÷√d_k", "mask": "mask\n(−∞ hides)", "nomask": "mask\n(none)", "softmax": "softmax\nper row",
-        "sum": "weighted sum\nweights·V", "out": "output",
-        "E": "embeddings E", "PE": "+ positional\nencoding PE", "MHA": "multi-head\nattention", "add": "+ residual",
-        "LN": "LayerNorm", "FFN": "feed-forward\nReLU(·W1+b1)·W2+b2", "block_out": "block output",
-        "t_x": "X (input)", "t_q": "Q = X·W_Q", "t_k": "K = X·W_K", "t_v": "V = X·W_V",
-        "t_scaled": "scores / √d_k", "t_masked": "scores / √d_k + mask", "t_weights": "weights = softmax",
-        "t_output": "output = weights·V", "t_projected": "MultiHead(X) = concat·W_O",
-        "t_embeddings": "E (embeddings)", "t_positional": "PE (positions)", "t_x_block": "X = E + PE",
-        "t_residual1": "residual1 = X + MultiHead(X)", "t_norm1": "norm1 = LayerNorm₁", "t_ffn_hidden": "norm1·W1 + b1",
-        "t_ffn_relu": "ReLU", "t_ffn_out": "FFN = ReLU·W2 + b2", "t_residual2": "residual2 = norm1 + FFN",
-        "t_block_output": "output = LayerNorm₂",
-        "first_cols": "first {k} of {n} columns", "head_of": "head {h} of {n}", "head_default": " (the default head)",
-        "title": "Self-attention of {n} tokens: {head}; token {i} \"{tok}\" framed",
-        "block_title": "Encoder block of {n} tokens (d_model = {d}, d_ff = {f}); attention {head}; token {i} \"{tok}\" framed",
-        "key": "key", "query": "query", "meta": "{model}", "meta_layer": ", layer {layer}", "meta_sep": ": ",
-        "modfn": "score fn\n{what}", "softmax_sink": "softmax\n+ sink", "fn_softcap": "softcap {c}", "fn_alibi": "ALiBi",
-        "fn_rel": "relative bias", "t_modified": "s′ = score_mod(scores / √d_k)\n{text}", "t_masked_mod": "s′ + mask",
-        "t_weights_sink": "weights = softmax with sink {s}\n(each row sums to less than 1)",
-    },
-    "zh": {
-        "X": "输入 X", "Q": "查询 Q", "K": "键 K", "V": "值 V", "scores": "打分\nQ·Kᵀ",
-        "scale": "缩放\n÷√d_k", "mask": "掩码\n(−∞ 屏蔽)", "nomask": "掩码\n(无)", "softmax": "softmax\n逐行归一化",
-        "sum": "加权求和\nweights·V", "out": "输出",
-        "E": "词嵌入 E", "PE": "+ 位置编码 PE", "MHA": "多头\n自注意力", "add": "+ 残差",
-        "LN": "层归一化", "FFN": "前馈网络\nReLU(·W1+b1)·W2+b2", "block_out": "块的输出",
-        "t_x": "X（输入）", "t_q": "Q = X·W_Q（查询）", "t_k": "K = X·W_K（键）", "t_v": "V = X·W_V（值）",
-        "t_scaled": "分数 / √d_k", "t_masked": "分数 / √d_k + 掩码", "t_weights": "权重 = softmax",
-        "t_output": "输出 = 权重·V", "t_projected": "多头输出 = 拼接·W_O",
-        "t_embeddings": "E（词嵌入）", "t_positional": "PE（位置编码）", "t_x_block": "X = E + PE",
-        "t_residual1": "残差1 = X + 多头输出", "t_norm1": "层归一化1", "t_ffn_hidden": "norm1·W1 + b1",
-        "t_ffn_relu": "ReLU", "t_ffn_out": "前馈 = ReLU·W2 + b2", "t_residual2": "残差2 = norm1 + 前馈",
-        "t_block_output": "输出 = 层归一化2",
-        "first_cols": "前 {k} 列，共 {n} 列", "head_of": "第 {h} 个头（共 {n} 个）", "head_default": "（默认的头）",
-        "title": "{n} 个词元的自注意力：{head}；红框为第 {i} 个词元“{tok}”",
-        "block_title": "{n} 个词元的编码器块（d_model = {d}，d_ff = {f}）；注意力{head}；红框为第 {i} 个词元“{tok}”",
-        "key": "键", "query": "查询", "meta": "{model}", "meta_layer": " 第 {layer} 层", "meta_sep": "：",
-        "modfn": "打分函数\n{what}", "softmax_sink": "softmax\n+ 汇聚项", "fn_softcap": "softcap {c}", "fn_alibi": "ALiBi",
-        "fn_rel": "相对位置偏置", "t_modified": "s′ = 打分函数(分数 / √d_k)\n{text}", "t_masked_mod": "s′ + 掩码",
-        "t_weights_sink": "权重 = 带汇聚项 {s} 的 softmax\n（每行之和小于 1）",
-    },
-}
+_TEXT: dict[str, dict[str, str]] = {lang: messages(lang, "trace_png.") for lang in LANGUAGES}
+"""This module's words in each language, from the catalogue (``qkv/locale/<lang>.json``, keys ``trace_png.*``)."""
 
 
 @dataclass
@@ -280,8 +239,7 @@ def trace_figure(trace: Any, *, lang: str = "en", head: Optional[int] = None, to
     from qkv.reference.block import BlockTrace
     from qkv.reference.trace import Trace
 
-    if lang not in _TEXT:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    check_lang(lang)
     if not isinstance(trace, (Trace, BlockTrace)):
         raise TypeError(f"trace must be a qkv.reference Trace or BlockTrace, got {type(trace).__name__}")
     families, lang = fonts_for(lang)

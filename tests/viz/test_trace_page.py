@@ -118,7 +118,7 @@ def test_tokens_cannot_break_out_of_the_script_and_the_page_needs_no_network():
     tokens = ["</script><script>alert(1)</script>", "a&b", "<!--", "“q”"]
     t = trace(np.eye(4), np.eye(4), np.eye(4), np.eye(4), tokens=tokens)
     html = render_trace_page(t)
-    assert html.lower().count("</script>") == 2  # the data block's own end and the script's
+    assert html.lower().count("</script>") == 3  # the data block's own end, the words block's and the script's
     assert _embedded(html)["tokens"] == tokens
     assert not re.search(r"https?:", html, re.I) and "src=" not in html and "@import" not in html
 

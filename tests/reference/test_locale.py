@@ -1,0 +1,89 @@
+"""The message catalogue: every language has the same keys and placeholders, and every key the
+code names exists."""
+import json
+import re
+import string
+from pathlib import Path
+
+import pytest
+
+from qkv.locale import LANGUAGES, check_lang, messages, text
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCALE = ROOT / "qkv" / "locale"
+
+
+def _load(lang: str) -> dict:
+    return json.loads((LOCALE / f"{lang}.json").read_text(encoding="utf-8"))
+
+
+def _placeholders(s: str) -> set:
+    return {name for _, name, _, _ in string.Formatter().parse(s) if name is not None}
+
+
+def test_every_language_has_a_file_and_nothing_else_does():
+    assert sorted(p.stem for p in LOCALE.glob("*.json")) == sorted(LANGUAGES)
+
+
+@pytest.mark.parametrize("lang", [lang for lang in LANGUAGES if lang != "en"])
+def test_same_keys_and_placeholders_as_english(lang):
+    en, other = _load("en"), _load(lang)
+    assert set(other) == set(en)
+    for key, value in en.items():
+        want, got = _placeholders(value), _placeholders(other[key])
+        # a language without plural endings may leave out the plural suffix {s}
+        assert got == want or got == want - {"s"}, (key, want, got)
+
+
+def test_text_fills_placeholders_and_names_missing_keys():
+    assert text("render.scaled", "en", d=4, r="2.000") == "d_k = 4, so every score is divided by 2.000"
+    assert text("render.scaled", "zh", d=4, r="2.000") == "d_k = 4，所以每个分数都除以 2.000"
+    assert text("render.given", "en") == "{m} (given)"  # no values: stored text
+    with pytest.raises(KeyError, match="render.nope"):
+        text("render.nope", "en")
+
+
+def test_check_lang_names_the_argument_and_the_choices():
+    assert check_lang("zh") == "zh"
+    with pytest.raises(ValueError, match=r"lang='fr'.*'en' \(English\) or 'zh' \(Chinese\)"):
+        check_lang("fr")
+    with pytest.raises(ValueError, match="lang='fr'"):
+        messages("fr", "page.")
+
+
+def _code_files():
+    return [p for p in (ROOT / "qkv").rglob("*.py") if "locale" not in p.parts]
+
+
+def test_every_key_named_in_code_exists():
+    en = _load("en")
+    named = set()
+    for path in _code_files():
+        src = path.read_text(encoding="utf-8")
+        named |= set(re.findall(r"\btext\(\s*\"([a-z0-9_.]+)\"\s*[,)]", src))
+        # a local say(key, ...) = text(PREFIX + key, ...): its keys are PREFIX + each say("key")
+        for prefix in re.findall(r"\btext\(\s*\"([a-z0-9_.]+)\"\s*\+", src):
+            named |= {prefix + key for key in re.findall(r"\bsay\(\"([a-z0-9_]+)\"", src)}
+        for prefix in re.findall(r"\bmessages\(\s*\w+,\s*\"([a-z0-9_.]+)\"\)", src):
+            assert any(k.startswith(prefix) for k in en), (path.name, prefix)
+    js = (ROOT / "qkv" / "viz" / "templates" / "trace_page.js").read_text(encoding="utf-8")
+    # whole keys only: t("e_" + name) builds its key at run time
+    named |= {"page." + key for key in re.findall(r"\bt\(\"([A-Za-z0-9_]+)\"\s*[,)]", js)}
+    missing = sorted(k for k in named if k not in en)
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("module, prefix", [
+    ("qkv.reference.render", "render."),
+    ("qkv.reference.block", "block."),
+    ("qkv.reference.linear", "linear."),
+    ("qkv.viz.trace_png", "trace_png."),
+])
+def test_each_modules_words_are_looked_up_by_keys_the_catalogue_has(module, prefix):
+    import importlib
+
+    mod = importlib.import_module(module)
+    src = Path(mod.__file__).read_text(encoding="utf-8")
+    used = set(re.findall(r"\btx\[\"([A-Za-z0-9_]+)\"\]", src))
+    table = messages("en", prefix)
+    assert used and not used - set(table), sorted(used - set(table))
