@@ -197,6 +197,31 @@ def run_cell(kind: str, n: int, dtype: torch.dtype, grad: bool, threads: int, ro
     return row
 
 
+DENSE = ("plain", "causal", "causal_bottom_right", "gqa_8_2")  # the cells that compute every allowed pair
+
+
+def flops(row: dict) -> Optional[float]:
+    """FLOPs of a dense cell, FlashAttention's convention: 4·B·H·D per allowed (query, key) pair
+    forward (QKᵀ and PV), 2.5× that backward; causal cells count the pairs the mask allows."""
+    if row["kind"] not in DENSE:
+        return None
+    n, nq = row["n"], row.get("nq", row["n"])
+    if row["kind"] == "plain":
+        pairs = nq * n
+    else:  # causal, aligned so that the last query sees the last key
+        pairs = nq * (n - nq) + nq * (nq + 1) // 2
+    fwd = 4 * B * H * D * pairs
+    return fwd * (3.5 if row["pass"] == "fwd+bwd" else 1.0)
+
+
+def _rate(row: dict, peak: dict) -> str:
+    f, t = flops(row), row.get("auto")
+    p = peak.get(str(row["threads"])) if row["dtype"] == "float32" else None
+    if f is None or not t or not p:
+        return "—"
+    return f"{f / t / 1e9:.0f} ({100 * f / t / p:.0f}%)"
+
+
 def _fmt(t: Optional[float]) -> str:
     return "—" if t is None else f"{t * 1e3:.1f}"
 
@@ -217,8 +242,14 @@ def write_report(meta: dict, rows: list[dict], path: Path) -> None:
         "(B = 2, lengths N and 0.4 N); gqa_8_2 (causal, 8 query heads on 2 key/value heads); block_sparse_10 "
         "(bool mask of 128 × 128 blocks at 10% density); lse_grad (causal with return_lse and gradients through it).",
         "",
-        "| kind | N | dtype | pass | threads | rounds | sdpa | flex | qkv auto | qkv chunked | auto ÷ best | chunked ÷ sdpa |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "`auto GFLOP/s` (dense float32 cells): qkv auto's rate, FlashAttention's convention (4·B·H·D per allowed "
+        "(query, key) pair forward, 2.5× that backward; causal cells count the pairs the mask allows), and its share of "
+        "the float32 GEMM peak measured on this machine ("
+        + ", ".join(f"{t} thread{'s' if t != '1' else ''}: {v / 1e9:.0f} GFLOP/s" for t, v in sorted(meta.get("gemm_flops", {}).items()))
+        + ").",
+        "",
+        "| kind | N | dtype | pass | threads | rounds | sdpa | flex | qkv auto | qkv chunked | auto ÷ best | chunked ÷ sdpa | auto GFLOP/s (% of peak) |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     order = lambda r: (r["threads"], r["dtype"] != "float32", r["n"], r["pass"], _kind_order(r["kind"]))  # noqa: E731
     for r in sorted(rows, key=order):
@@ -226,7 +257,8 @@ def write_report(meta: dict, rows: list[dict], path: Path) -> None:
         cs = r.get("chunked_vs_sdpa")
         lines.append(
             f"| {r['kind']} | {r['n']} | {r['dtype']} | {r['pass']} | {r['threads']} | {r.get('rounds', meta['rounds'])} | {_fmt(r.get('sdpa'))} | {_fmt(r.get('flex'))} | "
-            f"{_fmt(r.get('auto'))} | {_fmt(r.get('chunked'))} | {'—' if ab is None else f'{ab:.2f}'} | {'—' if cs is None else f'{cs:.2f}'} |"
+            f"{_fmt(r.get('auto'))} | {_fmt(r.get('chunked'))} | {'—' if ab is None else f'{ab:.2f}'} | {'—' if cs is None else f'{cs:.2f}'} | "
+            f"{_rate(r, meta.get('gemm_flops', {}))} |"
         )
     firsts = [r["flex_first_call_s"] for r in rows if "flex_first_call_s" in r]
     if firsts:
@@ -245,8 +277,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "attention_matrix"), help="path without suffix for .md and .json")
     ap.add_argument("--append", action="store_true", help="add to (or replace cells of) the rows already in OUT.json")
     ap.add_argument("--note", default="", help="a line for the report's header (what was re-measured when, and why)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure the GEMM peak and rewrite OUT.md from OUT.json, timing no cell")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.report_only:
+        data = json.loads(out.with_suffix(".json").read_text())
+        data["meta"]["gemm_flops"] = {str(t): gemm_peak(t) for t in sorted({r["threads"] for r in data["rows"]})}
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        write_report(data["meta"], data["rows"], out.with_suffix(".md"))
+        return
     old = json.loads(out.with_suffix(".json").read_text()) if args.append and out.with_suffix(".json").exists() else {}
     rows: list[dict] = old.get("rows", [])
     for threads in dict.fromkeys(args.threads):
@@ -269,6 +309,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         # which then covers cells measured with different round counts; each row keeps its own.
         "rounds": old.get("meta", {}).get("rounds", args.rounds),
         "note": args.note or old.get("meta", {}).get("note", ""),
+        "gemm_flops": {str(t): gemm_peak(t) for t in dict.fromkeys(args.threads)},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

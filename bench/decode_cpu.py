@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_name, time_cell  # noqa: E402
+from common import cpu_name, gemm_peak, time_cell  # noqa: E402
 
 import qkv  # noqa: E402
 
@@ -89,14 +89,6 @@ def copy_bandwidth(threads: int, mib: int = 512) -> float:
     dst.copy_(src)
     best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
     return src.numel() * 4 / best
-
-
-def gemm_peak(threads: int, n: int = 2048) -> float:
-    """float32 FLOP/s of an n × n × n matmul, best of 3."""
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    return 2 * n**3 / min(_timed(lambda: a @ b) for _ in range(3))
 
 
 def _timed(fn) -> float:  # type: ignore[no-untyped-def]
