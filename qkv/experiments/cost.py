@@ -15,6 +15,7 @@ from ._common import (
     Progress,
     Result,
     fit_exponent,
+    largest_tensor_bytes,
     pyplot,
     save_figure,
     seed_all,
@@ -28,27 +29,6 @@ CLAIM = (
     "(`backend=\"math\"`) also needs memory ∝ N² for the N×N score matrix, while the chunked path "
     "(`backend=\"chunked\"`) never holds more than O(N) at once (memory exponent ≈ 1 or less)."
 )
-
-
-def _largest_tensor_bytes(fn: Any) -> int:
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-            result = func(*args, **(kwargs or {}))
-            for t in torch.utils._pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor):
-                    self.largest = max(self.largest, t.numel() * t.element_size())
-            return result
-
-    with Largest() as mode:
-        fn()
-    return mode.largest
 
 
 def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
@@ -86,7 +66,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
                         call()
                         best = min(best, time.thread_time() - t0)  # the minimum is the least noisy statistic
                     times[name].append(best)
-                    mem[name].append(_largest_tensor_bytes(call))
+                    mem[name].append(largest_tensor_bytes(call))
                 bar.step(f"N={n} {name}")
     finally:
         torch.set_num_threads(threads)

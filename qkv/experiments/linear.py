@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import Progress, Result, fit_exponent, fmt, pyplot, save_figure, seed_all, write_csv
-from .cost import _largest_tensor_bytes
+from ._common import (
+    Progress, Result, fit_exponent, fmt, largest_tensor_bytes, pyplot, save_figure, seed_all, write_csv,
+)
 
 NAME = "linear"
 TITLE = "Linear attention: O(N) cost, and what the approximation loses"
@@ -136,7 +137,7 @@ def _timing(ns: list[int], repeats: int, seed: int) -> tuple[dict, dict]:
                     fn(q, k, v)
                     best = min(best, time.thread_time() - t0)
                 times[name].append(best)
-                mem[name].append(_largest_tensor_bytes(lambda: fn(q, k, v)))
+                mem[name].append(largest_tensor_bytes(lambda: fn(q, k, v)))
     return times, mem
 
 

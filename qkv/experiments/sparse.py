@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import Progress, Result, fit_exponent, fmt, pyplot, save_figure, seed_all, write_csv
-from .cost import _largest_tensor_bytes
+from ._common import (
+    Progress, Result, fit_exponent, fmt, largest_tensor_bytes, pyplot, save_figure, seed_all, write_csv,
+)
 
 NAME = "sparse"
 TITLE = "Block-sparse attention: time follows density; the pattern decides what is learnable"
@@ -66,7 +67,7 @@ def _timing(ns: list[int], densities: list[float], seed: int) -> tuple[dict, dic
                 times[(n, name)] = time.thread_time() - t0
                 actual[(n, name)] = 1.0 if m is None else m.density
                 if n == ns[0]:
-                    mem[name] = _largest_tensor_bytes(call)
+                    mem[name] = largest_tensor_bytes(call)
     return times, mem, actual
 
 
