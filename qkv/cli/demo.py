@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable
 
 from ..reference.toy import SENTENCE, sentence_trace, worked_example
