@@ -31,7 +31,8 @@ CLAIM = (
 )
 
 
-def _figure(backends: Any, plt: Any, ns: Any, out: Any, times: Any, b: Any, h: Any, d: Any, mem: Any, t_exp: Any, m_exp: Any) -> None:
+def _figure(backends: Any, plt: Any, ns: Any, out: Any, times: Any, b: Any, h: Any, d: Any, mem: Any, t_exp: Any,
+            m_exp: Any) -> None:
     """cost.png: time and largest tensor against N for both paths, with their fitted exponents."""
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, color in zip(backends, ("C3", "C0")):

@@ -96,7 +96,8 @@ def _head_stats(model, tokens, period: int):
     return out
 
 
-def _figure(losses: Any, plt: Any, keys: Any, vocab: Any, out: Any, after: Any, before: Any, period: Any, acc_repeat: Any, acc_first: Any) -> None:
+def _figure(losses: Any, plt: Any, keys: Any, vocab: Any, out: Any, after: Any, before: Any, period: Any,
+            acc_repeat: Any, acc_first: Any) -> None:
     """heads.png: what each head looks at before and after training, and the training loss."""
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
     labels = [f"L{l}H{h}" for l, h in keys]

@@ -119,7 +119,8 @@ def _train(pattern: str, task: str, steps: int, seed: int, n: int = 64, window: 
         return float((model(x)[:, far:].argmax(-1) == y[:, far:]).float().mean())
 
 
-def _figure(ns: Any, plt: Any, tasks: Any, out: Any, dens: Any, actual: Any, names: Any, steps: Any, times: Any, acc: Any) -> None:
+def _figure(ns: Any, plt: Any, tasks: Any, out: Any, dens: Any, actual: Any, names: Any, steps: Any, times: Any,
+            acc: Any) -> None:
     """sparse.png: time against density, and accuracy beyond the window per pattern."""
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.4))
     for n, color in zip(ns, ("C0", "C1", "C3")):
