@@ -102,7 +102,9 @@ def test_demo_chinese(capsys):
 
 
 def test_demo_can_be_extended(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "DEMO_PARTS", cli.DEMO_PARTS + [lambda args: "5. Another part"])
+    from qkv.cli import demo  # the demo command reads its own list; qkv.cli.DEMO_PARTS is the same object
+
+    monkeypatch.setattr(demo, "DEMO_PARTS", demo.DEMO_PARTS + [lambda args: "5. Another part"])
     assert main(["demo", "--no-model"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("5. Another part")
 

@@ -164,3 +164,25 @@ class single_thread:
         import torch
 
         torch.set_num_threads(self.before)
+
+
+def largest_tensor_bytes(fn: Any) -> int:
+    """Bytes of the largest tensor any torch operation makes while ``fn()`` runs (the peak a path must hold)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            result = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel() * t.element_size())
+            return result
+
+    with Largest() as mode:
+        fn()
+    return mode.largest

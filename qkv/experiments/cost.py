@@ -15,6 +15,7 @@ from ._common import (
     Progress,
     Result,
     fit_exponent,
+    largest_tensor_bytes,
     pyplot,
     save_figure,
     seed_all,
@@ -30,25 +31,27 @@ CLAIM = (
 )
 
 
-def _largest_tensor_bytes(fn: Any) -> int:
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-            result = func(*args, **(kwargs or {}))
-            for t in torch.utils._pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor):
-                    self.largest = max(self.largest, t.numel() * t.element_size())
-            return result
-
-    with Largest() as mode:
-        fn()
-    return mode.largest
+def _figure(backends: Any, plt: Any, ns: Any, out: Any, times: Any, b: Any, h: Any, d: Any, mem: Any, t_exp: Any,
+            m_exp: Any) -> None:
+    """cost.png: time and largest tensor against N for both paths, with their fitted exponents."""
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, color in zip(backends, ("C3", "C0")):
+        ax[0].loglog(ns, [1e3 * t for t in times[name]], "o-", color=color,
+                     label=f"{name}: fitted exponent {t_exp[name]:.2f}")
+        ax[1].loglog(ns, [m / 2**20 for m in mem[name]], "o-", color=color,
+                     label=f"{name}: fitted exponent {m_exp[name]:.2f}")
+    ref = [ns[0], ns[-1]]
+    t0 = 1e3 * times["math"][0]
+    ax[0].loglog(ref, [t0, t0 * (ns[-1] / ns[0]) ** 2], "k:", label="slope 2 reference")
+    ax[0].set(xlabel="sequence length N (tokens)", ylabel="forward CPU time, 1 thread, best of repeats (ms)",
+              title=f"Time, B={b} H={h} D={d} float32 CPU")
+    ax[1].set(xlabel="sequence length N (tokens)", ylabel="largest tensor allocated (MiB)",
+              title="Memory: largest single tensor in the forward")
+    for a in ax:
+        a.set_xticks(ns, [str(n) for n in ns])
+        a.minorticks_off()
+        a.legend()
+    save_figure(fig, out / "cost.png")
 
 
 def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
@@ -86,7 +89,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
                         call()
                         best = min(best, time.thread_time() - t0)  # the minimum is the least noisy statistic
                     times[name].append(best)
-                    mem[name].append(_largest_tensor_bytes(call))
+                    mem[name].append(largest_tensor_bytes(call))
                 bar.step(f"N={n} {name}")
     finally:
         torch.set_num_threads(threads)
@@ -101,24 +104,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     time_ok = all(1.4 < t_exp[k] < 3.0 for k in backends)
     held = bool(mem_ok and time_ok)
 
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, color in zip(backends, ("C3", "C0")):
-        ax[0].loglog(ns, [1e3 * t for t in times[name]], "o-", color=color,
-                     label=f"{name}: fitted exponent {t_exp[name]:.2f}")
-        ax[1].loglog(ns, [m / 2**20 for m in mem[name]], "o-", color=color,
-                     label=f"{name}: fitted exponent {m_exp[name]:.2f}")
-    ref = [ns[0], ns[-1]]
-    t0 = 1e3 * times["math"][0]
-    ax[0].loglog(ref, [t0, t0 * (ns[-1] / ns[0]) ** 2], "k:", label="slope 2 reference")
-    ax[0].set(xlabel="sequence length N (tokens)", ylabel="forward CPU time, 1 thread, best of repeats (ms)",
-              title=f"Time, B={b} H={h} D={d} float32 CPU")
-    ax[1].set(xlabel="sequence length N (tokens)", ylabel="largest tensor allocated (MiB)",
-              title="Memory: largest single tensor in the forward")
-    for a in ax:
-        a.set_xticks(ns, [str(n) for n in ns])
-        a.minorticks_off()
-        a.legend()
-    save_figure(fig, out / "cost.png")
+    _figure(backends, plt, ns, out, times, b, h, d, mem, t_exp, m_exp)
 
     rows = [[n, times["math"][i], times["chunked"][i], mem["math"][i], mem["chunked"][i]] for i, n in enumerate(ns)]
     write_csv(out / "cost.csv", ["N", "time_math_s", "time_chunked_s", "largest_tensor_math_bytes",

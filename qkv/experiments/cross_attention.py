@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -80,6 +81,35 @@ def _report(model, src, bos: int, out: Path) -> None:
     save_html(ex, out / "cross_attention_report.html")
 
 
+def _setup_text(d: Any, layers: Any, s_len: Any, lr: Any, steps: Any, batch: Any) -> str:
+    """How the claim was tested, and the verdict's rule."""
+    return (
+        f"`qkv.nn.Transformer` (d_model {d}, 4 heads, {layers} encoder + {layers} decoder layer, no dropout) with "
+        f"token embeddings and sinusoidal positions; random sequences of {s_len} digits, target = the reversed "
+        f"sequence, teacher forcing, Adam lr {lr}, {steps} steps of batch {batch}. Cross-attention weights read from the layer with "
+        "`need_weights=True`. Verdict: greedy token accuracy > 90%, every row's argmax on the anti-diagonal, and "
+        "anti-diagonal mass > 0.5. `cross_attention_report.html` is the interactive attention report "
+        "(`qkv.viz.explain_cross_attention`) of one held-out input: decoder positions on the left, source digits on the right."
+    )
+
+
+def _figure(losses: Any, avg: Any, plt: Any, vocab: Any, s_len: Any, out: Any, token_acc: Any) -> None:
+    """cross_attention.png: the training loss and the head-averaged cross-attention map."""
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax[0].plot(losses, color="C0", label="training loss")
+    ax[0].axhline(np.log(vocab), color="k", ls=":", label="chance (ln 10)")
+    ax[0].set(xlabel="training step", ylabel="cross-entropy (nats)",
+              title=f"Reversal of {s_len} digits: greedy token accuracy {100 * token_acc:.1f}%")
+    ax[0].legend()
+    im = ax[1].imshow(avg, cmap="Blues", vmin=0, vmax=1)
+    ax[1].set(xlabel="source position (key, from the encoder)", ylabel="output position (query, from the decoder)",
+              title="Learned cross-attention, mean over heads and inputs")
+    ax[1].plot(np.arange(s_len)[::-1], np.arange(s_len), "r.", ms=5, label="anti-diagonal S−1−t")
+    ax[1].legend(loc="upper left", fontsize=8)
+    fig.colorbar(im, ax=ax[1], label="attention weight (0–1)")
+    save_figure(fig, out / "cross_attention.png")
+
+
 def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     import torch
 
@@ -129,19 +159,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     anti_argmax = float((avg.argmax(1) == np.arange(s_len)[::-1]).mean())
     held = bool(token_acc > 0.9 and anti_argmax == 1.0 and anti_mass > 0.5)
 
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax[0].plot(losses, color="C0", label="training loss")
-    ax[0].axhline(np.log(vocab), color="k", ls=":", label="chance (ln 10)")
-    ax[0].set(xlabel="training step", ylabel="cross-entropy (nats)",
-              title=f"Reversal of {s_len} digits: greedy token accuracy {100 * token_acc:.1f}%")
-    ax[0].legend()
-    im = ax[1].imshow(avg, cmap="Blues", vmin=0, vmax=1)
-    ax[1].set(xlabel="source position (key, from the encoder)", ylabel="output position (query, from the decoder)",
-              title="Learned cross-attention, mean over heads and inputs")
-    ax[1].plot(np.arange(s_len)[::-1], np.arange(s_len), "r.", ms=5, label="anti-diagonal S−1−t")
-    ax[1].legend(loc="upper left", fontsize=8)
-    fig.colorbar(im, ax=ax[1], label="attention weight (0–1)")
-    save_figure(fig, out / "cross_attention.png")
+    _figure(losses, avg, plt, vocab, s_len, out, token_acc)
 
     heads = w_mean.shape[0]
     fig, ax = plt.subplots(1, heads, figsize=(3 * heads, 3.2))
@@ -164,14 +182,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         f"the anti-diagonal ({100 * anti_argmax:.0f}% of rows) and the anti-diagonal holds {anti_mass:.2f} of each "
         "row's weight on average."
     )
-    setup = (
-        f"`qkv.nn.Transformer` (d_model {d}, 4 heads, {layers} encoder + {layers} decoder layer, no dropout) with "
-        f"token embeddings and sinusoidal positions; random sequences of {s_len} digits, target = the reversed "
-        f"sequence, teacher forcing, Adam lr {lr}, {steps} steps of batch {batch}. Cross-attention weights read from the layer with "
-        "`need_weights=True`. Verdict: greedy token accuracy > 90%, every row's argmax on the anti-diagonal, and "
-        "anti-diagonal mass > 0.5. `cross_attention_report.html` is the interactive attention report "
-        "(`qkv.viz.explain_cross_attention`) of one held-out input: decoder positions on the left, source digits on the right."
-    )
+    setup = _setup_text(d, layers, s_len, lr, steps, batch)
     metrics = {"token_acc": token_acc, "seq_acc": seq_acc, "anti_mass": anti_mass, "anti_argmax_frac": anti_argmax}
     return Result(NAME, TITLE, CLAIM, setup, result, held, metrics, ["cross_attention.png", "cross_attention_heads.png"],
                   "cross_attention.csv", time.perf_counter() - t_start)

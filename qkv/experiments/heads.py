@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +96,28 @@ def _head_stats(model, tokens, period: int):
     return out
 
 
+def _figure(losses: Any, plt: Any, keys: Any, vocab: Any, out: Any, after: Any, before: Any, period: Any,
+            acc_repeat: Any, acc_first: Any) -> None:
+    """heads.png: what each head looks at before and after training, and the training loss."""
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = [f"L{l}H{h}" for l, h in keys]
+    xs = np.arange(len(keys))
+    ax[0].bar(xs - 0.2, [after[k][0] for k in keys], 0.4, color="C0", label="previous token (t−1)")
+    ax[0].bar(xs + 0.2, [after[k][1] for k in keys], 0.4, color="C1", label=f"induction target (t−{period - 1})")
+    ax[0].scatter(xs - 0.2, [before[k][0] for k in keys], color="k", marker="_", s=200, label="same, before training")
+    ax[0].scatter(xs + 0.2, [before[k][1] for k in keys], color="k", marker="_", s=200)
+    ax[0].set_xticks(xs, labels)
+    ax[0].set(xlabel="layer / head", ylabel="mean attention weight (0–1)", ylim=(0, 1),
+              title=f"What each head looks at (block length {period}, 500 sequences)")
+    ax[0].legend(fontsize=8)
+    ax[1].plot(losses, color="C2", label="training loss")
+    ax[1].axhline(np.log(vocab), color="k", ls=":", label=f"chance (ln {vocab})")
+    ax[1].set(xlabel="training step", ylabel="next-token cross-entropy (nats)",
+              title=f"Accuracy: repeated part {100 * acc_repeat:.0f}%, first copy {100 * acc_first:.0f}%")
+    ax[1].legend()
+    save_figure(fig, out / "heads.png")
+
+
 def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     import torch
 
@@ -136,23 +159,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     held = bool(prev_w > 2 * before_max and prev_w > 0.25 and ind_w > 3 * before_max and ind_w > 0.4
                 and ind_best[0] > prev_best[0] and acc_repeat > 0.9)
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
-    labels = [f"L{l}H{h}" for l, h in keys]
-    xs = np.arange(len(keys))
-    ax[0].bar(xs - 0.2, [after[k][0] for k in keys], 0.4, color="C0", label="previous token (t−1)")
-    ax[0].bar(xs + 0.2, [after[k][1] for k in keys], 0.4, color="C1", label=f"induction target (t−{period - 1})")
-    ax[0].scatter(xs - 0.2, [before[k][0] for k in keys], color="k", marker="_", s=200, label="same, before training")
-    ax[0].scatter(xs + 0.2, [before[k][1] for k in keys], color="k", marker="_", s=200)
-    ax[0].set_xticks(xs, labels)
-    ax[0].set(xlabel="layer / head", ylabel="mean attention weight (0–1)", ylim=(0, 1),
-              title=f"What each head looks at (block length {period}, 500 sequences)")
-    ax[0].legend(fontsize=8)
-    ax[1].plot(losses, color="C2", label="training loss")
-    ax[1].axhline(np.log(vocab), color="k", ls=":", label=f"chance (ln {vocab})")
-    ax[1].set(xlabel="training step", ylabel="next-token cross-entropy (nats)",
-              title=f"Accuracy: repeated part {100 * acc_repeat:.0f}%, first copy {100 * acc_first:.0f}%")
-    ax[1].legend()
-    save_figure(fig, out / "heads.png")
+    _figure(losses, plt, keys, vocab, out, after, before, period, acc_repeat, acc_first)
     write_csv(out / "heads.csv", ["layer", "head", "prev_weight_before", "induction_weight_before",
                                   "prev_weight_after", "induction_weight_after"],
               [[l, h, before[(l, h)][0], before[(l, h)][1], after[(l, h)][0], after[(l, h)][1]] for l, h in keys])

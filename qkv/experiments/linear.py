@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import Progress, Result, fit_exponent, fmt, pyplot, save_figure, seed_all, write_csv
-from .cost import _largest_tensor_bytes
+from ._common import (
+    Progress, Result, fit_exponent, fmt, largest_tensor_bytes, pyplot, save_figure, seed_all, write_csv,
+)
 
 NAME = "linear"
 TITLE = "Linear attention: O(N) cost, and what the approximation loses"
@@ -136,7 +137,7 @@ def _timing(ns: list[int], repeats: int, seed: int) -> tuple[dict, dict]:
                     fn(q, k, v)
                     best = min(best, time.thread_time() - t0)
                 times[name].append(best)
-                mem[name].append(_largest_tensor_bytes(lambda: fn(q, k, v)))
+                mem[name].append(largest_tensor_bytes(lambda: fn(q, k, v)))
     return times, mem
 
 
@@ -165,10 +166,54 @@ def _favor_error(ms: list[int], seeds: int, seed: int) -> dict[float, list[float
     return out
 
 
+def _figure(out: Path, ns: list[int], times: dict, t_exp: dict, crossover: Any, ms: list[int], errs: dict,
+            err_exp: dict, tasks: list[str], acc: dict, steps: int) -> None:
+    """linear.png: time against N, FAVOR+ error against m, and the models' accuracy per task."""
+    plt = pyplot()
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.4))
+    for name, color in (("exact", "C0"), ("linear", "C3")):
+        ax[0].loglog(ns, [1e3 * t for t in times[name]], "o-", color=color, label=f"{name} (slope {t_exp[name]:.2f})")
+    if crossover:
+        ax[0].axvline(crossover, color="k", ls=":", label=f"linear faster from N = {crossover}")
+    ax[0].set(xlabel="sequence length N", ylabel="forward time (ms, 1 thread)", title="Causal attention, B=1, H=4, D=64")
+    ax[0].legend(fontsize=8)
+    for (sd, e), color in zip(errs.items(), ("C2", "C4")):
+        ax[1].loglog(ms, e, "o-", color=color, label=f"score std {sd}: slope {err_exp[sd]:.2f}")
+    ax[1].loglog(ms, [errs[SCORE_STDS[0]][0] * (ms[0] / m) ** 0.5 for m in ms], "k:", label="1/√m")
+    ax[1].set(xlabel="FAVOR+ random features m", ylabel="relative error of the output", title="FAVOR+ vs softmax attention (N=256, D=32)")
+    ax[1].legend(fontsize=8)
+    xs = range(len(tasks))
+    for i, (kind, color) in enumerate(zip(KINDS, ("C0", "C3", "C2"))):
+        ax[2].bar([x + (i - 1) * 0.27 for x in xs], [100 * a for a in acc[kind]], 0.27, color=color, label=kind)
+    ax[2].set_xticks(list(xs), [t.replace("back", "d=") if t.startswith("back") else "assoc. recall" for t in tasks])
+    ax[2].set(ylabel="test accuracy (%)", ylim=(0, 105), title=f"Small causal models, {steps} steps each")
+    ax[2].legend(fontsize=8)
+    save_figure(fig, out / "linear.png")
+
+
+def _setup_text(quick: bool, ns: list[int], steps: int) -> str:
+    """How the claim was tested, and the verdict's rule (quick mode tests less)."""
+    return (
+        "Timing: `qkv.attention(is_causal=True)` (auto) vs `qkv.linear_attention(is_causal=True)` (elu features, "
+        f"chunks of 64), float32, no gradients, one thread, thread CPU time, best of repeats, N = {ns[0]}…{ns[-1]}; "
+        "slopes fitted in log–log over the upper half. FAVOR+: relative error of the output against exact softmax "
+        f"attention for random q, k, v (N=256, D=32, float64; q, k scaled so the scaled scores have std {SCORE_STDS}), "
+        "averaged over seeds. Models: embedding + learned positions "
+        "+ pre-LN blocks (width 32, 2 heads, GELU MLP) with causal softmax, elu or FAVOR+ (m=64) attention, trained with "
+        f"Adam (lr 3e-3, batch 64, {steps} steps, same seed): recall the token d back (N=24, vocab 8, one block) and "
+        "associative recall (8 key–value pairs then a key; two blocks). Verdict: linear slope < 1.35 and "
+        + ("linear faster at the largest N (quick: exact's exponent not tested), " if quick else "exact > 1.6, ")
+        + f"FAVOR+ error slope between −0.8 and −0.3 at score std {min(SCORE_STDS)} and error still above 0.5 at "
+        f"score std {max(SCORE_STDS)} with the most features, and "
+        + "elu and FAVOR+ within 5 points of softmax on every positional task"
+        + (" (quick: associative recall not compared)." if quick else
+           " but more than 20 points below it on associative recall.")
+    )
+
+
 def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     t_start = time.perf_counter()
     seed_all(seed)
-    plt = pyplot()
     ns = [256, 512, 1024, 2048] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
     ms = [8, 32, 128, 512] if quick else [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
     # quick: 150 steps leave softmax itself at ~21% on associative recall, so only the previous-token
@@ -209,25 +254,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
                          "itself has not learned it); quick mode compares recall of the previous token only")
     held = bool(linear_scales and favor_converges and quality_kept)
 
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.4))
-    for name, color in (("exact", "C0"), ("linear", "C3")):
-        ax[0].loglog(ns, [1e3 * t for t in times[name]], "o-", color=color, label=f"{name} (slope {t_exp[name]:.2f})")
-    if crossover:
-        ax[0].axvline(crossover, color="k", ls=":", label=f"linear faster from N = {crossover}")
-    ax[0].set(xlabel="sequence length N", ylabel="forward time (ms, 1 thread)", title="Causal attention, B=1, H=4, D=64")
-    ax[0].legend(fontsize=8)
-    for (sd, e), color in zip(errs.items(), ("C2", "C4")):
-        ax[1].loglog(ms, e, "o-", color=color, label=f"score std {sd}: slope {err_exp[sd]:.2f}")
-    ax[1].loglog(ms, [errs[SCORE_STDS[0]][0] * (ms[0] / m) ** 0.5 for m in ms], "k:", label="1/√m")
-    ax[1].set(xlabel="FAVOR+ random features m", ylabel="relative error of the output", title="FAVOR+ vs softmax attention (N=256, D=32)")
-    ax[1].legend(fontsize=8)
-    xs = range(len(tasks))
-    for i, (kind, color) in enumerate(zip(KINDS, ("C0", "C3", "C2"))):
-        ax[2].bar([x + (i - 1) * 0.27 for x in xs], [100 * a for a in acc[kind]], 0.27, color=color, label=kind)
-    ax[2].set_xticks(list(xs), [t.replace("back", "d=") if t.startswith("back") else "assoc. recall" for t in tasks])
-    ax[2].set(ylabel="test accuracy (%)", ylim=(0, 105), title=f"Small causal models, {steps} steps each")
-    ax[2].legend(fontsize=8)
-    save_figure(fig, out / "linear.png")
+    _figure(out, ns, times, t_exp, crossover, ms, errs, err_exp, tasks, acc, steps)
 
     rows: list[list[Any]] = [["time_s", name, n, t] for name in times for n, t in zip(ns, times[name])]
     rows += [["largest_tensor_bytes", name, n, b] for name in mem for n, b in zip(ns, mem[name])]
@@ -249,22 +276,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         + (f"; on associative recall: elu {100 * assoc_gaps['elu']:.0f}, favor {100 * assoc_gaps['favor']:.0f} points."
            if assoc_gaps else ".")
     )
-    setup = (
-        "Timing: `qkv.attention(is_causal=True)` (auto) vs `qkv.linear_attention(is_causal=True)` (elu features, "
-        f"chunks of 64), float32, no gradients, one thread, thread CPU time, best of repeats, N = {ns[0]}…{ns[-1]}; "
-        "slopes fitted in log–log over the upper half. FAVOR+: relative error of the output against exact softmax "
-        f"attention for random q, k, v (N=256, D=32, float64; q, k scaled so the scaled scores have std {SCORE_STDS}), "
-        "averaged over seeds. Models: embedding + learned positions "
-        "+ pre-LN blocks (width 32, 2 heads, GELU MLP) with causal softmax, elu or FAVOR+ (m=64) attention, trained with "
-        f"Adam (lr 3e-3, batch 64, {steps} steps, same seed): recall the token d back (N=24, vocab 8, one block) and "
-        "associative recall (8 key–value pairs then a key; two blocks). Verdict: linear slope < 1.35 and "
-        + ("linear faster at the largest N (quick: exact's exponent not tested), " if quick else "exact > 1.6, ")
-        + f"FAVOR+ error slope between −0.8 and −0.3 at score std {min(SCORE_STDS)} and error still above 0.5 at "
-        f"score std {max(SCORE_STDS)} with the most features, and "
-        + "elu and FAVOR+ within 5 points of softmax on every positional task"
-        + (" (quick: associative recall not compared)." if quick else
-           " but more than 20 points below it on associative recall.")
-    )
+    setup = _setup_text(quick, ns, steps)
     metrics = {"ns": ns, "times": times, "largest_tensor": mem, "time_exp": t_exp, "crossover": crossover, "ms": ms,
                "favor_err": errs, "favor_err_exp": err_exp, "tasks": tasks, "acc": acc, "gaps": gaps, "assoc_gaps": assoc_gaps,
                "linear_scales": linear_scales, "favor_converges": favor_converges, "quality_kept": quality_kept}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from ._common import Progress, Result, fit_exponent, pyplot, save_figure, seed_all, write_csv
 
@@ -31,6 +32,24 @@ def _best_time(fn, repeats: int) -> float:
         fn()
         best = min(best, time.thread_time() - t0)
     return best
+
+
+def _figure(models: Any, plt: Any, ns: Any, d: Any, out: Any, rate: Any, b: Any, times: Any) -> None:
+    """parallel.png: forward time and arithmetic rate against n for each model."""
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    for (name, color) in zip(models, ("C0", "C3", "C2")):
+        ax[0].loglog(ns, [1e3 * t for t in times[name]], "o-", color=color, label=name)
+        ax[1].semilogx(ns, rate[name], "o-", color=color, label=name)
+    ax[0].axvline(d // 2, color="k", ls=":", label=f"n = d/2 = {d // 2}")
+    ax[0].set(xlabel="sequence length n (positions)", ylabel="forward CPU time, 1 thread (ms)",
+              title=f"Forward time, batch {b}, width {d}")
+    ax[1].set(xlabel="sequence length n (positions)", ylabel="arithmetic rate (GFLOP/s)",
+              title="Arithmetic rate of each forward pass")
+    for a in ax:
+        a.set_xticks(ns, [str(n) for n in ns])
+        a.minorticks_off()
+        a.legend()
+    save_figure(fig, out / "parallel.png")
 
 
 def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
@@ -76,20 +95,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         later = [n for n, ta, tr in zip(ns, times["self-attention"], times[k]) if ta >= tr]
         crossover[k] = later[0] if later else None
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
-    for (name, color) in zip(models, ("C0", "C3", "C2")):
-        ax[0].loglog(ns, [1e3 * t for t in times[name]], "o-", color=color, label=name)
-        ax[1].semilogx(ns, rate[name], "o-", color=color, label=name)
-    ax[0].axvline(d // 2, color="k", ls=":", label=f"n = d/2 = {d // 2}")
-    ax[0].set(xlabel="sequence length n (positions)", ylabel="forward CPU time, 1 thread (ms)",
-              title=f"Forward time, batch {b}, width {d}")
-    ax[1].set(xlabel="sequence length n (positions)", ylabel="arithmetic rate (GFLOP/s)",
-              title="Arithmetic rate of each forward pass")
-    for a in ax:
-        a.set_xticks(ns, [str(n) for n in ns])
-        a.minorticks_off()
-        a.legend()
-    save_figure(fig, out / "parallel.png")
+    _figure(models, plt, ns, d, out, rate, b, times)
     write_csv(out / "parallel.csv", ["n"] + [f"time_{k}_s" for k in models] + [f"gflops_{k}" for k in models],
               [[n] + [times[k][i] for k in models] + [rate[k][i] for k in models] for i, n in enumerate(ns)])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,18 +74,10 @@ def _majority_batch(gen, batch: int, n: int, vocab: int):
     return tokens, label
 
 
-def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
+def _variance(gen: Any, dks: list[int], samples: int) -> tuple[list[float], list[float]]:
+    """Step 1: the variance of q·k over ``samples`` pairs per d_k, unscaled and divided by √d_k."""
     import torch
 
-    t_start = time.perf_counter()
-    seed_all(seed)
-    plt = pyplot()
-    dks = [4, 8, 16, 32, 64, 128, 256, 512, 1024]
-    samples = 20_000 if quick else 200_000
-    tol = 0.05 if quick else 0.03
-
-    # -- 1. variance of q·k, unscaled and scaled --------------------------------------------
-    gen = torch.Generator().manual_seed(seed)
     var_raw, var_scaled = [], []
     chunk = 10_000
     for dk in dks:
@@ -99,9 +92,13 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         var_scaled.append(float((dots / math.sqrt(dk)).var()))
     rel_err = [abs(v / dk - 1) for v, dk in zip(var_raw, dks)]
     rel_err_scaled = [abs(v - 1) for v in var_scaled]
+    return var_raw, var_scaled
 
-    # -- 2. softmax saturation -------------------------------------------------------------
-    n_keys, trials = 32, 2000 if quick else 20_000
+
+def _saturation(gen: Any, dks: list[int], n_keys: int, trials: int) -> dict:
+    """Step 2: peak weight, entropy and softmax Jacobian norm over ``n_keys`` keys, unscaled and scaled."""
+    import torch
+
     sat = {"raw": {"max": [], "ent": [], "grad": []}, "scaled": {"max": [], "ent": [], "grad": []}}
     for dk in dks:
         s = torch.cat([  # in chunks of 1000 queries, so that K never needs more than ~260 MB
@@ -117,10 +114,13 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
             sat[kind]["max"].append(float(p.max(-1).values.mean()))
             sat[kind]["ent"].append(float(ent.mean()))
             sat[kind]["grad"].append(float(jac.flatten(1).norm(dim=1).mean()))
+    return sat
 
-    # -- 3. training with and without the division ------------------------------------------
-    d, vocab, n = (128, 8, 24) if quick else (256, 8, 32)
-    steps, batch = (150, 64) if quick else (600, 64)
+
+def _training(seed: int, d: int, vocab: int, n: int, steps: int, batch: int) -> tuple[dict, dict]:
+    """Step 3: train the one-head reader with and without the division; (loss curves, final loss and accuracy)."""
+    import torch
+
     curves: dict = {}
     final: dict = {}
     for scaled in (True, False):
@@ -145,19 +145,14 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         curves[key] = losses
         tail = max(1, steps // 10)
         final[key] = {"loss": float(np.mean(losses[-tail:])), "acc": acc}
+    return curves, final
 
-    # -- verdict ---------------------------------------------------------------------------
-    var_ok = max(rel_err) < tol and max(rel_err_scaled) < tol
-    sat_ok = (
-        sat["raw"]["max"][-1] > 0.9
-        and sat["raw"]["ent"][-1] < 0.3
-        and sat["raw"]["grad"][-1] < 0.25 * sat["raw"]["grad"][0]
-        and 0.05 < sat["scaled"]["max"][-1] < 0.5
-    )
-    train_ok = final["scaled"]["loss"] < 0.8 * final["unscaled"]["loss"] and final["scaled"]["acc"] > final["unscaled"]["acc"]
-    held = bool(var_ok and sat_ok and train_ok)
 
-    # -- figures and CSV -------------------------------------------------------------------
+def _figures(out: Path, dks: list[int], samples: int, tol: float, var_raw: list[float], var_scaled: list[float],
+             rel_err: list[float], rel_err_scaled: list[float], sat: dict, n_keys: int, curves: dict, final: dict,
+             vocab: int, d: int) -> list[str]:
+    """The three figures: score variance, softmax saturation, training curves."""
+    plt = pyplot()
     figs = []
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     ax[0].loglog(dks, dks, "k--", label="theory: Var = d_k")
@@ -200,6 +195,47 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     ax.legend()
     save_figure(fig, out / "scaling_training.png")
     figs.append("scaling_training.png")
+    return figs
+
+
+def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
+    import torch
+
+    t_start = time.perf_counter()
+    seed_all(seed)
+    dks = [4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    samples = 20_000 if quick else 200_000
+    tol = 0.05 if quick else 0.03
+
+    # -- 1. variance of q·k, unscaled and scaled --------------------------------------------
+    gen = torch.Generator().manual_seed(seed)
+    var_raw, var_scaled = _variance(gen, dks, samples)
+    rel_err = [abs(v / dk - 1) for v, dk in zip(var_raw, dks)]
+    rel_err_scaled = [abs(v - 1) for v in var_scaled]
+
+    # -- 2. softmax saturation (the same generator, continued) ------------------------------
+    n_keys, trials = 32, 2000 if quick else 20_000
+    sat = _saturation(gen, dks, n_keys, trials)
+
+    # -- 3. training with and without the division ------------------------------------------
+    d, vocab, n = (128, 8, 24) if quick else (256, 8, 32)
+    steps, batch = (150, 64) if quick else (600, 64)
+    curves, final = _training(seed, d, vocab, n, steps, batch)
+
+    # -- verdict ---------------------------------------------------------------------------
+    var_ok = max(rel_err) < tol and max(rel_err_scaled) < tol
+    sat_ok = (
+        sat["raw"]["max"][-1] > 0.9
+        and sat["raw"]["ent"][-1] < 0.3
+        and sat["raw"]["grad"][-1] < 0.25 * sat["raw"]["grad"][0]
+        and 0.05 < sat["scaled"]["max"][-1] < 0.5
+    )
+    train_ok = final["scaled"]["loss"] < 0.8 * final["unscaled"]["loss"] and final["scaled"]["acc"] > final["unscaled"]["acc"]
+    held = bool(var_ok and sat_ok and train_ok)
+
+    # -- figures and CSV -------------------------------------------------------------------
+    figs = _figures(out, dks, samples, tol, var_raw, var_scaled, rel_err, rel_err_scaled, sat, n_keys, curves, final,
+                    vocab, d)
 
     rows = []
     for i, dk in enumerate(dks):

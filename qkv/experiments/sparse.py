@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import Progress, Result, fit_exponent, fmt, pyplot, save_figure, seed_all, write_csv
-from .cost import _largest_tensor_bytes
+from ._common import (
+    Progress, Result, fit_exponent, fmt, largest_tensor_bytes, pyplot, save_figure, seed_all, write_csv,
+)
 
 NAME = "sparse"
 TITLE = "Block-sparse attention: time follows density; the pattern decides what is learnable"
@@ -66,7 +67,7 @@ def _timing(ns: list[int], densities: list[float], seed: int) -> tuple[dict, dic
                 times[(n, name)] = time.thread_time() - t0
                 actual[(n, name)] = 1.0 if m is None else m.density
                 if n == ns[0]:
-                    mem[name] = _largest_tensor_bytes(call)
+                    mem[name] = largest_tensor_bytes(call)
     return times, mem, actual
 
 
@@ -118,6 +119,26 @@ def _train(pattern: str, task: str, steps: int, seed: int, n: int = 64, window: 
         return float((model(x)[:, far:].argmax(-1) == y[:, far:]).float().mean())
 
 
+def _figure(ns: Any, plt: Any, tasks: Any, out: Any, dens: Any, actual: Any, names: Any, steps: Any, times: Any,
+            acc: Any) -> None:
+    """sparse.png: time against density, and accuracy beyond the window per pattern."""
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.4))
+    for n, color in zip(ns, ("C0", "C1", "C3")):
+        ax[0].loglog([actual[(n, nm)] for nm in names], [times[(n, nm)] / times[(n, "dense")] for nm in names], "o-",
+                     color=color, label=f"N = {n} (dense {fmt(times[(n, 'dense')])} s)")
+    ax[0].loglog([min(dens), 1], [min(dens), 1], "k:", label="time ∝ density")
+    ax[0].set(xlabel="density of computed blocks", ylabel="time / dense attention time",
+              title=f"Random {BLOCK}×{BLOCK} block layouts, forward, 1 thread")
+    ax[0].legend(fontsize=8)
+    xs = range(len(tasks))
+    for i, (p, color) in enumerate(zip(PATTERNS, ("C0", "C3", "C2"))):
+        ax[1].bar([x + (i - 1) * 0.27 for x in xs], [100 * a for a in acc[p]], 0.27, color=color, label=p)
+    ax[1].set_xticks(list(xs), ["recall token 0", "recall token t−16"])
+    ax[1].set(ylabel="accuracy beyond the window (%)", ylim=(0, 105), title=f"N = 64, window 8, {steps} training steps")
+    ax[1].legend(fontsize=8)
+    save_figure(fig, out / "sparse.png")
+
+
 def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     t_start = time.perf_counter()
     seed_all(seed)
@@ -157,21 +178,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     global_limit = acc["local+global"][back] < 0.5 and acc["full"][back] > 0.9
     held = bool(follows and global_helps and global_limit)
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.4))
-    for n, color in zip(ns, ("C0", "C1", "C3")):
-        ax[0].loglog([actual[(n, nm)] for nm in names], [times[(n, nm)] / times[(n, "dense")] for nm in names], "o-",
-                     color=color, label=f"N = {n} (dense {fmt(times[(n, 'dense')])} s)")
-    ax[0].loglog([min(dens), 1], [min(dens), 1], "k:", label="time ∝ density")
-    ax[0].set(xlabel="density of computed blocks", ylabel="time / dense attention time",
-              title=f"Random {BLOCK}×{BLOCK} block layouts, forward, 1 thread")
-    ax[0].legend(fontsize=8)
-    xs = range(len(tasks))
-    for i, (p, color) in enumerate(zip(PATTERNS, ("C0", "C3", "C2"))):
-        ax[1].bar([x + (i - 1) * 0.27 for x in xs], [100 * a for a in acc[p]], 0.27, color=color, label=p)
-    ax[1].set_xticks(list(xs), ["recall token 0", "recall token t−16"])
-    ax[1].set(ylabel="accuracy beyond the window (%)", ylim=(0, 105), title=f"N = 64, window 8, {steps} training steps")
-    ax[1].legend(fontsize=8)
-    save_figure(fig, out / "sparse.png")
+    _figure(ns, plt, tasks, out, dens, actual, names, steps, times, acc)
 
     rows: list[list[Any]] = [["time_s", n, nm, actual[(n, nm)], times[(n, nm)]] for n in ns for nm in ["dense"] + names]
     rows += [["largest_tensor_bytes", ns[0], nm, actual[(ns[0], nm)], b] for nm, b in mem.items()]

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cli import UsageError, _int_at_least, _output_dir
-from . import EXPERIMENTS, get, run_many
+from ..experiments import EXPERIMENTS, get, run_many
+from .args import UsageError, int_at_least, output_dir
 
 
 def add_parser(sub: Any) -> None:
@@ -29,11 +29,11 @@ def add_parser(sub: Any) -> None:
     rp = ex.add_parser("run", help="run one experiment, or all of them, and write a report")
     rp.add_argument("name", choices=EXPERIMENTS + ["all"], metavar="NAME",
                     help=f"one of {', '.join(EXPERIMENTS)}, or all")
-    rp.add_argument("--out", metavar="DIR", type=_output_dir, required=True,
+    rp.add_argument("--out", metavar="DIR", type=output_dir, required=True,
                     help="folder for figures, CSVs, report.md and report.html")
     rp.add_argument("--quick", action="store_true", help="small settings: seconds per experiment")
     # NumPy's legacy seeding (used by some experiments) takes 0 .. 2**32 - 1
-    rp.add_argument("--seed", type=_int_at_least(0, 2**32 - 1), default=0, help="random seed, 0 to 2**32-1 (default 0)")
+    rp.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=0, help="random seed, 0 to 2**32-1 (default 0)")
     rp.set_defaults(run=_cmd_run)
 
 
