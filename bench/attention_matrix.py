@@ -37,7 +37,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import cpu_name, time_cell  # noqa: E402
+from bench.common import cpu_name, gemm_peak, time_cell  # noqa: E402
 import qkv  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
