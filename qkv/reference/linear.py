@@ -117,6 +117,8 @@ class LinearSteps:
 
     def to_string(self, precision: int = 3, lang: str = "en", tokens: Optional[list[str]] = None) -> str:
         """Every step as labelled matrices (single head, 2-D inputs), softmax's weights beside."""
+        # the glass box's text renderer, a layer up: imported when asked, since qkv.linear loads
+        # this module for its feature maps and must not pull in the renderers
         from .render import format_matrix, summary_note
 
         if lang not in _TEXT:
