@@ -47,8 +47,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..backends.base import half_to_float
-from ..backends.chunked import _augment, _head_groups, _key_blocks, check_tile_size, plan_tiles
-from ..backends.chunked_native import LN2, LOG2E
+from ..backends.tiles import LN2, LOG2E, augment, check_tile_size, head_groups, key_blocks, plan_tiles
 from ..masks import MaskTiles
 from ..nonfinite import guard, surely_finite
 from ..call import BackendName, validate, validate_qk
@@ -322,7 +321,7 @@ def _tiled_stats(
         bq, bk, per_group = plan_tiles(b, hk, g, nq, call.nk, block_q, block_k or STATS_BLOCK_K)
         if _native_kernel(q) is not None:
             per_group = max(1, NATIVE_TILE_BUDGET // (g * bq * bk))
-        for bs, hs in _head_groups(b, hk, per_group):
+        for bs, hs in head_groups(b, hk, per_group):
             _stats_heads(
                 q[bs, hs], k[bs, hs], None if online else lse_g[bs, hs].to(q.dtype), tiles.narrow(bs, hs), call.scale,
                 bq, bk, kpos, rel, {name: t[bs, hs] for name, t in res.items()},
@@ -429,7 +428,7 @@ def _stats_heads(
     else:
         lse2 = (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)  # empty rows: every score is -inf anyway
         q_aug = torch.cat([q * (scale * LOG2E), -lse2.unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, D+1)
-        k_aug = _augment(k, 1.0).transpose(-1, -2)  # (b, h, 1, D+1, Nk): [k, 1]ᵀ so q_aug·k_aug = log2 p
+        k_aug = augment(k, 1.0).transpose(-1, -2)  # (b, h, 1, D+1, Nk): [k, 1]ᵀ so q_aug·k_aug = log2 p
     # j - k0 within a tile; a matrix-vector product, not a 2-column matmul (BLAS is 4x slower on those)
     cols = torch.arange(bk, dtype=dt, device=dev)  # (bk,)
     kk = res["topk_indices"].shape[-1]
@@ -454,7 +453,7 @@ def _stats_heads(
             _normalise(num, res["total"][..., q0:q1], out, q0, q1)
             continue
         first_k = None
-        for k0, k1 in _key_blocks(tiles, q0, q1, bk):
+        for k0, k1 in key_blocks(tiles, q0, q1, bk):
             first_k = k0 if first_k is None else first_k
             w = k1 - k0
             sub = lse2[..., q0:q1] if scored and not online else None
@@ -702,7 +701,7 @@ def _native_row_block(
     rp = torch.tensor(native.clamp_positions(rel, q1 + abs(off), k_aug.shape[-1]), dtype=torch.long)
     threads = torch.get_num_threads()
     dv = 0 if num is None else num.shape[-1]
-    for k0, k1 in _key_blocks(tiles, q0, q1, bk):
+    for k0, k1 in key_blocks(tiles, q0, q1, bk):
         t, masked = _tile_scores(qa, k_aug, tiles, q0, q1, k0, k1)  # (b, h, G, n, w) in log2 units
         kernel(
             ptr(t), rows, k1 - k0, n, q0 + off, k0, int(online), int(masked),

@@ -54,7 +54,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.44269504  # 1/ln 2: scores are kept in base 2 so the kernels use exp2
 
 
 @triton.jit
