@@ -29,6 +29,17 @@ BackendName = Literal["auto", "sdpa", "chunked", "math", "triton"]
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores are computed in: float32 for 16-bit inputs, else the input's own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of log-sum-exps and other running sums: float32, or float64 for float64
+    inputs (so float64 gradients stay exact)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _shape(t: torch.Size | tuple[int, ...]) -> str:
     return "(" + ", ".join(str(int(s)) for s in t) + ")"
 
@@ -81,7 +92,7 @@ class AttentionCall:
     @property
     def lse_dtype(self) -> torch.dtype:
         """float32, or float64 for float64 inputs (so float64 gradients stay exact)."""
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
+        return accumulate_dtype(self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -102,8 +113,7 @@ class AttentionCall:
         """The score function bound to this call's heads, lengths and causal alignment."""
         if self.score_mod is None:
             return None
-        compute = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
-        return bind(self.score_mod, self.hq, self.group, self.nq, self.nk, self.alignment, compute)
+        return bind(self.score_mod, self.hq, self.group, self.nq, self.nk, self.alignment, compute_dtype(self.dtype))
 
     @property
     def bool_mask(self) -> bool:
@@ -208,7 +218,7 @@ class AttentionCall:
 # ---- validation ---------------------------------------------------------------------------
 
 
-def _check_tensor(name: str, t: Any) -> torch.Tensor:
+def check_tensor(name: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; convert it with torch.as_tensor({name})")
     if t.dtype not in _FLOATS:
@@ -267,9 +277,9 @@ def validate(
     sinks: Any = None,
 ) -> AttentionCall:
     """Check every argument of :func:`qkv.attention` and raise errors that say how to fix them."""
-    q = _check_tensor("query", query)
-    k = _check_tensor("key", key)
-    v = _check_tensor("value", value)
+    q = check_tensor("query", query)
+    k = check_tensor("key", key)
+    v = check_tensor("value", value)
     rank = max(q.dim(), k.dim(), v.dim())
     if rank > 2:  # missing leading dims broadcast, as in torch SDPA: (N, D) acts as (1, 1, N, D)
         q, k, v = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) for t in (q, k, v))
@@ -362,7 +372,7 @@ def validate(
             )
         if attn_mask.dim() < 2:  # a per-key mask (Nk,) or a scalar: give it the (Nq|1, Nk|1) dims
             attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
-        compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        compute = compute_dtype(q.dtype)
         if attn_mask.dtype != torch.bool and attn_mask.dtype != compute:
             # in the scores' precision: a float32 bias on 16-bit inputs is not rounded to 16 bits
             attn_mask = attn_mask.to(compute)
@@ -390,7 +400,7 @@ def validate(
     if isinstance(score_mod, ScoreMod):
         score_mod.check_heads(hq)
     if sinks is not None:
-        sinks = _check_sinks(sinks, hq, q)
+        sinks = check_sinks(sinks, hq, q)
     return AttentionCall(
         query=q,
         key=k,
@@ -418,7 +428,7 @@ def validate(
     )
 
 
-def _check_sinks(sinks: Any, hq: int, q: torch.Tensor) -> torch.Tensor:
+def check_sinks(sinks: Any, hq: int, q: torch.Tensor) -> torch.Tensor:
     """``sinks``: one logit per query head ``(Hq,)``, float, on the query's device, no NaN or +inf."""
     if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
         got = sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__
@@ -451,7 +461,7 @@ def validate_qk(
 ) -> AttentionCall:
     """:func:`validate` for a call about the weights alone (they do not depend on V)."""
     if not isinstance(key, torch.Tensor):
-        _check_tensor("key", key)
+        check_tensor("key", key)
     value = key[..., :1]  # a one-column view satisfies validation and keeps an lse pass cheap
     return validate(
         query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,

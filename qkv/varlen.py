@@ -36,7 +36,7 @@ from typing import Any, Literal, Optional, Tuple, Union, overload
 
 import torch
 
-from .call import BackendName, _check_sinks, _check_tensor
+from .call import BackendName, check_sinks, check_tensor
 from .reference.masks import IsCausal, PositionalMask, parse_causal, parse_window
 from .score_mods.base import ScoreMod, captured_tensors, check_score_mod
 
@@ -158,7 +158,7 @@ def attention_varlen(
     loops over sequences; a named backend never falls back.
     Validation reads the offsets on the host (one device sync).
     """
-    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    q, k, v = check_tensor("q", q), check_tensor("k", k), check_tensor("v", v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be packed as (total_len, heads, head_dim), got shape {tuple(t.shape)}")
@@ -203,7 +203,7 @@ def attention_varlen(
             score_mod = copy.copy(score_mod)
             score_mod.alignment = alignment
     if sinks is not None:
-        sinks = _check_sinks(sinks, hq, q)
+        sinks = check_sinks(sinks, hq, q)
 
     from .backends import BACKENDS, BackendError, get_backend
 
