@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Literal, Optional, Tuple, Union, overload
 
 import torch
 import torch.nn.functional as F
 
-from .backends import BACKENDS, MATH_MAX_SCORES, select
+from .backends import BACKENDS, plain_sdpa_call, select
 from .backends.sdpa import empty_rows_are_zero
 from .call import BackendName, validate, validate_qk
 from .nonfinite import guard
@@ -19,6 +18,21 @@ from .score_mods.base import ScoreFn, ScoreMod
 _log = logging.getLogger("qkv")
 _sdpa = F.scaled_dot_product_attention
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
+
+
+def _fast_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+    dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
+) -> Optional[torch.Tensor]:  # fmt: skip
+    """torch SDPA's output for a plain call, or None where torch rejects it (its errors are
+    RuntimeError, ValueError, TypeError or IndexError; validation then explains the call)."""
+    try:
+        out = _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return None
+    if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):
+        _log.debug("qkv.attention(query %s): auto runs sdpa directly (a plain SDPA call)", tuple(query.shape))
+    return out
 
 
 # The result's type follows return_lse: a Tensor, or (out, lse) with return_lse=True.
@@ -147,12 +161,10 @@ def attention(
     - ``sinks``: ``(Hq,)`` logits, one per query head, that join each row's softmax
       denominator without a value (GPT-OSS); the lse includes them (see :mod:`qkv.sinks`).
     """
-    # Fast path: a plain 4-D SDPA call goes straight to torch's kernel with almost no Python,
-    # so small shapes pay little. It checks only what torch does not (or gets wrong): values
-    # pairing with keys, the mask's device, a mask together with is_causal, scale > 0, empty
-    # sizes, and gradients that torch's CPU backward computes below qkv's accuracy rule.
-    # Anything torch rejects is re-checked below, which either explains the mistake or routes
-    # the call to a backend that handles it.
+    # Fast path: a plain 4-D SDPA call that auto would send to SDPA goes straight to torch's
+    # kernel with almost no Python, so small shapes pay little (backends.plain_sdpa_call decides,
+    # from auto's own rules). If torch still rejects it, the call is validated below, which
+    # either explains the mistake or routes it to a backend that handles it.
     if (
         backend == "auto"
         and window is None
@@ -163,43 +175,11 @@ def attention(
         and sinks is None
         and is_causal.__class__ is bool
         and _CPU_EMPTY_ROWS_ZERO
+        and plain_sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale)
     ):
-        try:
-            if (
-                query.is_cpu
-                and query.dim() == 4
-                and key.dim() == 4
-                and value.dim() == 4
-                and value.shape[1] == key.shape[1]
-                and value.shape[2] == key.shape[2]
-                and query.numel()  # empty sizes: torch's shapes ignore broadcasting there
-                and key.numel()
-                # gradients torch computes less accurately than qkv's rule: see backends.auto_order
-                and (
-                    query.dtype is torch.float64
-                    or not torch.is_grad_enabled()
-                    or not (query.requires_grad or key.requires_grad or value.requires_grad)
-                )
-                and (scale is None or 0.0 < scale < math.inf)
-                and (dropout_p == 0.0 or 0.0 < dropout_p < 1.0)
-                and (
-                    attn_mask is None
-                    or (
-                        # a large bool mask: auto skips its empty blocks (backends.flash_cpu)
-                        (attn_mask.dtype is not torch.bool or query.shape[-2] * key.shape[-2] <= MATH_MAX_SCORES)
-                        and not is_causal
-                        and attn_mask.__class__ is torch.Tensor
-                        and attn_mask.device == query.device
-                        and (attn_mask.dtype is torch.bool or attn_mask.dtype is query.dtype)
-                    )
-                )
-            ):
-                out = _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-                if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):
-                    _log.debug("qkv.attention(query %s): auto runs sdpa directly (a plain SDPA call)", tuple(query.shape))
-                return guard(query, key, value, out)[0]
-        except Exception:
-            pass
+        out = _fast_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if out is not None:
+            return guard(query, key, value, out)[0]
     call = validate(
         query,
         key,

@@ -585,8 +585,22 @@ class ChunkedBackend(Backend):
             ]
         return []
 
-    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def kernel(self, call: AttentionCall) -> str:
+        """Which of chunked's kernels runs ``call``, all under the same tile rules:
+
+        - ``"flash_cpu"``: no gradient on a CPU, default tile sizes (:func:`.flash_cpu.can_fuse`):
+          torch's fused kernel, block by block, is the fastest exact path there;
+        - ``"tiles"``: the tile loops. With no score function or a built-in one they are torch
+          custom ops, run as C loops (:mod:`.chunked_native`) where those have the dtype and
+          device, else as the torch formulation here; a score function given as a Python
+          callable is applied tile by tile in torch (:func:`_scored_attention`).
+        """
         if self.block_q is None and self.block_k is None and can_fuse(call):
+            return "flash_cpu"
+        return "tiles"
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.kernel(call) == "flash_cpu":
             return fused_attention(call)  # no gradient: torch's fused kernel, block by block
         query, scale = call.positive_scale()  # the row maximum of q·kᵀ must be the largest score
         q, k, v = call.grouped_qkv(query)
