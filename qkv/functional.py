@@ -20,14 +20,26 @@ _sdpa = F.scaled_dot_product_attention
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
 
 
-def _fast_sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
-    dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
+def _fast_path(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
+    is_causal: IsCausal, scale: Optional[float], enable_gqa: bool, generator: Optional[torch.Generator],
+    score_mod: Optional[Union[ScoreMod, ScoreFn]], sinks: Optional[torch.Tensor],
 ) -> Optional[torch.Tensor]:  # fmt: skip
-    """torch SDPA's output for a plain call, or None where torch rejects it (its errors are
-    RuntimeError, ValueError, TypeError or IndexError; validation then explains the call)."""
+    """torch SDPA's output for a plain call that ``auto`` would run on SDPA as given
+    (:func:`qkv.backends.plain_sdpa_call` decides, from auto's own rules), else None. Where torch
+    still rejects the call (RuntimeError, ValueError, TypeError or IndexError) it is None too:
+    validation then explains the mistake or routes the call to a backend that handles it."""
+    if not (
+        generator is None
+        and score_mod is None
+        and sinks is None
+        and is_causal.__class__ is bool
+        and _CPU_EMPTY_ROWS_ZERO
+        and plain_sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    ):
+        return None
     try:
-        out = _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        out = _sdpa(query, key, value, attn_mask, dropout_p, bool(is_causal), scale=scale, enable_gqa=enable_gqa)
     except (RuntimeError, ValueError, TypeError, IndexError):
         return None
     if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):
@@ -161,42 +173,16 @@ def attention(
     - ``sinks``: ``(Hq,)`` logits, one per query head, that join each row's softmax
       denominator without a value (GPT-OSS); the lse includes them (see :mod:`qkv.sinks`).
     """
-    # Fast path: a plain 4-D SDPA call that auto would send to SDPA goes straight to torch's
-    # kernel with almost no Python, so small shapes pay little (backends.plain_sdpa_call decides,
-    # from auto's own rules). If torch still rejects it, the call is validated below, which
-    # either explains the mistake or routes it to a backend that handles it.
-    if (
-        backend == "auto"
-        and window is None
-        and key_padding_mask is None
-        and not return_lse
-        and generator is None
-        and score_mod is None
-        and sinks is None
-        and is_causal.__class__ is bool
-        and _CPU_EMPTY_ROWS_ZERO
-        and plain_sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale)
-    ):
-        out = _fast_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    # Fast path: a plain SDPA call that auto would send to SDPA goes straight to torch's kernel
+    # with almost no Python, so small shapes pay little.
+    if backend == "auto" and window is None and key_padding_mask is None and not return_lse:
+        out = _fast_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, generator, score_mod, sinks)
         if out is not None:
             return guard(query, key, value, out)[0]
     call = validate(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        window=window,
-        window_alignment=window_alignment,
-        key_padding_mask=key_padding_mask,
-        return_lse=return_lse,
-        generator=generator,
-        score_mod=score_mod,
-        sinks=sinks,
-    )
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window=window, window_alignment=window_alignment,
+        key_padding_mask=key_padding_mask, return_lse=return_lse, generator=generator, score_mod=score_mod, sinks=sinks,
+    )  # fmt: skip
     out, lse = select(call, backend).forward(call)
     out, lse = guard(call.query, call.key, call.value, out, lse)
     return (out, lse) if return_lse else out
