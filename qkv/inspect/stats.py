@@ -332,38 +332,8 @@ def _tiled_stats(
         share = sink_share(sinks_g, lse_g.to(q.dtype))  # the rows' weights sum to 1 - share
         check_row_sums(flat(res["total"]), flat(res["n_keys"] > 0), flat(lse_g.to(q.dtype)), lse_g.dtype,
                        share=None if share is None else flat(share))  # fmt: skip
-    lse_out = None
-    if online:
-        # the sums hold 2^(s - m) with m the row maximum (log2 units): normalise by l = Σ 2^(s - m)
-        l, m = res["total"], res["max_weight"]
-        has = l > 0
-        inv = torch.where(has, 1.0 / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(l))
-        log2_l = torch.where(has, torch.log2(torch.where(has, l, torch.ones_like(l))), torch.zeros_like(l))
-        lse2 = torch.where(has, m + log2_l, torch.full_like(m, _NEG_INF))  # log2-sum-exp2 of the row
-        ent = (log2_l - res["entropy"] * inv).mul_(LN2)  # H = ln2 · (log2 l - Σ p̃ (s - m) / l)
-        ent = torch.where(has, ent, torch.zeros_like(ent))
-        max_w = torch.where(has, inv, torch.zeros_like(inv))  # the largest p̃ is 2^0 = 1
-        top_w = torch.exp2(res["topk_weights"] - lse2.unsqueeze(-1).masked_fill(~has.unsqueeze(-1), 0.0))
-        res["mean_distance"].mul_(inv)
-        res["key_weights"].mul_(inv.unsqueeze(-1))
-        res["relative_weights"].mul_(inv.unsqueeze(-1))
-        lse_out = lse2 * LN2
-        nan = torch.isnan(m)
-    else:
-        ent = res["entropy"].mul_(-LN2)
-        max_w, top_w = torch.exp2(res["max_weight"]), torch.exp2(res["topk_weights"])
-        nan = torch.isnan(res["max_weight"])
-    ent.masked_fill_(ent < 0, 0.0)  # -0.0 and rounding below 0 on one-key rows
-    out = dict(
-        entropy=ent,
-        max_weight=max_w,
-        topk_weights=top_w,
-        topk_indices=res["topk_indices"].masked_fill_(torch.isneginf(res["topk_weights"]), -1),
-        mean_distance=res["mean_distance"],
-        key_weights=res["key_weights"],
-        relative_weights=res["relative_weights"],
-        n_keys=res["n_keys"],
-    )
+    ent, max_w, top_w, lse_out, nan = _finish_online(res) if online else _finish_given(res)
+    out = _final_arrays(res, ent, max_w, top_w)
     if lse_out is not None:
         out["lse"] = lse_out
     if sinks_g is not None:
@@ -381,6 +351,47 @@ def _tiled_stats(
         meta={"nq": call.nq, "nk": call.nk, "hq": call.hq, "hk": call.hk, "causal": call.causal, "window": call.window},
     )
     return (None if out_g is None else call.ungroup(out_g.to(call.dtype))), stats
+
+
+def _finish_online(res: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """(entropy, max weight, top-k weights, lse, NaN rows) from one pass's sums, which hold
+    ``2^(s - m)`` with ``m`` the row maximum (log2 units): normalised by ``l = Σ 2^(s - m)``.
+    Rescales the other weighted sums in ``res`` in place."""
+    l, m = res["total"], res["max_weight"]
+    has = l > 0
+    inv = torch.where(has, 1.0 / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(l))
+    log2_l = torch.where(has, torch.log2(torch.where(has, l, torch.ones_like(l))), torch.zeros_like(l))
+    lse2 = torch.where(has, m + log2_l, torch.full_like(m, _NEG_INF))  # log2-sum-exp2 of the row
+    ent = (log2_l - res["entropy"] * inv).mul_(LN2)  # H = ln2 · (log2 l - Σ p̃ (s - m) / l)
+    ent = torch.where(has, ent, torch.zeros_like(ent))
+    max_w = torch.where(has, inv, torch.zeros_like(inv))  # the largest p̃ is 2^0 = 1
+    top_w = torch.exp2(res["topk_weights"] - lse2.unsqueeze(-1).masked_fill(~has.unsqueeze(-1), 0.0))
+    res["mean_distance"].mul_(inv)
+    res["key_weights"].mul_(inv.unsqueeze(-1))
+    res["relative_weights"].mul_(inv.unsqueeze(-1))
+    return ent, max_w, top_w, lse2 * LN2, torch.isnan(m)
+
+
+def _finish_given(res: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+    """(entropy, max weight, top-k weights, None, NaN rows) from sums of ``log2 p`` under a given lse."""
+    ent = res["entropy"].mul_(-LN2)
+    max_w, top_w = torch.exp2(res["max_weight"]), torch.exp2(res["topk_weights"])
+    return ent, max_w, top_w, None, torch.isnan(res["max_weight"])
+
+
+def _final_arrays(res: dict[str, torch.Tensor], ent: torch.Tensor, max_w: torch.Tensor, top_w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The statistics' arrays, grouped ``(B, Hk, G, Nq[, ·])``; ``ent`` clamped at 0 in place."""
+    ent.masked_fill_(ent < 0, 0.0)  # -0.0 and rounding below 0 on one-key rows
+    return dict(
+        entropy=ent,
+        max_weight=max_w,
+        topk_weights=top_w,
+        topk_indices=res["topk_indices"].masked_fill_(torch.isneginf(res["topk_weights"]), -1),
+        mean_distance=res["mean_distance"],
+        key_weights=res["key_weights"],
+        relative_weights=res["relative_weights"],
+        n_keys=res["n_keys"],
+    )
 
 
 def _stats_heads(
