@@ -276,7 +276,7 @@ def _packed_triton(
 
 def _per_sequence(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: list[int], ck: list[int], is_causal: IsCausal, win: Any,
-    alignment: Alignment, scale: float, enable_gqa: bool, return_lse: bool, backend: str, score_mod: Any,
+    alignment: Alignment, scale: float, enable_gqa: bool, return_lse: bool, backend: BackendName, score_mod: Any,
     sinks: Optional[torch.Tensor],
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """The packed call as one :func:`qkv.attention` call per sequence, outputs packed back."""
