@@ -29,6 +29,17 @@ BackendName = Literal["auto", "sdpa", "chunked", "math", "triton"]
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores are computed in: float32 for 16-bit inputs, else the input's own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of log-sum-exps and other running sums: float32, or float64 for float64
+    inputs (so float64 gradients stay exact)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _shape(t: torch.Size | tuple[int, ...]) -> str:
     return "(" + ", ".join(str(int(s)) for s in t) + ")"
 
@@ -81,7 +92,7 @@ class AttentionCall:
     @property
     def lse_dtype(self) -> torch.dtype:
         """float32, or float64 for float64 inputs (so float64 gradients stay exact)."""
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
+        return accumulate_dtype(self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -102,8 +113,7 @@ class AttentionCall:
         """The score function bound to this call's heads, lengths and causal alignment."""
         if self.score_mod is None:
             return None
-        compute = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
-        return bind(self.score_mod, self.hq, self.group, self.nq, self.nk, self.alignment, compute)
+        return bind(self.score_mod, self.hq, self.group, self.nq, self.nk, self.alignment, compute_dtype(self.dtype))
 
     @property
     def bool_mask(self) -> bool:
@@ -208,7 +218,7 @@ class AttentionCall:
 # ---- validation ---------------------------------------------------------------------------
 
 
-def _check_tensor(name: str, t: Any) -> torch.Tensor:
+def check_tensor(name: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; convert it with torch.as_tensor({name})")
     if t.dtype not in _FLOATS:
@@ -248,28 +258,12 @@ def _broadcast(name_a: str, a: tuple[int, ...], name_b: str, b: tuple[int, ...])
     return out
 
 
-def validate(
-    query: Any,
-    key: Any,
-    value: Any,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    is_causal: Any = False,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    *,
-    window: Any = None,
-    window_alignment: Any = None,
-    key_padding_mask: Any = None,
-    return_lse: bool = False,
-    generator: Optional[torch.Generator] = None,
-    score_mod: Any = None,
-    sinks: Any = None,
-) -> AttentionCall:
-    """Check every argument of :func:`qkv.attention` and raise errors that say how to fix them."""
-    q = _check_tensor("query", query)
-    k = _check_tensor("key", key)
-    v = _check_tensor("value", value)
+def _check_qkv(query: Any, key: Any, value: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query, key and value as tensors of one dtype and device, missing leading dims added, with
+    query and key head dims equal and one value per key."""
+    q = check_tensor("query", query)
+    k = check_tensor("key", key)
+    v = check_tensor("value", value)
     rank = max(q.dim(), k.dim(), v.dim())
     if rank > 2:  # missing leading dims broadcast, as in torch SDPA: (N, D) acts as (1, 1, N, D)
         q, k, v = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) for t in (q, k, v))
@@ -278,8 +272,7 @@ def validate(
             raise TypeError(f"{name} is {t.dtype} but query is {q.dtype}; cast with {name}.to(query.dtype)")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but query is on {q.device}; move it with {name}.to(query.device)")
-    nq, d = q.shape[-2], q.shape[-1]
-    nk = k.shape[-2]
+    d, nk = q.shape[-1], k.shape[-2]
     if k.shape[-1] != d:
         raise ValueError(
             f"key head dim is {k.shape[-1]} but query head dim is {d}; queries and keys are compared by a dot "
@@ -287,6 +280,11 @@ def validate(
         )
     if v.shape[-2] != nk:
         raise ValueError(f"value has {v.shape[-2]} positions but key has {nk}; each key needs exactly one value")
+    return q, k, v
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> tuple[tuple[int, ...], int, int]:
+    """(batch shape, Hq, Hk): broadcast batch dims; key/value heads paired and serving the query heads."""
     if q.dim() == 2:
         hq = hk = hv = 1
         batch: tuple[int, ...] = ()
@@ -309,13 +307,19 @@ def validate(
                 f"key has {hk} heads but query has {hq}; pass enable_gqa=True for grouped-query attention "
                 f"(each key/value head serves {hq // hk} query heads)"
             )
+    return batch, hq, hk
+
+
+def _unwrap_mask(attn_mask: Any, is_causal: Any, nq: int, nk: int, device: torch.device) -> tuple[Any, Any]:
+    """(attn_mask, is_causal) with a :class:`BlockSparseMask` made dense and a torch ``CausalBias``
+    turned into its causal alignment."""
     if isinstance(attn_mask, BlockSparseMask):  # it means its dense bool mask; empty blocks are skipped downstream
         if attn_mask.shape != (nq, nk):
             raise ValueError(
                 f"attn_mask is a BlockSparseMask for {attn_mask.shape} but (query_len, key_len) = ({nq}, {nk}); "
                 f"build it for n = {nq}" + ("" if nq == nk else f" queries and {nk} keys (qkv.sparse.from_dense)")
             )
-        attn_mask = attn_mask.to_dense(q.device)
+        attn_mask = attn_mask.to_dense(device)
     bias_alignment = causal_bias_alignment(attn_mask) if attn_mask is not None else None
     if bias_alignment is not None:  # torch.nn.attention.bias.causal_upper_left / causal_lower_right
         if is_causal is not False:
@@ -330,67 +334,109 @@ def validate(
                 f"key_len = ({nq}, {nk}); build it with causal_{'lower_right' if bias_alignment == 'bottom_right' else 'upper_left'}({nq}, {nk})"
             )
         attn_mask, is_causal = None, bias_alignment
-    causal, alignment = parse_causal(is_causal)
-    win = parse_window(window)
-    win_alignment = parse_alignment(window_alignment)
+    return attn_mask, is_causal
+
+
+def _check_scale(scale: Optional[float], d: int) -> float:
+    """The scores' scale: ``1/√D`` by default, else any finite number."""
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d else 1.0  # head dim 0: every score is 0 whatever the scale
     else:
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale={scale} must be a finite number (default 1/sqrt(head_dim))")
+    return scale
+
+
+def _check_attn_mask(attn_mask: Any, q: torch.Tensor, scores_shape: tuple[int, ...]) -> torch.Tensor:
+    """A bool or float tensor broadcastable to the scores ``(..., Hq, Nq, Nk)``, given at least its
+    last two dims; a float one in the scores' compute dtype."""
+    nq, nk = scores_shape[-2], scores_shape[-1]
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor (bool or float), got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOATS:
+        raise TypeError(
+            f"attn_mask has dtype {attn_mask.dtype}; use a bool mask (True = may attend) or a float mask "
+            "added to the scores, e.g. attn_mask.bool()"
+        )
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}; move it with attn_mask.to(query.device)")
+    if not _fits(tuple(attn_mask.shape), scores_shape):
+        raise ValueError(
+            f"attn_mask of shape {_shape(attn_mask.shape)} does not broadcast to the scores "
+            f"{_shape(scores_shape)} (..., heads, query_len, key_len); give it shape "
+            f"(query_len, key_len) = ({nq}, {nk}) or (batch, heads, query_len, key_len)"
+        )
+    if attn_mask.dim() < 2:  # a per-key mask (Nk,) or a scalar: give it the (Nq|1, Nk|1) dims
+        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
+    compute = compute_dtype(q.dtype)
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != compute:
+        # in the scores' precision: a float32 bias on 16-bit inputs is not rounded to 16 bits
+        attn_mask = attn_mask.to(compute)
+    return attn_mask
+
+
+def _check_key_padding(key_padding_mask: Any, q: torch.Tensor, want: tuple[int, ...]) -> None:
+    """A bool ``(..., Nk)`` tensor on the query's device."""
+    if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+        got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor (True = a real key to attend to, False = padding), got {got}; "
+            "for a float bias pass attn_mask=bias[:, None, None, :] instead"
+        )
+    if key_padding_mask.device != q.device:
+        raise ValueError(
+            f"key_padding_mask is on {key_padding_mask.device} but query is on {q.device}; "
+            "move it with key_padding_mask.to(query.device)"
+        )
+    if not _fits(tuple(key_padding_mask.shape), want):
+        raise ValueError(
+            f"key_padding_mask of shape {_shape(key_padding_mask.shape)} should be (batch, key_len) = "
+            f"{_shape(want)}: one flag per key, True where the key is real"
+        )
+
+
+def validate(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: Any = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    window: Any = None,
+    window_alignment: Any = None,
+    key_padding_mask: Any = None,
+    return_lse: bool = False,
+    generator: Optional[torch.Generator] = None,
+    score_mod: Any = None,
+    sinks: Any = None,
+) -> AttentionCall:
+    """Check every argument of :func:`qkv.attention` and raise errors that say how to fix them."""
+    q, k, v = _check_qkv(query, key, value)
+    nq, d, nk = q.shape[-2], q.shape[-1], k.shape[-2]
+    batch, hq, hk = _check_heads(q, k, v, enable_gqa)
+    attn_mask, is_causal = _unwrap_mask(attn_mask, is_causal, nq, nk, q.device)
+    causal, alignment = parse_causal(is_causal)
+    win = parse_window(window)
+    win_alignment = parse_alignment(window_alignment)
+    scale = _check_scale(scale, d)
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
-
-    scores_shape = (*batch, hq, nq, nk)
     if attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError(f"attn_mask must be a torch.Tensor (bool or float), got {type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOATS:
-            raise TypeError(
-                f"attn_mask has dtype {attn_mask.dtype}; use a bool mask (True = may attend) or a float mask "
-                "added to the scores, e.g. attn_mask.bool()"
-            )
-        if attn_mask.device != q.device:
-            raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}; move it with attn_mask.to(query.device)")
-        if not _fits(tuple(attn_mask.shape), scores_shape):
-            raise ValueError(
-                f"attn_mask of shape {_shape(attn_mask.shape)} does not broadcast to the scores "
-                f"{_shape(scores_shape)} (..., heads, query_len, key_len); give it shape "
-                f"(query_len, key_len) = ({nq}, {nk}) or (batch, heads, query_len, key_len)"
-            )
-        if attn_mask.dim() < 2:  # a per-key mask (Nk,) or a scalar: give it the (Nq|1, Nk|1) dims
-            attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
-        compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != compute:
-            # in the scores' precision: a float32 bias on 16-bit inputs is not rounded to 16 bits
-            attn_mask = attn_mask.to(compute)
+        attn_mask = _check_attn_mask(attn_mask, q, (*batch, hq, nq, nk))
     if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
-            got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
-            raise TypeError(
-                f"key_padding_mask must be a bool tensor (True = a real key to attend to, False = padding), got {got}; "
-                "for a float bias pass attn_mask=bias[:, None, None, :] instead"
-            )
-        if key_padding_mask.device != q.device:
-            raise ValueError(
-                f"key_padding_mask is on {key_padding_mask.device} but query is on {q.device}; "
-                "move it with key_padding_mask.to(query.device)"
-            )
-        want = (*batch, nk)
-        if not _fits(tuple(key_padding_mask.shape), want):
-            raise ValueError(
-                f"key_padding_mask of shape {_shape(key_padding_mask.shape)} should be (batch, key_len) = "
-                f"{_shape(want)}: one flag per key, True where the key is real"
-            )
+        _check_key_padding(key_padding_mask, q, (*batch, nk))
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     score_mod = check_score_mod(score_mod)
     if isinstance(score_mod, ScoreMod):
         score_mod.check_heads(hq)
     if sinks is not None:
-        sinks = _check_sinks(sinks, hq, q)
+        sinks = check_sinks(sinks, hq, q)
     return AttentionCall(
         query=q,
         key=k,
@@ -418,7 +464,7 @@ def validate(
     )
 
 
-def _check_sinks(sinks: Any, hq: int, q: torch.Tensor) -> torch.Tensor:
+def check_sinks(sinks: Any, hq: int, q: torch.Tensor) -> torch.Tensor:
     """``sinks``: one logit per query head ``(Hq,)``, float, on the query's device, no NaN or +inf."""
     if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
         got = sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__
@@ -451,7 +497,7 @@ def validate_qk(
 ) -> AttentionCall:
     """:func:`validate` for a call about the weights alone (they do not depend on V)."""
     if not isinstance(key, torch.Tensor):
-        _check_tensor("key", key)
+        check_tensor("key", key)
     value = key[..., :1]  # a one-column view satisfies validation and keeps an lse pass cheap
     return validate(
         query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Literal, Optional, Tuple, Union, overload
 
 import torch
 import torch.nn.functional as F
 
-from .backends import BACKENDS, MATH_MAX_SCORES, select
-from .backends.decode_cpu import decode_shape
+from .backends import BACKENDS, plain_sdpa_call, select
 from .backends.sdpa import empty_rows_are_zero
 from .call import BackendName, validate, validate_qk
 from .nonfinite import Checked, guard
@@ -20,6 +18,33 @@ from .score_mods.base import ScoreFn, ScoreMod
 _log = logging.getLogger("qkv")
 _sdpa = F.scaled_dot_product_attention
 _CPU_EMPTY_ROWS_ZERO = empty_rows_are_zero("cpu")  # decided once: may the fast path trust torch?
+
+
+def _fast_path(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
+    is_causal: IsCausal, scale: Optional[float], enable_gqa: bool, generator: Optional[torch.Generator],
+    score_mod: Optional[Union[ScoreMod, ScoreFn]], sinks: Optional[torch.Tensor],
+) -> Optional[torch.Tensor]:  # fmt: skip
+    """torch SDPA's output for a plain call that ``auto`` would run on SDPA as given
+    (:func:`qkv.backends.plain_sdpa_call` decides, from auto's own rules), else None. Where torch
+    still rejects the call (RuntimeError, ValueError, TypeError or IndexError) it is None too:
+    validation then explains the mistake or routes the call to a backend that handles it."""
+    if not (
+        generator is None
+        and score_mod is None
+        and sinks is None
+        and is_causal.__class__ is bool
+        and _CPU_EMPTY_ROWS_ZERO
+        and plain_sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    ):
+        return None
+    try:
+        out = _sdpa(query, key, value, attn_mask, dropout_p, bool(is_causal), scale=scale, enable_gqa=enable_gqa)
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return None
+    if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):
+        _log.debug("qkv.attention(query %s): auto runs sdpa directly (a plain SDPA call)", tuple(query.shape))
+    return out
 
 
 # The result's type follows return_lse: a Tensor, or (out, lse) with return_lse=True.
@@ -148,78 +173,16 @@ def attention(
     - ``sinks``: ``(Hq,)`` logits, one per query head, that join each row's softmax
       denominator without a value (GPT-OSS); the lse includes them (see :mod:`qkv.sinks`).
     """
-    # Fast path: a plain 4-D SDPA call goes straight to torch's kernel with almost no Python,
-    # so small shapes pay little. It checks only what torch does not (or gets wrong): values
-    # pairing with keys, the mask's device, a mask together with is_causal, scale > 0, empty
-    # sizes, and gradients that torch's CPU backward computes below qkv's accuracy rule.
-    # Anything torch rejects is re-checked below, which either explains the mistake or routes
-    # the call to a backend that handles it.
-    if (
-        backend == "auto"
-        and window is None
-        and key_padding_mask is None
-        and not return_lse
-        and generator is None
-        and score_mod is None
-        and sinks is None
-        and is_causal.__class__ is bool
-        and _CPU_EMPTY_ROWS_ZERO
-    ):
-        try:
-            if (
-                query.is_cpu
-                and query.dim() == 4
-                and key.dim() == 4
-                and value.dim() == 4
-                and value.shape[1] == key.shape[1]
-                and value.shape[2] == key.shape[2]
-                and query.numel()  # empty sizes: torch's shapes ignore broadcasting there
-                and key.numel()
-                # decoding (a few rows against a long cache): auto takes chunked's decoding kernel
-                and not decode_shape(query.shape[-2], key.shape[-2], query.dtype)
-                # gradients torch computes less accurately than qkv's rule: see backends.auto_order
-                and (
-                    query.dtype is torch.float64
-                    or not torch.is_grad_enabled()
-                    or not (query.requires_grad or key.requires_grad or value.requires_grad)
-                )
-                and (scale is None or 0.0 < scale < math.inf)
-                and (dropout_p == 0.0 or 0.0 < dropout_p < 1.0)
-                and (
-                    attn_mask is None
-                    or (
-                        # a large bool mask: auto skips its empty blocks (backends.flash_cpu)
-                        (attn_mask.dtype is not torch.bool or query.shape[-2] * key.shape[-2] <= MATH_MAX_SCORES)
-                        and not is_causal
-                        and attn_mask.__class__ is torch.Tensor
-                        and attn_mask.device == query.device
-                        and (attn_mask.dtype is torch.bool or attn_mask.dtype is query.dtype)
-                    )
-                )
-            ):
-                out = _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-                if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):
-                    _log.debug("qkv.attention(query %s): auto runs sdpa directly (a plain SDPA call)", tuple(query.shape))
-                return guard(query, key, value, out)[0]
-        except Exception:
-            pass
+    # Fast path: a plain SDPA call that auto would send to SDPA goes straight to torch's kernel
+    # with almost no Python, so small shapes pay little.
+    if backend == "auto" and window is None and key_padding_mask is None and not return_lse:
+        out = _fast_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, generator, score_mod, sinks)
+        if out is not None:
+            return guard(query, key, value, out)[0]
     call = validate(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        window=window,
-        window_alignment=window_alignment,
-        key_padding_mask=key_padding_mask,
-        return_lse=return_lse,
-        generator=generator,
-        score_mod=score_mod,
-        sinks=sinks,
-    )
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window=window, window_alignment=window_alignment,
+        key_padding_mask=key_padding_mask, return_lse=return_lse, generator=generator, score_mod=score_mod, sinks=sinks,
+    )  # fmt: skip
     result = select(call, backend).forward(call)
     out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
     return (out, lse) if return_lse else out

@@ -137,6 +137,12 @@ def apply_tile(scores: torch.Tensor, allowed: Optional[torch.Tensor], bias: Opti
     return scores
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = may attend) as the additive one kernels take: 0 where allowed,
+    ``-inf`` elsewhere, in ``dtype`` and ``allowed``'s shape."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def dense_bool_mask(call: AttentionCall) -> Optional[torch.Tensor]:
     """Causal/window/padding/bool attn_mask folded into one bool mask in the caller's layout.
 

@@ -36,8 +36,8 @@ from typing import Any, Literal, Optional, Tuple, Union, overload
 
 import torch
 
-from .call import BackendName, _check_sinks, _check_tensor
-from .reference.masks import IsCausal, PositionalMask, parse_causal, parse_window
+from .call import BackendName, check_sinks, check_tensor
+from .reference.masks import Alignment, IsCausal, PositionalMask, parse_causal, parse_window
 from .score_mods.base import ScoreMod, captured_tensors, check_score_mod
 
 
@@ -158,7 +158,53 @@ def attention_varlen(
     loops over sequences; a named backend never falls back.
     Validation reads the offsets on the host (one device sync).
     """
-    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    q, k, v, hq, _ = _check_packed(q, k, v, enable_gqa)
+    cq, ck, lens_q, lens_k = _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    causal, alignment = parse_causal(is_causal)
+    if is_causal is True or not causal:  # FlashAttention's convention for causal and windows
+        alignment = "bottom_right"
+    win = parse_window(window)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale={scale} must be a finite number (default 1/sqrt(head_dim))")
+    score_mod = check_score_mod(score_mod)
+    if isinstance(score_mod, ScoreMod):
+        score_mod.check_heads(hq)
+        if score_mod.alignment is None:  # follow this call's alignment, not qkv.attention's top-left default
+            score_mod = copy.copy(score_mod)
+            score_mod.alignment = alignment
+    if sinks is not None:
+        sinks = check_sinks(sinks, hq, q)
+
+    from .backends import BACKENDS, BackendError, get_backend
+
+    triton = BACKENDS.get("triton")
+    why = _triton_reasons(triton, q, v) if triton is not None else ["triton backend is not registered"]
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        why.append(
+            "a Python score_mod cannot run in its kernel; use a built-in from qkv.score_mods (Softcap, ALiBi, "
+            "RelativeBias) or another backend, which runs it per sequence"
+        )
+    if backend == "triton" and why:
+        raise BackendError("backend 'triton' cannot run this varlen call:\n  - " + "\n  - ".join(why))
+    if backend == "triton" or (backend == "auto" and q.device.type == "cuda" and not why):
+        out, lse = _packed_triton(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max(lens_q), max(lens_k), causal, win, alignment, scale, score_mod, sinks
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
+    if backend != "auto":
+        get_backend(backend)  # unknown names raise here
+    return _per_sequence(
+        q, k, v, cq, ck, alignment if causal else False, win, alignment, scale, enable_gqa, return_lse, backend, score_mod, sinks
+    )  # fmt: skip
+
+
+def _check_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """q, k, v packed as ``(T, H, D)`` with one dtype and device, matching head dims, a value per
+    key, and query heads served by the key/value heads; also returns (Hq, Hk)."""
+    q, k, v = check_tensor("q", q), check_tensor("k", k), check_tensor("v", v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be packed as (total_len, heads, head_dim), got shape {tuple(t.shape)}")
@@ -177,8 +223,17 @@ def attention_varlen(
             raise ValueError(f"k has {hk} heads but q has {hq}; {hq} is not a multiple of {hk}")
         if not enable_gqa:
             raise ValueError(f"k has {hk} heads but q has {hq}; pass enable_gqa=True for grouped-query attention")
-    cq = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
-    ck = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
+    return q, k, v, hq, hk
+
+
+def _check_offsets(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+) -> tuple[list[int], list[int], list[int], list[int]]:  # fmt: skip
+    """Offsets (host lists) and sequence lengths of queries and keys, as many of each, with the
+    given maxima no shorter than the longest sequence."""
+    cq = _check_cu("cu_seqlens_q", cu_seqlens_q, total_q, "q")
+    ck = _check_cu("cu_seqlens_k", cu_seqlens_k, total_k, "k")
     if len(cq) != len(ck):
         raise ValueError(
             f"cu_seqlens_q describes {len(cq) - 1} sequences but cu_seqlens_k describes {len(ck) - 1}; "
@@ -189,56 +244,44 @@ def attention_varlen(
     for name, given, lens in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
         if given is not None and given < max(lens):
             raise ValueError(f"{name}={given} is shorter than the longest sequence ({max(lens)}); pass None to compute it")
-    causal, alignment = parse_causal(is_causal)
-    if is_causal is True or not causal:  # FlashAttention's convention for causal and windows
-        alignment = "bottom_right"
-    win = parse_window(window)
-    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale={scale} must be a finite number (default 1/sqrt(head_dim))")
-    score_mod = check_score_mod(score_mod)
-    if isinstance(score_mod, ScoreMod):
-        score_mod.check_heads(hq)
-        if score_mod.alignment is None:  # follow this call's alignment, not qkv.attention's top-left default
-            score_mod = copy.copy(score_mod)
-            score_mod.alignment = alignment
-    if sinks is not None:
-        sinks = _check_sinks(sinks, hq, q)
+    return cq, ck, lens_q, lens_k
 
-    from .backends import BACKENDS, BackendError, get_backend
 
-    triton = BACKENDS.get("triton")
-    why = _triton_reasons(triton, q, v) if triton is not None else ["triton backend is not registered"]
-    if score_mod is not None and not isinstance(score_mod, ScoreMod):
-        why.append(
-            "a Python score_mod cannot run in its kernel; use a built-in from qkv.score_mods (Softcap, ALiBi, "
-            "RelativeBias) or another backend, which runs it per sequence"
-        )
-    if backend == "triton" and why:
-        raise BackendError("backend 'triton' cannot run this varlen call:\n  - " + "\n  - ".join(why))
-    if backend == "triton" or (backend == "auto" and q.device.type == "cuda" and not why):
-        from .backends.triton.backend import run_attention
+def _packed_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_q: int, max_k: int, causal: bool, win: Any, alignment: Alignment, scale: float, score_mod: Any,
+    sinks: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The packed call on the Triton kernel in one launch: out ``(Tq, Hq, Dv)``, lse ``(Hq, Tq)``."""
+    from .backends.triton.backend import run_attention
 
-        g = hq // hk
-        total_q = q.shape[0]
-        qg = q.unflatten(1, (hk, g)).permute(1, 2, 0, 3).unsqueeze(0)  # (1, Hk, G, Tq, D)
-        kg = k.permute(1, 0, 2)[None, :, None]  # (1, Hk, 1, Tk, D)
-        vg = v.permute(1, 0, 2)[None, :, None]
-        lo, hi = PositionalMask(0, 0, causal, win, alignment).bounds()
-        rel, rel_base = _varlen_bias(score_mod, hq, max(max(lens_q), max(lens_k)), q.device)
-        out, lse = run_attention(
-            qg, kg, vg, None, None, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
-            max(lens_q), max(lens_k), scale=scale, lo=lo, hi=hi, bottom_right=alignment == "bottom_right",
-            softcap=score_mod.softcap if score_mod is not None else None, rel=rel, rel_base=rel_base,
-            rel_shift=score_mod is not None and score_mod.alignment == "bottom_right", sinks=sinks,
-        )  # fmt: skip
-        out = out[0].permute(2, 0, 1, 3).reshape(total_q, hq, v.shape[2])  # (Tq, Hq, Dv)
-        lse = lse[0].reshape(hq, total_q)  # (Hq, Tq)
-        return (out, lse) if return_lse else out
-    if backend != "auto":
-        get_backend(backend)  # unknown names raise here
+    hq, hk = q.shape[1], k.shape[1]
+    g = hq // hk
+    total_q = q.shape[0]
+    qg = q.unflatten(1, (hk, g)).permute(1, 2, 0, 3).unsqueeze(0)  # (1, Hk, G, Tq, D)
+    kg = k.permute(1, 0, 2)[None, :, None]  # (1, Hk, 1, Tk, D)
+    vg = v.permute(1, 0, 2)[None, :, None]
+    lo, hi = PositionalMask(0, 0, causal, win, alignment).bounds()
+    rel, rel_base = _varlen_bias(score_mod, hq, max(max_q, max_k), q.device)
+    out, lse = run_attention(
+        qg, kg, vg, None, None, cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32),
+        max_q, max_k, scale=scale, lo=lo, hi=hi, bottom_right=alignment == "bottom_right",
+        softcap=score_mod.softcap if score_mod is not None else None, rel=rel, rel_base=rel_base,
+        rel_shift=score_mod is not None and score_mod.alignment == "bottom_right", sinks=sinks,
+    )  # fmt: skip
+    out = out[0].permute(2, 0, 1, 3).reshape(total_q, hq, v.shape[2])  # (Tq, Hq, Dv)
+    lse = lse[0].reshape(hq, total_q)  # (Hq, Tq)
+    return out, lse
+
+
+def _per_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: list[int], ck: list[int], is_causal: IsCausal, win: Any,
+    alignment: Alignment, scale: float, enable_gqa: bool, return_lse: bool, backend: BackendName, score_mod: Any,
+    sinks: Optional[torch.Tensor],
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """The packed call as one :func:`qkv.attention` call per sequence, outputs packed back."""
     outs, lses = [], []
-    for s in range(len(lens_q)):
+    for s in range(len(cq) - 1):
         qs = q[cq[s] : cq[s + 1]].transpose(0, 1)  # (Hq, n, D)
         ks = k[ck[s] : ck[s + 1]].transpose(0, 1)  # (Hk, m, D)
         vs = v[ck[s] : ck[s + 1]].transpose(0, 1)
@@ -248,7 +291,7 @@ def attention_varlen(
         if mod is not None and not isinstance(mod, ScoreMod):  # its batch index is the sequence's
             mod = functools.partial(_sequence_score, score_mod, s, captured_tensors(score_mod))
         res = attention(
-            qs, ks, vs, is_causal=alignment if causal else False, window=win, window_alignment=alignment,
+            qs, ks, vs, is_causal=is_causal, window=win, window_alignment=alignment,
             scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend, score_mod=mod, sinks=sinks,
         )  # fmt: skip
         o, l = res if return_lse else (res, None)

@@ -245,7 +245,7 @@ def test_chunked_never_allocates_the_score_matrix():
 
 
 def test_window_skips_tiles():
-    from qkv.backends.chunked import _key_blocks
+    from qkv.backends.tiles import key_blocks as _key_blocks
     from qkv.masks import MaskTiles
 
     n = 4096

@@ -8,13 +8,15 @@ listing every reason — it never falls back silently.
 from __future__ import annotations
 
 import logging
+import math
+from typing import Optional
 
 import torch
 
 from ..call import AttentionCall
 from .base import Backend
 from .chunked import ChunkedBackend
-from .decode_cpu import can_decode
+from .decode_cpu import can_decode, decode_shape
 from .flash_cpu import can_fuse
 from .math import MathBackend
 from .sdpa import DENSE_MASK_LIMIT, SdpaBackend, needs_dense_mask
@@ -48,7 +50,64 @@ def torch_backward_misses_rule(call: AttentionCall) -> bool:
     8e-6) scales every weight of the row; 16-bit inputs (P and dS rounded to 16 bits: dV 3.7×);
     shared key/value heads (gradients summed in the input dtype: dV 7× in bfloat16); float masks
     (dV 6×). qkv's chunked backward keeps each row's maximum and sum apart (≤ 0.5×)."""
-    return call.dtype != torch.float64
+    return dtype_misses_rule(call.dtype)
+
+
+def dtype_misses_rule(dtype: torch.dtype) -> bool:
+    """The dtype part of :func:`torch_backward_misses_rule`: every dtype but float64."""
+    return dtype != torch.float64
+
+
+def blocks_beat_dense(nq: int, nk: int) -> bool:
+    """Whether a bool mask over ``Nq × Nk`` scores is large enough that chunked's block-sparse
+    dispatch (empty blocks skipped, :mod:`.flash_cpu`) beats one dense kernel call."""
+    return nq * nk > MATH_MAX_SCORES
+
+
+def plain_sdpa_call(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+    dropout_p: float, is_causal: object, scale: Optional[float],
+) -> bool:  # fmt: skip
+    """Whether ``auto`` would run this call on torch SDPA as given, decided without validating it.
+
+    True only for a plain 4-D CPU call: values pairing with keys, no empty size (torch's shapes
+    ignore broadcasting there), ``scale > 0``, dropout in [0, 1), a mask on the query's device in
+    its dtype (or bool) not combined with ``is_causal``, and none of what :func:`auto_order` sends
+    elsewhere: gradients below float64 (:func:`dtype_misses_rule`), a large bool mask
+    (:func:`blocks_beat_dense`), decoding shapes (:func:`.decode_cpu.decode_shape`). The caller checks the keyword-only features (window, padding,
+    lse, score_mod, sinks). Inputs not of the plain kind (a non-tensor, an odd scale) answer False,
+    and the call is validated, which explains them."""
+    try:
+        return bool(
+            query.is_cpu
+            and query.dim() == 4
+            and key.dim() == 4
+            and value.dim() == 4
+            and value.shape[1] == key.shape[1]
+            and value.shape[2] == key.shape[2]
+            and query.numel()
+            and key.numel()
+            and not decode_shape(query.shape[-2], key.shape[-2], query.dtype)
+            and (
+                not dtype_misses_rule(query.dtype)
+                or not torch.is_grad_enabled()
+                or not (query.requires_grad or key.requires_grad or value.requires_grad)
+            )
+            and (scale is None or 0.0 < scale < math.inf)
+            and (dropout_p == 0.0 or 0.0 < dropout_p < 1.0)
+            and (
+                attn_mask is None
+                or (
+                    (attn_mask.dtype is not torch.bool or not blocks_beat_dense(query.shape[-2], key.shape[-2]))
+                    and not is_causal
+                    and attn_mask.__class__ is torch.Tensor
+                    and attn_mask.device == query.device
+                    and (attn_mask.dtype is torch.bool or attn_mask.dtype is query.dtype)
+                )
+            )
+        )
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, or a scale/probability that does not compare
+        return False
 
 
 def auto_order(call: AttentionCall) -> list[Backend]:
@@ -59,7 +118,7 @@ def auto_order(call: AttentionCall) -> list[Backend]:
         # a few query rows against a long cache: chunked's decoding kernel reads each K/V row once
         # for all the rows of its group; SDPA reads it once per query head
         order = [chunked, sdpa, math]
-    elif (needs_dense_mask(call) or call.bool_mask) and can_fuse(call) and scores > MATH_MAX_SCORES:
+    elif (needs_dense_mask(call) or call.bool_mask) and can_fuse(call) and blocks_beat_dense(call.nq, call.nk):
         # no gradient: chunked runs the rules SDPA has no argument for on torch's kernel block by
         # block, without the Nq × Nk mask SDPA would need, and skips a bool mask's empty blocks
         order = [chunked, sdpa, math]
@@ -129,4 +188,7 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
     raise BackendError(f"no backend can run this call ({call.describe()}):\n" + "\n".join(lines))
 
 
-__all__ = ["Backend", "BackendError", "BACKENDS", "auto_order", "get_backend", "order_notes", "reasons_by_backend", "select"]
+__all__ = [
+    "Backend", "BackendError", "BACKENDS", "auto_order", "blocks_beat_dense", "dtype_misses_rule", "get_backend",
+    "order_notes", "plain_sdpa_call", "reasons_by_backend", "select",
+]  # fmt: skip

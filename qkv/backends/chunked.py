@@ -56,10 +56,9 @@ rule), so ``jacrev``, ``vmap`` and ``grad`` work; batched cotangents from the au
 
 from __future__ import annotations
 
-import numbers
 
 from dataclasses import replace
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -71,104 +70,18 @@ from ..score_mods.base import BoundScore, KernelForm, captured_tensors
 from ..sinks import add_sinks, grouped_sinks
 from . import chunked_native
 from .base import Backend, half_to_float
-from .chunked_native import LOG2E
 from .decode_cpu import can_decode, decode_attention
 from .flash_cpu import can_fuse, fused_attention
+from .tiles import LOG2E, augment, check_tile_size, head_groups, key_blocks, plan_tiles
+# Re-exported: the tile shape's old home (:mod:`.tiles` is the walk's own module).
+from .tiles import BLOCK_K, BLOCK_Q, TILE_BUDGET, band_rows  # noqa: F401
 
-# Tile shape and cache budget, measured on a 2-core x86 CPU (bench/attention_cpu.py): the two
-# matmuls stay efficient at 256 × 256 while one elementwise pass over the tile (2 MiB of
-# float32 across the heads processed together) stays in cache.
-BLOCK_Q = 256
-BLOCK_K = 256
-TILE_BUDGET = 1 << 19  # scores in one tile, summed over the heads processed together
 # The lazy forward leaves a row's shift at its first tile's maximum; it is redone exactly once a
 # row's weights sum past this (a later score ≥ 24 octaves above the shift), which bounds the
 # rounding of S - m by 24 · 2^-24 relative: below a float32 softmax's own.
 LAZY_LIMIT = float(2**24)
 
 _NEG_INF = float("-inf")
-
-
-def band_rows(span: int) -> int:
-    """Query rows per tile for a call whose rows see at most ``span`` consecutive keys (a causal
-    or sliding-window band): a power of two near ``span / 8``, between 32 and 128.
-
-    A block of ``r`` rows scores ``span + r`` keys per row where each row needs ``span``, so
-    narrow bands want short blocks. Measured on the C loops, 1 thread, forward + backward at
-    N = 4096: window 128 takes 103 ms in 32-row blocks vs 244 ms in 256-row ones; window 512,
-    303 vs 390 ms in 64-row blocks; causal, 994 vs 1028 ms in 128-row blocks. Short blocks make
-    small gemms, so rows without a band keep 256 (118 vs 126–136 ms in shorter ones, N = 1024).
-    The torch formulation (the fallback) measured neutral on windows, and on causal calls from
-    0.87× (N = 256) to 1.15× (N = 512) its time in 256-row blocks."""
-    rows = 1 << max(0, (span // 8).bit_length() - 1)
-    return max(32, min(128, rows))
-
-
-def check_tile_size(name: str, value: Optional[int]) -> Optional[int]:
-    """A tile size a user passed: None (the default) or a positive integer, else ValueError
-    naming the argument. (Sizes larger than the call are fine: they are clamped to it.)"""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}={value!r}: a tile size must be a positive integer (query rows or keys per tile); "
-                         "leave it None for the default")  # fmt: skip
-    return int(value)
-
-
-def plan_tiles(
-    b: int, hk: int, g: int, nq: int, nk: int, block_q: Optional[int] = None, block_k: Optional[int] = None,
-    span: Optional[int] = None,
-) -> tuple[int, int, int]:  # fmt: skip
-    """(block_q, block_k, heads per group) for q ``(B, Hk, G, Nq, D)`` and keys of length Nk;
-    ``span``: how many consecutive keys a row can see at most when a band limits them
-    (:func:`band_rows`), used where ``block_q`` is not given."""
-    if block_q is None and span is not None:
-        block_q = band_rows(span)
-    bq = max(1, min(block_q or BLOCK_Q, nq))
-    bk = max(1, min(block_k or BLOCK_K, nk))
-    return bq, bk, max(1, TILE_BUDGET // (g * bq * bk))
-
-
-def _head_groups(b: int, hk: int, per_group: int) -> Iterator[tuple[slice, slice]]:
-    """Slices over (B, Hk) covering at most ``per_group`` key/value heads at a time."""
-    if b == 0 or hk == 0:
-        return
-    if per_group >= b * hk:  # one group: a plain ``slice(None)`` index returns the tensor itself
-        yield slice(None), slice(None)
-        return
-    ch = min(hk, per_group)
-    cb = max(1, per_group // hk) if ch == hk else 1
-    for b0 in range(0, b, cb):
-        for h0 in range(0, hk, ch):
-            yield slice(b0, min(b, b0 + cb)), slice(h0, min(hk, h0 + ch))
-
-
-def _key_blocks(tiles: MaskTiles, q0: int, q1: int, bk: int) -> Iterator[tuple[int, int]]:
-    """Key tiles ``(k0, k1)`` that rows ``[q0, q1)`` may see, skipping structurally empty ones.
-
-    The keys every row sees are tiled apart from the edges that only some rows see, so only
-    the thin edge tiles (about ``block_q`` wide on a causal diagonal) need a positional mask.
-    Trailing padding trimmed by :meth:`MaskTiles.ragged` and tiles in which a bool attn_mask
-    allows nothing are skipped too.
-    """
-    pm = tiles.positional
-    k_lo, k_hi = pm.key_range(q0, q1)
-    if tiles.key_limit is not None:
-        k_hi = max(k_lo, min(k_hi, tiles.key_limit))
-    f_lo, f_hi = pm.full_key_range(q0, q1)
-    f_lo, f_hi = min(max(f_lo, k_lo), k_hi), max(min(f_hi, k_hi), k_lo)
-    segments = ((k_lo, f_lo), (f_lo, f_hi), (f_hi, k_hi)) if f_lo < f_hi else ((k_lo, k_hi),)
-    for a, b in segments:
-        for k0 in range(a, b, bk):
-            k1 = min(b, k0 + bk)
-            if pm.block_status(q0, q1, k0, k1) != "empty" and not tiles.tile_is_empty(q0, q1, k0, k1):
-                yield k0, k1
-
-
-def _augment(x: torch.Tensor, column: torch.Tensor | float) -> torch.Tensor:
-    """Append one column to the last dim: ``[x, column]`` (``column`` broadcasts over rows)."""
-    col = torch.as_tensor(column, dtype=x.dtype, device=x.device).expand(*x.shape[:-1], 1)
-    return torch.cat([x, col], dim=-1)
 
 
 def _masked(s: torch.Tensor, tiles: MaskTiles, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
@@ -255,7 +168,7 @@ def _row_block(
     l = qs.new_zeros(b, h, g, n)
     m = qs.new_full((b, h, g, n), _NEG_INF)
     exact = True
-    for k0, k1 in _key_blocks(tiles, q0, q1, bk):
+    for k0, k1 in key_blocks(tiles, q0, q1, bk):
         s = units.scores(qs, kt[..., k0:k1], tiles, q0, q1, k0, k1)  # (b, h, G, n, bk)
         vb = v[:, :, :, k0:k1]
         if exact or not lazy:
@@ -314,7 +227,7 @@ def chunked_forward(
     l = q.new_zeros((b, hk, g, nq))
     for e, t in _entries(tiles):  # batch entries apart when their key padding is ragged
         qe, ke, ve, oe, me, le = q[e], k[e], v[e], out[e], m[e], l[e]
-        for bs, hs in _head_groups(qe.shape[0], hk, per_group):
+        for bs, hs in head_groups(qe.shape[0], hk, per_group):
             _forward_heads(qe[bs, hs], ke[bs, hs], ve[bs, hs], t.narrow(bs, hs), scale, bq, bk, oe[bs, hs], me[bs, hs], le[bs, hs])
     return out, m, l
 
@@ -367,13 +280,13 @@ def _backward_heads(
     do_s, dlse_s, half_l = rows["dout"], rows["dlse"], rows["half_l"]
     do_aug = torch.cat([do_s, -rows["delta"].unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, Dv+1)
     kt = k.transpose(-1, -2)
-    v_aug = _augment(v, 1.0)
+    v_aug = augment(v, 1.0)
     for q0 in range(0, nq, bq):
         q1 = min(nq, q0 + bq)
         qb = q[:, :, :, q0:q1]  # the forward's exact tile products: S - m is exact at the maximum
         doa, mb, hb = do_aug[:, :, :, q0:q1], m_u[:, :, :, q0:q1], half_l[:, :, :, q0:q1].unsqueeze(-1)
         peaked = bool((hb < 1.0).any())  # some row's weights sum to l < 2, so one key may hold > 1/2
-        for k0, k1 in _key_blocks(tiles, q0, q1, bk):
+        for k0, k1 in key_blocks(tiles, q0, q1, bk):
             if units.score is None:
                 p = units.exp_(units.scores(qb, kt[..., k0:k1], tiles, q0, q1, k0, k1).sub_(mb))  # P̃ (b, h, G, bq, bk)
             else:
@@ -439,7 +352,7 @@ def chunked_backward(
     for e, te in _entries(tiles):
         qe, ke, ve, oe, dqe, dke, dve = q[e], k[e], v[e], out[e], dq[e], dk[e], dv[e]
         re = {n: t[e] for n, t in rows.items()}
-        for bs, hs in _head_groups(qe.shape[0], hk, per_group):
+        for bs, hs in head_groups(qe.shape[0], hk, per_group):
             _backward_heads(
                 qe[bs, hs], ke[bs, hs], ve[bs, hs], oe[bs, hs], {n: t[bs, hs] for n, t in re.items()},
                 te.narrow(bs, hs), scale, bq, bk, dqe[bs, hs], dke[bs, hs], dve[bs, hs], dparams,
@@ -673,12 +586,32 @@ class ChunkedBackend(Backend):
             ]
         return []
 
-    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def kernel(self, call: AttentionCall) -> str:
+        """Which of chunked's kernels runs ``call``, all under the same tile rules:
+
+        - ``"decode"``: a few query rows against a longer cache, no gradient, on a CPU
+          (:func:`.decode_cpu.can_decode`): each key/value row is read once for all the rows of its
+          group, the whole call at memory speed;
+        - ``"flash_cpu"``: no gradient on a CPU, default tile sizes (:func:`.flash_cpu.can_fuse`):
+          torch's fused kernel, block by block, is the fastest exact path there;
+        - ``"tiles"``: the tile loops. With no score function or a built-in one they are torch
+          custom ops, run as C loops (:mod:`.chunked_native`) where those have the dtype and
+          device, else as the torch formulation here; a score function given as a Python
+          callable is applied tile by tile in torch (:func:`_scored_attention`).
+        """
         if self.block_q is None and self.block_k is None:
-            if can_decode(call):  # a few rows against a long cache: each K/V row read once (csrc/decode.c)
-                return decode_attention(call)
-            if can_fuse(call):  # no gradient: torch's fused kernel, block by block
-                return fused_attention(call)
+            if can_decode(call):
+                return "decode"
+            if can_fuse(call):
+                return "flash_cpu"
+        return "tiles"
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        kernel = self.kernel(call)
+        if kernel == "decode":
+            return decode_attention(call)
+        if kernel == "flash_cpu":
+            return fused_attention(call)  # no gradient: torch's fused kernel, block by block
         query, scale = call.positive_scale()  # the row maximum of q·kᵀ must be the largest score
         q, k, v = call.grouped_qkv(query)
         tiles = MaskTiles.from_call(call)

@@ -24,10 +24,9 @@ import torch
 
 from ..masks import MaskTiles
 from . import native
+from .tiles import LOG2E
 
-# Both tile loops keep scores in base 2 (the exponentials are exp2):
-LOG2E = 1.4426950408889634  # exp(x) = 2 ** (x · log2 e)
-LN2 = 0.6931471805599453  # log(x) = log2(x) · ln 2
+# Both tile loops keep scores in base 2 (the exponentials are exp2): LOG2E from the tile walk.
 
 
 def _kernel(q: torch.Tensor, tiles: MaskTiles, which: str) -> Optional[tuple[Any, int]]:

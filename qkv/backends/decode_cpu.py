@@ -35,11 +35,10 @@ import torch
 from ..call import AttentionCall
 from ..nonfinite import Checked
 from . import native
+from .tiles import LN2, LOG2E
 
 MAX_QUERY_ROWS = 8  # Nq per head: decoding and speculative decoding; longer calls take the tiled kernels
 MIN_KEYS_PER_PART = 512  # a part shorter than this costs more to merge than it saves
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _int, _ptr, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 # qkv_decode_fwd (csrc/decode.c)

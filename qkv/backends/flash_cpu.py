@@ -38,8 +38,8 @@ from typing import Optional
 
 import torch
 
-from ..call import AttentionCall
-from ..masks import prefix_lengths
+from ..call import AttentionCall, accumulate_dtype
+from ..masks import additive_mask, prefix_lengths
 from ..reference.masks import PositionalMask
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -114,13 +114,7 @@ def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mas
 
 def _empty_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """out 0 and lse −inf (the kernel's lse dtype) for rows that no kernel call reaches."""
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_zeros(*q.shape[:3], v.shape[3]), torch.full(q.shape[:3], float("-inf"), dtype=lse_dtype, device=q.device)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool "may attend" → 0 / −inf in ``dtype`` (the kernel takes masks of the query's dtype)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return q.new_zeros(*q.shape[:3], v.shape[3]), torch.full(q.shape[:3], float("-inf"), dtype=accumulate_dtype(q.dtype), device=q.device)
 
 
 def _band_template(
@@ -139,7 +133,7 @@ def _band_template(
     rows = max(q1 - q0 for q0, q1, _, _ in masked)
     r = torch.arange(rows, device=device)[:, None]
     x = torch.arange(width, device=device)[None, :]
-    return _additive(pm.allowed(r, x + d0), dtype), d0
+    return additive_mask(pm.allowed(r, x + d0), dtype), d0
 
 
 def _calls(pm: PositionalMask, nq: int, nk: int) -> list[tuple[int, int, int, int, bool]]:
@@ -226,7 +220,7 @@ def _banded(
             x0 = k0 - q0 - template[1]
             mask = template[0][: q1 - q0, x0 : x0 + k1 - k0]  # (R, w): a view, no allocation
         if padding is not None:
-            pad = _additive(padding[:, None, None, k0:k1], q.dtype)  # (B, 1, 1, w)
+            pad = additive_mask(padding[:, None, None, k0:k1], q.dtype)  # (B, 1, 1, w)
             mask = pad if mask is None else mask + pad
         return _kernel(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], causal, mask, scale)
 
@@ -300,7 +294,7 @@ def sparse_forward(
             o, s = _kernel(q[:, :, q0:q1], ks, vs, False, None, scale)
             out[:, :, q0:q1], lse[:, :, q0:q1] = o, s
             continue
-        o, s = _kernel(q[:, :, q0:q1], ks, vs, False, _additive(allowed, q.dtype), scale)
+        o, s = _kernel(q[:, :, q0:q1], ks, vs, False, additive_mask(allowed, q.dtype), scale)
         out[:, :, q0:q1] = o
         lse[:, :, q0:q1] = s.masked_fill(~allowed.any(-1), float("-inf"))  # the kernel reports 0 there
     return out, lse

@@ -281,7 +281,7 @@ def tile_sizes(rows: int, keys: int, nq: int, nk: int) -> tuple[int, int]:
     """Tile sizes the kernels can allocate: each at least 1 and at most what there is, and
     ``rows · keys`` at most :data:`MAX_TILE` (a product that wrapped, or a huge one, would
     give malloc a tiny or impossible size). User values are checked before
-    (:func:`qkv.backends.chunked.check_tile_size`)."""
+    (:func:`qkv.backends.tiles.check_tile_size`)."""
     rows = max(1, min(int(rows), nq))
     keys = max(1, min(int(keys), nk))
     if rows * keys > MAX_TILE:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..call import AttentionCall
-from ..masks import dense_sdpa_mask
+from ..masks import additive_mask, dense_sdpa_mask
 from .base import Backend
 
 # Above this many scores, a mask that qkv has to build for SDPA costs more than it saves.
@@ -131,7 +131,7 @@ class SdpaBackend(Backend):
             is_causal = False
             mask = dense_sdpa_mask(call)  # every rule in one float mask, so empty rows show in it
             if mask.dtype == torch.bool:
-                mask = torch.zeros(mask.shape, dtype=call.dtype, device=call.device).masked_fill_(~mask, float("-inf"))
+                mask = additive_mask(mask, call.dtype)
             mask = mask.expand(*call.batch_shape, call.hq, call.nq, call.nk).reshape(b, call.hq, call.nq, call.nk).contiguous()
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, call.dropout_p, is_causal, attn_mask=mask, scale=scale

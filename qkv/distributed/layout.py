@@ -16,14 +16,14 @@ import torch
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def _check_layout(layout: str) -> None:
+def check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def check_length(n: int, world_size: int, layout: str) -> None:
     """Raise a ValueError that says how to fix a length the layout cannot split evenly."""
-    _check_layout(layout)
+    check_layout(layout)
     parts = 2 * world_size if layout == "zigzag" else world_size
     if n % parts:
         padded = -(-n // parts) * parts
@@ -57,7 +57,7 @@ def shard_local(x: torch.Tensor, rank: int, world_size: int, dim: int = -2, layo
 
 def unshard_local(parts, dim: int = -2, layout: str = "contiguous") -> torch.Tensor:
     """Inverse of :func:`shard_local`: the full tensor from every rank's shard, in rank order."""
-    _check_layout(layout)
+    check_layout(layout)
     parts = list(parts)
     if layout == "contiguous":
         return torch.cat(parts, dim=dim)
@@ -111,4 +111,4 @@ def chunk_slices(rank: int, src: int, n_local: int, layout: str, causal: bool):
     return [(slice(half, n_local), full, False)]
 
 
-__all__ = ["LAYOUTS", "check_length", "chunk_slices", "shard", "shard_local", "unshard", "unshard_local"]
+__all__ = ["LAYOUTS", "check_layout", "check_length", "chunk_slices", "shard", "shard_local", "unshard", "unshard_local"]

@@ -28,16 +28,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..call import BackendName
+from ..call import BackendName, accumulate_dtype
 from ..functional import attention
 from ..reference.masks import IsCausal
-from .layout import _check_layout, check_length, chunk_slices
+from .layout import check_layout, check_length, chunk_slices
 
 _TAG_KV, _TAG_DKV = 17, 18
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, out_i: torch.Tensor, lse_i: torch.Tensor, rows: slice) -> None:
@@ -97,7 +93,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, gqa, backend, layout):
         rank, w, nxt, prv = _ring_peers(group)
         n = q.shape[-2]
-        acc = _acc_dtype(q.dtype)
+        acc = accumulate_dtype(q.dtype)
         out = q.new_zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc)  # (B, Hq, Nl, Dv)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)  # (B, Hq, Nl)
         buf = _pack(k, v)
@@ -126,7 +122,7 @@ class _RingAttention(torch.autograd.Function):
         bwd_backend = backend if backend in ("math", "chunked") else "chunked"  # needs a differentiable lse
         rank, w, nxt, prv = _ring_peers(group)
         n = q.shape[-2]
-        acc = _acc_dtype(q.dtype)
+        acc = accumulate_dtype(q.dtype)
         dout = dout.contiguous()
         delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, Hq, Nl): rowsum(dO ∘ O)
         m = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -204,7 +200,7 @@ def ring_attention(
     ``chunked``). Without an initialised process group this is plain attention.
     Every rank of ``group`` must call it with the same shapes and arguments.
     """
-    _check_layout(layout)
+    check_layout(layout)
     causal = _normalise_causal(is_causal)
     if q.shape[-2] != k.shape[-2] or k.shape[-2] != v.shape[-2]:
         raise ValueError(

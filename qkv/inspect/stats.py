@@ -47,8 +47,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..backends.base import half_to_float
-from ..backends.chunked import _augment, _head_groups, _key_blocks, check_tile_size, plan_tiles
-from ..backends.chunked_native import LN2, LOG2E
+from ..backends.tiles import LN2, LOG2E, augment, check_tile_size, head_groups, key_blocks, plan_tiles
 from ..masks import MaskTiles
 from ..nonfinite import guard, surely_finite
 from ..call import BackendName, validate, validate_qk
@@ -322,7 +321,7 @@ def _tiled_stats(
         bq, bk, per_group = plan_tiles(b, hk, g, nq, call.nk, block_q, block_k or STATS_BLOCK_K)
         if _native_kernel(q) is not None:
             per_group = max(1, NATIVE_TILE_BUDGET // (g * bq * bk))
-        for bs, hs in _head_groups(b, hk, per_group):
+        for bs, hs in head_groups(b, hk, per_group):
             _stats_heads(
                 q[bs, hs], k[bs, hs], None if online else lse_g[bs, hs].to(q.dtype), tiles.narrow(bs, hs), call.scale,
                 bq, bk, kpos, rel, {name: t[bs, hs] for name, t in res.items()},
@@ -333,38 +332,8 @@ def _tiled_stats(
         share = sink_share(sinks_g, lse_g.to(q.dtype))  # the rows' weights sum to 1 - share
         check_row_sums(flat(res["total"]), flat(res["n_keys"] > 0), flat(lse_g.to(q.dtype)), lse_g.dtype,
                        share=None if share is None else flat(share))  # fmt: skip
-    lse_out = None
-    if online:
-        # the sums hold 2^(s - m) with m the row maximum (log2 units): normalise by l = Σ 2^(s - m)
-        l, m = res["total"], res["max_weight"]
-        has = l > 0
-        inv = torch.where(has, 1.0 / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(l))
-        log2_l = torch.where(has, torch.log2(torch.where(has, l, torch.ones_like(l))), torch.zeros_like(l))
-        lse2 = torch.where(has, m + log2_l, torch.full_like(m, _NEG_INF))  # log2-sum-exp2 of the row
-        ent = (log2_l - res["entropy"] * inv).mul_(LN2)  # H = ln2 · (log2 l - Σ p̃ (s - m) / l)
-        ent = torch.where(has, ent, torch.zeros_like(ent))
-        max_w = torch.where(has, inv, torch.zeros_like(inv))  # the largest p̃ is 2^0 = 1
-        top_w = torch.exp2(res["topk_weights"] - lse2.unsqueeze(-1).masked_fill(~has.unsqueeze(-1), 0.0))
-        res["mean_distance"].mul_(inv)
-        res["key_weights"].mul_(inv.unsqueeze(-1))
-        res["relative_weights"].mul_(inv.unsqueeze(-1))
-        lse_out = lse2 * LN2
-        nan = torch.isnan(m)
-    else:
-        ent = res["entropy"].mul_(-LN2)
-        max_w, top_w = torch.exp2(res["max_weight"]), torch.exp2(res["topk_weights"])
-        nan = torch.isnan(res["max_weight"])
-    ent.masked_fill_(ent < 0, 0.0)  # -0.0 and rounding below 0 on one-key rows
-    out = dict(
-        entropy=ent,
-        max_weight=max_w,
-        topk_weights=top_w,
-        topk_indices=res["topk_indices"].masked_fill_(torch.isneginf(res["topk_weights"]), -1),
-        mean_distance=res["mean_distance"],
-        key_weights=res["key_weights"],
-        relative_weights=res["relative_weights"],
-        n_keys=res["n_keys"],
-    )
+    ent, max_w, top_w, lse_out, nan = _finish_online(res) if online else _finish_given(res)
+    out = _final_arrays(res, ent, max_w, top_w)
     if lse_out is not None:
         out["lse"] = lse_out
     if sinks_g is not None:
@@ -384,20 +353,52 @@ def _tiled_stats(
     return (None if out_g is None else call.ungroup(out_g.to(call.dtype))), stats
 
 
+def _finish_online(res: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """(entropy, max weight, top-k weights, lse, NaN rows) from one pass's sums, which hold
+    ``2^(s - m)`` with ``m`` the row maximum (log2 units): normalised by ``l = Σ 2^(s - m)``.
+    Rescales the other weighted sums in ``res`` in place."""
+    l, m = res["total"], res["max_weight"]
+    has = l > 0
+    inv = torch.where(has, 1.0 / torch.where(has, l, torch.ones_like(l)), torch.zeros_like(l))
+    log2_l = torch.where(has, torch.log2(torch.where(has, l, torch.ones_like(l))), torch.zeros_like(l))
+    lse2 = torch.where(has, m + log2_l, torch.full_like(m, _NEG_INF))  # log2-sum-exp2 of the row
+    ent = (log2_l - res["entropy"] * inv).mul_(LN2)  # H = ln2 · (log2 l - Σ p̃ (s - m) / l)
+    ent = torch.where(has, ent, torch.zeros_like(ent))
+    max_w = torch.where(has, inv, torch.zeros_like(inv))  # the largest p̃ is 2^0 = 1
+    top_w = torch.exp2(res["topk_weights"] - lse2.unsqueeze(-1).masked_fill(~has.unsqueeze(-1), 0.0))
+    res["mean_distance"].mul_(inv)
+    res["key_weights"].mul_(inv.unsqueeze(-1))
+    res["relative_weights"].mul_(inv.unsqueeze(-1))
+    return ent, max_w, top_w, lse2 * LN2, torch.isnan(m)
+
+
+def _finish_given(res: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+    """(entropy, max weight, top-k weights, None, NaN rows) from sums of ``log2 p`` under a given lse."""
+    ent = res["entropy"].mul_(-LN2)
+    max_w, top_w = torch.exp2(res["max_weight"]), torch.exp2(res["topk_weights"])
+    return ent, max_w, top_w, None, torch.isnan(res["max_weight"])
+
+
+def _final_arrays(res: dict[str, torch.Tensor], ent: torch.Tensor, max_w: torch.Tensor, top_w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The statistics' arrays, grouped ``(B, Hk, G, Nq[, ·])``; ``ent`` clamped at 0 in place."""
+    ent.masked_fill_(ent < 0, 0.0)  # -0.0 and rounding below 0 on one-key rows
+    return dict(
+        entropy=ent,
+        max_weight=max_w,
+        topk_weights=top_w,
+        topk_indices=res["topk_indices"].masked_fill_(torch.isneginf(res["topk_weights"]), -1),
+        mean_distance=res["mean_distance"],
+        key_weights=res["key_weights"],
+        relative_weights=res["relative_weights"],
+        n_keys=res["n_keys"],
+    )
+
+
 def _stats_heads(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    lse: Optional[torch.Tensor],
-    tiles: MaskTiles,
-    scale: float,
-    bq: int,
-    bk: int,
-    kpos: tuple[int, ...],
-    rel: tuple[int, ...],
-    res: dict[str, torch.Tensor],
-    v: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
-) -> None:
+    q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], tiles: MaskTiles, scale: float, bq: int, bk: int,
+    kpos: tuple[int, ...], rel: tuple[int, ...], res: dict[str, torch.Tensor],
+    v: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+) -> None:  # fmt: skip
     """One head group: q ``(b, h, G, Nq, D)``, k ``(b, h, 1, Nk, D)``, lse ``(b, h, G, Nq)``; fills ``res`` views.
 
     With ``v`` ``(b, h, 1, Nk, Dv)`` (one pass only) the tiles' weights also accumulate ``P·V``,
@@ -413,23 +414,8 @@ def _stats_heads(
     off = tiles.positional.offset
     online = lse is None
     fused = _native_kernel(q)
-    lse2 = None
     scored = tiles.score is not None
-    if scored:
-        # the score function's contract is natural units: tiles are q·scale·kᵀ, taken to log2 units
-        # after it (_tile_scores), and a given lse is subtracted there
-        q_aug, k_aug = q * scale, k.transpose(-1, -2)
-        if not online:
-            lse2 = lse * LOG2E if fused is not None else (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)
-    elif online or fused is not None:
-        q_aug = q * (scale * LOG2E)  # (b, h, G, Nq, D): q_aug·kᵀ = s·log2e
-        k_aug = k.transpose(-1, -2)  # (b, h, 1, D, Nk)
-        if not online:
-            lse2 = lse * LOG2E  # the kernel subtracts it: log2 p = s·log2e - lse·log2e
-    else:
-        lse2 = (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)  # empty rows: every score is -inf anyway
-        q_aug = torch.cat([q * (scale * LOG2E), -lse2.unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, D+1)
-        k_aug = _augment(k, 1.0).transpose(-1, -2)  # (b, h, 1, D+1, Nk): [k, 1]ᵀ so q_aug·k_aug = log2 p
+    q_aug, k_aug, lse2 = _operands(q, k, lse, scale, scored, fused is not None)
     # j - k0 within a tile; a matrix-vector product, not a 2-column matmul (BLAS is 4x slower on those)
     cols = torch.arange(bk, dtype=dt, device=dev)  # (bk,)
     kk = res["topk_indices"].shape[-1]
@@ -454,7 +440,7 @@ def _stats_heads(
             _normalise(num, res["total"][..., q0:q1], out, q0, q1)
             continue
         first_k = None
-        for k0, k1 in _key_blocks(tiles, q0, q1, bk):
+        for k0, k1 in key_blocks(tiles, q0, q1, bk):
             first_k = k0 if first_k is None else first_k
             w = k1 - k0
             sub = lse2[..., q0:q1] if scored and not online else None
@@ -463,34 +449,14 @@ def _stats_heads(
                 cnt += (t != _NEG_INF).sum(-1)  # float -inf biases mask as bool masks do
             else:
                 cnt += w
-            c = TOPK_CHUNK if kk and w % TOPK_CHUNK == 0 and w // TOPK_CHUNK >= kk else 1
-            if c > 1:
-                # chunk r holds keys r, r + w/c, r + 2w/c, …: the reduction runs across rows of the
-                # (c, w/c) view, vectorised along its contiguous last dimension
-                cmax = t.view(b, h, g, n, c, w // c).amax(-2)  # (b, h, G, n, w/c): the maxima of key chunks
-                tmax = cmax.amax(-1)  # (b, h, G, n)
-            else:
-                cmax, tmax = t, t.amax(-1)
+            c, cmax, tmax = _tile_maxima(t, kk)
             if kk:
                 # (Online, the values are s·log2e: shifted to weights at the end.)
                 thr = topv[..., -1].reshape(-1)
                 first = k0 == first_k or bool(torch.isneginf(thr).any())
                 _merge_tile(flat_v, flat_i, t.view(-1, w), cmax.reshape(-1, w // c), thr, k0, first)
             if online:
-                new = torch.maximum(mx, tmax)
-                shift = new.masked_fill(torch.isneginf(new), 0.0)  # rows with no key yet: nothing to shift
-                delta = (mx - shift).masked_fill_(torch.isneginf(mx), 0.0)  # ≤ 0: how far the maximum moved
-                if bool((delta < 0).any()):
-                    alpha = torch.exp2(delta)
-                    ent.add_(delta * tot).mul_(alpha)  # Σ p̃ (s - m) re-centred on the new maximum
-                    tot.mul_(alpha)
-                    dist.mul_(alpha)
-                    kw.mul_(alpha.unsqueeze(-1))
-                    rw.mul_(alpha.unsqueeze(-1))
-                    if num is not None:
-                        num.mul_(alpha.unsqueeze(-1))
-                mx.copy_(new)
-                t.sub_(shift.unsqueeze(-1))
+                t.sub_(_rescale_online(mx, tmax, (tot, dist, kw, rw, num), ent).unsqueeze(-1))
             else:
                 mx.copy_(torch.maximum(mx, tmax))
             p = torch.exp2(t)
@@ -500,28 +466,98 @@ def _stats_heads(
             if masked:
                 pt.nan_to_num_(nan=0.0)  # masked keys: 0 · -inf (NaN inputs: restored after the pass)
             ent += pt.sum(-1)
-            if k1 - 1 <= q0 + off or k0 >= q1 - 1 + off:
-                # every key of the tile on one side of every query: |pos - j| is linear in j
-                sp, spj = p.sum(-1), p @ cols[:w]  # (b, h, G, n): Σp, Σp·(j - k0)
-                lin = (pos - k0).to(dt) * sp - spj
-                dist += lin if k1 - 1 <= q0 + off else -lin
-                tot += sp
-            else:
-                d = (pos[:, None] - torch.arange(k0, k1, device=dev)[None, :]).abs().to(dt)  # (n, w)
-                dist += (p * d).sum(-1)
-                tot += p.sum(-1)
-            for i, j in enumerate(kpos):
-                if k0 <= j < k1:
-                    kw[..., i] = p[..., j - k0]
-            for i, r in enumerate(rel):
-                j = pos + r  # (n,) the key at offset r from each query
-                inside = (j >= k0) & (j < k1)
-                if bool(inside.any()):
-                    idx = (j - k0).clamp(0, w - 1).view(1, 1, 1, n, 1).expand(b, h, g, n, 1)
-                    rw[..., i] += p.gather(-1, idx)[..., 0] * inside.to(dt)
+            _position_sums(p, pos, cols, q0, q1, k0, k1, off, kpos, rel, (dist, tot, kw, rw))
         res["topk_weights"][..., q0:q1, :] = topv
         res["topk_indices"][..., q0:q1, :] = topi
         _normalise(num, res["total"][..., q0:q1], out, q0, q1)
+
+
+def _operands(
+    q: torch.Tensor, k: torch.Tensor, lse: Optional[torch.Tensor], scale: float, scored: bool, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
+    """(q_aug, k_aug, lse2) of one head group: the operands whose product is a tile in log2 units,
+    and the lse in log2 units where it is subtracted from a tile rather than folded into it."""
+    online = lse is None
+    lse2 = None
+    if scored:
+        # the score function's contract is natural units: tiles are q·scale·kᵀ, taken to log2 units
+        # after it (_tile_scores), and a given lse is subtracted there
+        q_aug, k_aug = q * scale, k.transpose(-1, -2)
+        if not online:
+            lse2 = lse * LOG2E if fused else (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)
+    elif online or fused:
+        q_aug = q * (scale * LOG2E)  # (b, h, G, Nq, D): q_aug·kᵀ = s·log2e
+        k_aug = k.transpose(-1, -2)  # (b, h, 1, D, Nk)
+        if not online:
+            lse2 = lse * LOG2E  # the kernel subtracts it: log2 p = s·log2e - lse·log2e
+    else:
+        lse2 = (lse * LOG2E).masked_fill(torch.isneginf(lse), 0.0)  # empty rows: every score is -inf anyway
+        q_aug = torch.cat([q * (scale * LOG2E), -lse2.unsqueeze(-1)], dim=-1)  # (b, h, G, Nq, D+1)
+        k_aug = augment(k, 1.0).transpose(-1, -2)  # (b, h, 1, D+1, Nk): [k, 1]ᵀ so q_aug·k_aug = log2 p
+    return q_aug, k_aug, lse2
+
+
+def _rescale_online(
+    mx: torch.Tensor, tmax: torch.Tensor, sums: tuple[Optional[torch.Tensor], ...], ent: torch.Tensor
+) -> torch.Tensor:  # fmt: skip
+    """Raise the rows' running maxima ``mx`` ``(b, h, G, n)`` to cover a tile's ``tmax``, rescaling
+    every running sum (``ent``, the entropy sum ``Σ p̃ (s - m)``, also re-centred) by ``2^-δ``
+    where a maximum moved by ``δ``; returns the shift to subtract from the tile."""
+    tot = sums[0]
+    new = torch.maximum(mx, tmax)
+    shift = new.masked_fill(torch.isneginf(new), 0.0)  # rows with no key yet: nothing to shift
+    delta = (mx - shift).masked_fill_(torch.isneginf(mx), 0.0)  # ≤ 0: how far the maximum moved
+    if bool((delta < 0).any()):
+        alpha = torch.exp2(delta)
+        ent.add_(delta * tot).mul_(alpha)  # Σ p̃ (s - m) re-centred on the new maximum
+        for t in sums:
+            if t is not None:
+                t.mul_(alpha if t.dim() == alpha.dim() else alpha.unsqueeze(-1))
+    mx.copy_(new)
+    return shift
+
+
+def _tile_maxima(t: torch.Tensor, kk: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(c, the maxima of the tile's c key chunks ``(b, h, G, n, w/c)``, the row maxima ``(b, h, G, n)``)
+    for a tile ``t`` ``(b, h, G, n, w)``; c = 1 (no chunks) unless the top-k merge gains from them."""
+    b, h, g, n, w = t.shape
+    c = TOPK_CHUNK if kk and w % TOPK_CHUNK == 0 and w // TOPK_CHUNK >= kk else 1
+    if c > 1:
+        # chunk r holds keys r, r + w/c, r + 2w/c, …: the reduction runs across rows of the
+        # (c, w/c) view, vectorised along its contiguous last dimension
+        cmax = t.view(b, h, g, n, c, w // c).amax(-2)  # (b, h, G, n, w/c): the maxima of key chunks
+        return c, cmax, cmax.amax(-1)
+    return c, t, t.amax(-1)
+
+
+def _position_sums(
+    p: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, q0: int, q1: int, k0: int, k1: int, off: int,
+    kpos: tuple[int, ...], rel: tuple[int, ...], sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:  # fmt: skip
+    """Add one tile's weights ``p`` ``(b, h, G, n, w)`` to the rows' distance sum, total, weights at
+    the given key positions and at the given offsets from each query (``sums``, in place)."""
+    dist, tot, kw, rw = sums
+    b, h, g, n, w = p.shape
+    dev, dt = p.device, p.dtype
+    if k1 - 1 <= q0 + off or k0 >= q1 - 1 + off:
+        # every key of the tile on one side of every query: |pos - j| is linear in j
+        sp, spj = p.sum(-1), p @ cols[:w]  # (b, h, G, n): Σp, Σp·(j - k0)
+        lin = (pos - k0).to(dt) * sp - spj
+        dist += lin if k1 - 1 <= q0 + off else -lin
+        tot += sp
+    else:
+        d = (pos[:, None] - torch.arange(k0, k1, device=dev)[None, :]).abs().to(dt)  # (n, w)
+        dist += (p * d).sum(-1)
+        tot += p.sum(-1)
+    for i, j in enumerate(kpos):
+        if k0 <= j < k1:
+            kw[..., i] = p[..., j - k0]
+    for i, r in enumerate(rel):
+        j = pos + r  # (n,) the key at offset r from each query
+        inside = (j >= k0) & (j < k1)
+        if bool(inside.any()):
+            idx = (j - k0).clamp(0, w - 1).view(1, 1, 1, n, 1).expand(b, h, g, n, 1)
+            rw[..., i] += p.gather(-1, idx)[..., 0] * inside.to(dt)
 
 
 def _tile_scores(
@@ -702,7 +738,7 @@ def _native_row_block(
     rp = torch.tensor(native.clamp_positions(rel, q1 + abs(off), k_aug.shape[-1]), dtype=torch.long)
     threads = torch.get_num_threads()
     dv = 0 if num is None else num.shape[-1]
-    for k0, k1 in _key_blocks(tiles, q0, q1, bk):
+    for k0, k1 in key_blocks(tiles, q0, q1, bk):
         t, masked = _tile_scores(qa, k_aug, tiles, q0, q1, k0, k1)  # (b, h, G, n, w) in log2 units
         kernel(
             ptr(t), rows, k1 - k0, n, q0 + off, k0, int(online), int(masked),

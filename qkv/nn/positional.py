@@ -20,12 +20,14 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from ..call import accumulate_dtype
+
 __all__ = ["sinusoidal_table", "SinusoidalPositionalEncoding", "RotaryEmbedding"]
 
 
 def _angle_dtype(dtype: torch.dtype) -> torch.dtype:
     # Angles grow with the position; half precision would lose them, so use at least float32.
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return accumulate_dtype(dtype)
 
 
 def sinusoidal_table(

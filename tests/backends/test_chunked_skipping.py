@@ -29,7 +29,7 @@ def _count_tiles(monkeypatch) -> list:
     monkeypatch.setattr(chunked_native, "forward", lambda *a: None)
     monkeypatch.setattr(chunked_native, "backward", lambda *a: None)
     seen: list = [0, []]
-    original = chunked_mod._key_blocks
+    original = chunked_mod.key_blocks
 
     def counting(tiles, *a, **kw):
         for k0, k1 in original(tiles, *a, **kw):
@@ -37,7 +37,7 @@ def _count_tiles(monkeypatch) -> list:
             seen[1].append((tiles.key_limit, k1))
             yield k0, k1
 
-    monkeypatch.setattr(chunked_mod, "_key_blocks", counting)
+    monkeypatch.setattr(chunked_mod, "key_blocks", counting)
     return seen
 
 

@@ -174,8 +174,8 @@ def test_whole_blocks_need_no_mask(monkeypatch):
     import qkv.backends.flash_cpu as fc
 
     built = []
-    real = fc._additive
-    monkeypatch.setattr(fc, "_additive", lambda allowed, dtype: built.append(1) or real(allowed, dtype))
+    real = fc.additive_mask
+    monkeypatch.setattr(fc, "additive_mask", lambda allowed, dtype: built.append(1) or real(allowed, dtype))
     keep = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 0], [1, 1, 0, 1]], dtype=torch.bool)
     mask = keep.repeat_interleave(128, 0).repeat_interleave(128, 1)
     q, k, v = make_qkv(1, 2, 2, 384, 512, 16, dtype=torch.float64)

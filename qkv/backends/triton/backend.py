@@ -18,6 +18,7 @@ import torch
 import triton
 
 from ...call import AttentionCall
+from ..tiles import LOG2E
 from . import kernels as K
 
 # fp32 inputs: tl.dot precision on a GPU. By default it follows torch's own float32 matmul
@@ -126,7 +127,7 @@ def _score_args(q, scale, softcap, rel, rel_base, rel_shift):
     has_rel = rel is not None
     rel_t = rel.float().contiguous() if has_rel else q
     cap_in = scale / softcap if softcap is not None else 0.0
-    cap_log2 = softcap * K.LOG2E if softcap is not None else 0.0
+    cap_log2 = softcap * LOG2E if softcap is not None else 0.0
     flags = dict(SOFTCAP=softcap is not None, HAS_REL=has_rel, REL_SHIFT=has_rel and bool(rel_shift))
     return rel_t, (rel_t.stride(0) if has_rel else 0), (int(rel_base), float(cap_in), float(cap_log2)), flags
 
@@ -156,7 +157,7 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
         _batch_stride(out, varlen), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
         _batch_stride(lse, varlen), lse.stride(1), lse.stride(2), lse.stride(3),
         *ms, *kps, stride_rh,
-        hk, g, nq, nk, d, dv, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars,
+        hk, g, nq, nk, d, dv, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars,
         BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **score_flags,
         HAS_SINKS=sinks is not None, **cfg,
     )  # fmt: skip
@@ -196,7 +197,7 @@ def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_
             q.stride(0), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
             k.stride(0), k.stride(1), k.stride(3), k.stride(4),
             *ms, *kps,
-            hk, g, nq, nk, d, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, int(pos_offset),
+            hk, g, nq, nk, d, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, int(pos_offset),
             BLOCK_D=head_tile(d, q.element_size()), K_TOP=k_top, N_KPOS=n_kpos, N_RPOS=n_rpos, **meta, **cfg,
         )  # fmt: skip
     else:  # no key at all: every row is empty
@@ -258,7 +259,7 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
         _batch_stride(v, varlen), v.stride(1), v.stride(3), v.stride(4),
         *do_strides, *lse_strides,
     )
-    tail = (hk, g, nq, nk, d, dv, scale, scale * K.LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars)
+    tail = (hk, g, nq, nk, d, dv, scale, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars)
     consts = dict(BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **score_flags, **cfg)
     if nk > 0:
         K._bwd_dkdv_kernel[(triton.cdiv(max(nk_grid, 1), bn), b * hk)](

@@ -54,7 +54,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.44269504  # 1/ln 2: scores are kept in base 2 so the kernels use exp2
 
 
 @triton.jit
@@ -172,6 +171,9 @@ def _fwd_kernel(
     SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr, REL_SHIFT: tl.constexpr, HAS_SINKS: tl.constexpr,
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    """Output and lse for one query block of one query head, by online softmax over the key
+    blocks it can see (scores in base 2, ``qk_scale`` = scale · LOG2E).
+    Its length is one fused kernel body: splitting it would move the running state through memory."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)  # b * HK * G + hk * G + g
     g = pid_bh % G
@@ -302,7 +304,8 @@ def _bwd_dkdv_kernel(
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dK, dV for one key block of one key/value head, looping over its G query heads and the
-    query blocks that can see it (transposed tiles: rows are keys)."""
+    query blocks that can see it (transposed tiles: rows are keys).
+    Its length is one fused kernel body: splitting it would move the running state through memory."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # b * HK + hk
     hk = pid_bh % HK
@@ -389,6 +392,7 @@ def _bwd_dq_kernel(
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ for one query block of one query head, looping over the key blocks it can see.
+    Its length is one fused kernel body: splitting it would move the running state through memory.
 
     ``REL_GRAD``: also the gradient of the relative bias, ``DRel[h, j - i + c0] += dS`` (fp32,
     zeroed by the caller). Each tile's diagonal sums cover diagonals ``[n0 - q0 - BLOCK_N,
@@ -511,6 +515,7 @@ def _stats_kernel(
     K_TOP: tl.constexpr, N_KPOS: tl.constexpr, N_RPOS: tl.constexpr,
 ):
     """Per-row attention statistics in one pass (the forward kernel's loop without V).
+    Its length is one fused kernel body: splitting it would move the running state through memory.
 
     Kept per row, in base 2, rescaled like the output when the running maximum m grows:
     l = Σ 2^(s-m), e = Σ 2^(s-m)·(s-m) (entropy), the distance sum Σ 2^(s-m)·|pos-j|, the

@@ -1,0 +1,123 @@
+"""The tile walk: how exact kernels visit the score matrix ``(Nq, Nk)`` tile by tile.
+
+Shared by the torch formulation (:mod:`.chunked`), its C loops (:mod:`.chunked_native`), the
+Triton kernels and the statistics pass (:mod:`qkv.inspect.stats`), so that they skip the same
+tiles, group the same heads and keep scores in the same base-2 units.
+
+Legend: q ``(B, Hk, G, Nq, D)`` (G query heads share one key/value head), k ``(B, Hk, Nk, D)``.
+
+- :func:`plan_tiles` — ``(block_q, block_k, heads per group)`` for a call;
+- :func:`head_groups` — slices over ``(B, Hk)`` of at most that many key/value heads;
+- :func:`key_blocks` — the key tiles one row block may see, structurally empty ones skipped;
+- :func:`augment` — ``[x, column]``: folds a per-row or per-key term into a matmul;
+- :data:`LOG2E`, :data:`LN2` — base-2 units: ``exp(x) = 2 ** (x · LOG2E)``, ``log(x) = log2(x) · LN2``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from typing import Iterator, Optional
+
+import torch
+
+from ..masks import MaskTiles
+
+__all__ = [
+    "BLOCK_K", "BLOCK_Q", "LN2", "LOG2E", "TILE_BUDGET",
+    "augment", "band_rows", "check_tile_size", "head_groups", "key_blocks", "plan_tiles",
+]  # fmt: skip
+
+# Scores are kept in base 2 so that the exponentials are exp2 (cheaper than exp on every target).
+LOG2E = 1 / math.log(2)  # 1.4426950408889634, log2 e to double precision
+LN2 = math.log(2)  # 0.6931471805599453
+
+# Tile shape and cache budget, measured on a 2-core x86 CPU (bench/attention_cpu.py): the two
+# matmuls stay efficient at 256 × 256 while one elementwise pass over the tile (2 MiB of
+# float32 across the heads processed together) stays in cache.
+BLOCK_Q = 256
+BLOCK_K = 256
+TILE_BUDGET = 1 << 19  # scores in one tile, summed over the heads processed together
+
+
+def band_rows(span: int) -> int:
+    """Query rows per tile for a call whose rows see at most ``span`` consecutive keys (a causal
+    or sliding-window band): a power of two near ``span / 8``, between 32 and 128.
+
+    A block of ``r`` rows scores ``span + r`` keys per row where each row needs ``span``, so
+    narrow bands want short blocks. Measured on the C loops, 1 thread, forward + backward at
+    N = 4096: window 128 takes 103 ms in 32-row blocks vs 244 ms in 256-row ones; window 512,
+    303 vs 390 ms in 64-row blocks; causal, 994 vs 1028 ms in 128-row blocks. Short blocks make
+    small gemms, so rows without a band keep 256 (118 vs 126–136 ms in shorter ones, N = 1024).
+    The torch formulation (the fallback) measured neutral on windows, and on causal calls from
+    0.87× (N = 256) to 1.15× (N = 512) its time in 256-row blocks."""
+    rows = 1 << max(0, (span // 8).bit_length() - 1)
+    return max(32, min(128, rows))
+
+
+def check_tile_size(name: str, value: Optional[int]) -> Optional[int]:
+    """A tile size a user passed: None (the default) or a positive integer, else ValueError
+    naming the argument. (Sizes larger than the call are fine: they are clamped to it.)"""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r}: a tile size must be a positive integer (query rows or keys per tile); "
+                         "leave it None for the default")  # fmt: skip
+    return int(value)
+
+
+def plan_tiles(
+    b: int, hk: int, g: int, nq: int, nk: int, block_q: Optional[int] = None, block_k: Optional[int] = None,
+    span: Optional[int] = None,
+) -> tuple[int, int, int]:  # fmt: skip
+    """(block_q, block_k, heads per group) for q ``(B, Hk, G, Nq, D)`` and keys of length Nk;
+    ``span``: how many consecutive keys a row can see at most when a band limits them
+    (:func:`band_rows`), used where ``block_q`` is not given."""
+    if block_q is None and span is not None:
+        block_q = band_rows(span)
+    bq = max(1, min(block_q or BLOCK_Q, nq))
+    bk = max(1, min(block_k or BLOCK_K, nk))
+    return bq, bk, max(1, TILE_BUDGET // (g * bq * bk))
+
+
+def head_groups(b: int, hk: int, per_group: int) -> Iterator[tuple[slice, slice]]:
+    """Slices over (B, Hk) covering at most ``per_group`` key/value heads at a time."""
+    if b == 0 or hk == 0:
+        return
+    if per_group >= b * hk:  # one group: a plain ``slice(None)`` index returns the tensor itself
+        yield slice(None), slice(None)
+        return
+    ch = min(hk, per_group)
+    cb = max(1, per_group // hk) if ch == hk else 1
+    for b0 in range(0, b, cb):
+        for h0 in range(0, hk, ch):
+            yield slice(b0, min(b, b0 + cb)), slice(h0, min(hk, h0 + ch))
+
+
+def key_blocks(tiles: MaskTiles, q0: int, q1: int, bk: int) -> Iterator[tuple[int, int]]:
+    """Key tiles ``(k0, k1)`` that rows ``[q0, q1)`` may see, skipping structurally empty ones.
+
+    The keys every row sees are tiled apart from the edges that only some rows see, so only
+    the thin edge tiles (about ``block_q`` wide on a causal diagonal) need a positional mask.
+    Trailing padding trimmed by :meth:`MaskTiles.ragged` and tiles in which a bool attn_mask
+    allows nothing are skipped too.
+    """
+    pm = tiles.positional
+    k_lo, k_hi = pm.key_range(q0, q1)
+    if tiles.key_limit is not None:
+        k_hi = max(k_lo, min(k_hi, tiles.key_limit))
+    f_lo, f_hi = pm.full_key_range(q0, q1)
+    f_lo, f_hi = min(max(f_lo, k_lo), k_hi), max(min(f_hi, k_hi), k_lo)
+    segments = ((k_lo, f_lo), (f_lo, f_hi), (f_hi, k_hi)) if f_lo < f_hi else ((k_lo, k_hi),)
+    for a, b in segments:
+        for k0 in range(a, b, bk):
+            k1 = min(b, k0 + bk)
+            if pm.block_status(q0, q1, k0, k1) != "empty" and not tiles.tile_is_empty(q0, q1, k0, k1):
+                yield k0, k1
+
+
+def augment(x: torch.Tensor, column: torch.Tensor | float) -> torch.Tensor:
+    """Append one column to the last dim: ``[x, column]`` (``column`` broadcasts over rows)."""
+    col = torch.as_tensor(column, dtype=x.dtype, device=x.device).expand(*x.shape[:-1], 1)
+    return torch.cat([x, col], dim=-1)
