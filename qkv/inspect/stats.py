@@ -213,7 +213,7 @@ def attention_stats(
     docstring for sinks: ``stats.sink_share``, and a given lse must include the sinks).
 
     ``backend``: ``"torch"`` (the tiled pass in torch operations), ``"triton"`` (a fused one-pass
-    kernel, :func:`qkv.backends.triton.kernels._stats_kernel`; CUDA, or Triton's CPU interpreter),
+    kernel, :func:`qkv.backends.triton.kernels.stats_kernel`; CUDA, or Triton's CPU interpreter),
     or ``"auto"`` (triton on CUDA when it is installed, else torch). The triton kernel always
     finds the lse itself and keeps its sums in float32; it applies no score function (auto then
     takes torch).

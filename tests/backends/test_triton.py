@@ -407,11 +407,11 @@ for dt, d, varlen, mask_bool in (("fp16", 128, False, False), ("bf16", 80, True,
     flags = dict(BOTTOM_RIGHT=True, HAS_LO=True, HAS_HI=True, HAS_KP=not varlen, HAS_MASK=not varlen,
                  MASK_BOOL=mask_bool, VARLEN=varlen, FP32_DOT="tf32", UPCAST=False,
                  BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d))
-    for fn, kind in ((K._fwd_kernel, "fwd"), (K._bwd_dkdv_kernel, "bwd"), (K._bwd_dq_kernel, "bwd")):
+    for fn, kind in ((K.fwd_kernel, "fwd"), (K.bwd_dkdv_kernel, "bwd"), (K.bwd_dq_kernel, "bwd")):
         cfg = launch_config(kind, d, d, item)
         compile_one(fn, dt, dict(flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"]), cfg, "u8" if mask_bool else dt)
     cfg = launch_config("bwd", d, d, item)
-    compile_one(K._bwd_preprocess, dt, dict(HAS_DLSE=True, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"], BLOCK_DV=flags["BLOCK_DV"]), cfg, dt)
+    compile_one(K.bwd_preprocess, dt, dict(HAS_DLSE=True, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"], BLOCK_DV=flags["BLOCK_DV"]), cfg, dt)
 print("ok")
 """
 

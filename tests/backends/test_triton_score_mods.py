@@ -339,7 +339,7 @@ for dt, d, varlen in (("bf16", 128, True),):
     flags = dict(BOTTOM_RIGHT=True, HAS_LO=True, HAS_HI=False, HAS_KP=not varlen, HAS_MASK=False, MASK_BOOL=False,
                  VARLEN=varlen, SOFTCAP=True, HAS_REL=True, REL_SHIFT=varlen, HAS_SINKS=True, REL_GRAD=True, HAS_DLSE=True,
                  FP32_DOT="tf32", UPCAST=False, BLOCK_D=d, BLOCK_DV=d)
-    for fn, kind in ((K._fwd_kernel, "fwd"), (K._bwd_dkdv_kernel, "bwd"), (K._bwd_dq_kernel, "bwd")):
+    for fn, kind in ((K.fwd_kernel, "fwd"), (K.bwd_dkdv_kernel, "bwd"), (K.bwd_dq_kernel, "bwd")):
         cfg = launch_config(kind, d, d, item)
         consts = {n: v for n, v in dict(flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"]).items() if n in fn.arg_names}
         sig = {n: ("constexpr" if n in consts else "*" + dt if n in ptr else "*u8" if n in ("KP", "Mask")

@@ -149,7 +149,7 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
     cfg = launch_config("fwd", d, dv, q.element_size())
     varlen = meta["VARLEN"]
     grid = (triton.cdiv(max(nq_grid, 1), cfg["BLOCK_M"]), b * hk * g)
-    K._fwd_kernel[grid](
+    K.fwd_kernel[grid](
         q, k, v, out, lse, m, kpt, cuq, cuk, rel_t, sinks_t,
         _batch_stride(q, varlen), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
         _batch_stride(k, varlen), k.stride(1), k.stride(3), k.stride(4),
@@ -165,7 +165,7 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
 
 
 def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_positions, relative_positions) -> dict:
-    """One-pass statistics (:func:`kernels._stats_kernel`) for q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``;
+    """One-pass statistics (:func:`kernels.stats_kernel`) for q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``;
     ``lo``/``hi`` the band of ``j - i`` (offsets resolved), ``pos_offset`` the key position of query row 0.
 
     Returns float32 ``lse``, ``entropy``, ``max_weight``, ``mean_distance`` ``(B, Hk, G, Nq)``,
@@ -192,7 +192,7 @@ def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_
     if rows and nk:
         cfg = launch_config("fwd", d, d, q.element_size())
         grid = (triton.cdiv(nq, cfg["BLOCK_M"]), b * hk * g)
-        K._stats_kernel[grid](
+        K.stats_kernel[grid](
             q, k, lse, ent, maxw, dist, nkeys, top_v, top_i, kw, rw, kpos, rpos, m, kpt,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
             k.stride(0), k.stride(1), k.stride(3), k.stride(4),
@@ -247,7 +247,7 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
     if has_dlse:
         dlse = dlse.float().contiguous()  # shares lse's (contiguous) strides in the kernel
     if nq > 0:
-        K._bwd_preprocess[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
+        K.bwd_preprocess[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
             out, dout, dlse if has_dlse else lse, delta, cuq,
             _batch_stride(out, varlen), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
             *do_strides, *lse_strides, hk, g, nq, dv,
@@ -262,14 +262,14 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
     tail = (hk, g, nq, nk, d, dv, scale, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars)
     consts = dict(BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **score_flags, **cfg)
     if nk > 0:
-        K._bwd_dkdv_kernel[(triton.cdiv(max(nk_grid, 1), bn), b * hk)](
+        K.bwd_dkdv_kernel[(triton.cdiv(max(nk_grid, 1), bn), b * hk)](
             q, k, v, dout, lse, delta, dk, dvt, m, kpt, cuq, cuk, rel_t, *qkv_strides,
             _batch_stride(dk, varlen), dk.stride(1), dk.stride(3), dk.stride(4),
             _batch_stride(dvt, varlen), dvt.stride(1), dvt.stride(3), dvt.stride(4),
             *ms, *kps, stride_rh, *tail, **consts,
         )  # fmt: skip
     if nq > 0:
-        K._bwd_dq_kernel[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
+        K.bwd_dq_kernel[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
             q, k, v, dout, lse, delta, dq, m, kpt, cuq, cuk, rel_t, drel if rel_grad else rel_t, dlse if has_dlse else lse,
             *qkv_strides, _batch_stride(dq, varlen), dq.stride(1), dq.stride(2), dq.stride(3), dq.stride(4),
             *ms, *kps, stride_rh, *tail, rel_t.shape[1] if rel is not None else 0, **consts, REL_GRAD=rel_grad, HAS_DLSE=has_dlse,

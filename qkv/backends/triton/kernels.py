@@ -156,7 +156,7 @@ def _diagonal_sums(x, gidx, wrap):
 
 
 @triton.jit
-def _fwd_kernel(
+def fwd_kernel(
     Q, K, V, Out, Lse, Mask, KP, CuQ, CuK, Rel, Sinks,
     stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -173,7 +173,7 @@ def _fwd_kernel(
 ):
     """Output and lse for one query block of one query head, by online softmax over the key
     blocks it can see (scores in base 2, ``qk_scale`` = scale · LOG2E).
-    Its length is one fused kernel body: splitting it would move the running state through memory."""
+    Kept whole: one fused kernel body; splitting it would move the running state through memory."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)  # b * HK * G + hk * G + g
     g = pid_bh % G
@@ -249,7 +249,7 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_preprocess(
+def bwd_preprocess(
     Out, DOut, DLse, Delta, CuQ,
     stride_ob, stride_oh, stride_og, stride_on, stride_od,
     stride_db, stride_dh, stride_dg, stride_dn, stride_dd,
@@ -286,7 +286,7 @@ def _bwd_preprocess(
 
 
 @triton.jit
-def _bwd_dkdv_kernel(
+def bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV_, Mask, KP, CuQ, CuK, Rel,
     stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -305,7 +305,7 @@ def _bwd_dkdv_kernel(
 ):
     """dK, dV for one key block of one key/value head, looping over its G query heads and the
     query blocks that can see it (transposed tiles: rows are keys).
-    Its length is one fused kernel body: splitting it would move the running state through memory."""
+    Kept whole: one fused kernel body; splitting it would move the running state through memory."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # b * HK + hk
     hk = pid_bh % HK
@@ -375,7 +375,7 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, Mask, KP, CuQ, CuK, Rel, DRel, DLse,
     stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -392,7 +392,7 @@ def _bwd_dq_kernel(
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """dQ for one query block of one query head, looping over the key blocks it can see.
-    Its length is one fused kernel body: splitting it would move the running state through memory.
+    Kept whole: one fused kernel body; splitting it would move the running state through memory.
 
     ``REL_GRAD``: also the gradient of the relative bias, ``DRel[h, j - i + c0] += dS`` (fp32,
     zeroed by the caller). Each tile's diagonal sums cover diagonals ``[n0 - q0 - BLOCK_N,
@@ -502,7 +502,7 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _stats_kernel(
+def stats_kernel(
     Q, K, Lse, Ent, MaxW, Dist, NKeys, TopV, TopI, KW, RW, KPos, RPos, Mask, KP,
     stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -515,7 +515,7 @@ def _stats_kernel(
     K_TOP: tl.constexpr, N_KPOS: tl.constexpr, N_RPOS: tl.constexpr,
 ):
     """Per-row attention statistics in one pass (the forward kernel's loop without V).
-    Its length is one fused kernel body: splitting it would move the running state through memory.
+    Kept whole: one fused kernel body; splitting it would move the running state through memory.
 
     Kept per row, in base 2, rescaled like the output when the running maximum m grows:
     l = Σ 2^(s-m), e = Σ 2^(s-m)·(s-m) (entropy), the distance sum Σ 2^(s-m)·|pos-j|, the
