@@ -12,7 +12,7 @@ import qkv
 from qkv.backends import BACKENDS
 from qkv.reference import attention_ref
 
-from .conftest import (
+from .helpers import (
     FLOOR,
     MASK_KINDS,
     LargestAllocation,

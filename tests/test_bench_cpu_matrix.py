@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from .conftest import load_bench_script
+from .helpers import load_bench_script
 
 bench = load_bench_script("attention_matrix")
 overhead = load_bench_script("auto_overhead")

@@ -15,7 +15,7 @@ import torch
 
 import qkv
 
-from .conftest import BENCH, load_bench_script
+from .helpers import BENCH, load_bench_script
 
 SCRIPT = BENCH / "attention_gpu.py"
 bench = load_bench_script("attention_gpu")

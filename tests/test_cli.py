@@ -14,6 +14,7 @@ import pytest
 
 from qkv import cli
 from qkv.cli import main, sentence_trace
+from .helpers import bundled_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,11 +139,7 @@ def test_trace_and_glass_box_demo_do_not_import_torch():
 
 def test_demo_chinese_model_part(capsys, tmp_path):
     pytest.importorskip("matplotlib")
-    models = pytest.importorskip("qkv.models")
-    try:
-        models.default_model_dir()
-    except FileNotFoundError as e:  # pragma: no cover - depends on the environment
-        pytest.skip(f"the bundled model is not installed: {e}")
+    bundled_model_dir()
     assert main(["demo", "--lang", "zh", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     part = out[out.index("4. 真实模型"):]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from qkv.cli import main
+from .helpers import bundled_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,11 +32,7 @@ def _error(capsys, argv: list[str]) -> str:
 
 def _needs_model():
     pytest.importorskip("matplotlib")
-    models = pytest.importorskip("qkv.models")
-    try:
-        models.default_model_dir()
-    except FileNotFoundError as e:  # pragma: no cover - depends on the environment
-        pytest.skip(f"the bundled model is not installed: {e}")
+    bundled_model_dir()
 
 
 # -- explain: output files, sizes, model directory --------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from qkv import cli
 from qkv.cli import main
 from qkv.reference.toy import sentence_trace
+from .helpers import bundled_model_dir
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -25,11 +26,7 @@ def _error(capsys, argv: list[str]) -> str:
 
 def _needs_model():
     pytest.importorskip("torch")
-    models = pytest.importorskip("qkv.models")
-    try:
-        models.default_model_dir()
-    except FileNotFoundError as e:  # pragma: no cover - depends on the environment
-        pytest.skip(f"the bundled model is not installed: {e}")
+    bundled_model_dir()
 
 
 # -- the toy trace ---------------------------------------------------------------------------

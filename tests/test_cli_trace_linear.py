@@ -10,6 +10,7 @@ import pytest
 from qkv.cli import main
 from qkv.reference.linear import favor_projection, linear_steps
 from qkv.reference.toy import sentence_trace
+from .helpers import bundled_model_dir
 
 
 def _phi_elu(x: np.ndarray) -> np.ndarray:
@@ -42,11 +43,7 @@ def test_terminal_view_follows_the_softmax_trace(capsys):
 
 
 def test_favor_on_a_model_head_is_summarised_and_seeded(capsys):
-    models = pytest.importorskip("qkv.models")
-    try:
-        models.default_model_dir()
-    except FileNotFoundError as e:  # pragma: no cover - depends on the environment
-        pytest.skip(f"the bundled model is not installed: {e}")
+    bundled_model_dir()
     assert main(["trace", "she led the team", "--model", "--layer", "1", "--head", "3", "--linear", "favor"]) == 0
     out = capsys.readouterr().out
     assert "F = 128 features" in out and "(columns 0–3, 126–127 of 128 shown" in out

@@ -12,7 +12,7 @@ import torch
 
 import qkv
 
-from .conftest import max_err
+from .helpers import max_err
 
 CALLS = {
     "causal": {"is_causal": True},

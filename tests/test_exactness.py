@@ -12,7 +12,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 import qkv
 from qkv.reference import attention_ref
 
-from .conftest import assert_lse_of_16_bit_inputs, assert_within_rule, make_qkv, max_err
+from .helpers import assert_lse_of_16_bit_inputs, assert_within_rule, make_qkv, max_err
 
 BACKENDS = ["auto", "sdpa", "chunked", "math"]
 

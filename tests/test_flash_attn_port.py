@@ -76,7 +76,7 @@ from qkv.backends import BACKENDS
 from qkv.backends.chunked import ChunkedBackend
 from qkv.nn import KVCache
 
-from .conftest import DEVICE, FLOOR, max_err, on_cpu, on_device, param_grid
+from .helpers import DEVICE, FLOOR, max_err, on_cpu, on_device, param_grid
 from .flash_ref import (
     attention_ref,
     attn_bias_from_alibi_slopes,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from . import device
-from .conftest import BENCH, load_bench_script
+from .helpers import BENCH, load_bench_script
 
 check = load_bench_script("gpu_check")
 ROOT = BENCH.parent

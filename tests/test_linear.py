@@ -13,7 +13,7 @@ import qkv
 from qkv.linear import LinearAttentionState, favor_features, linear_attention
 from qkv.reference.linear import favor_projection, linear_attention_ref, linear_steps
 
-from .conftest import assert_within_rule, max_err
+from .helpers import assert_within_rule, max_err
 
 f64 = torch.float64
 MAPS = ["elu", "relu", "favor"]

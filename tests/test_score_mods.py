@@ -18,7 +18,7 @@ import qkv
 from qkv.backends import BACKENDS, BackendError
 from qkv.score_mods import ALiBi, RelativeBias, ScoreMod, Softcap, alibi_slopes, relative_buckets
 
-from .conftest import FLOOR, LargestAllocation, assert_within_rule, make_qkv, mask_kwargs, max_err
+from .helpers import FLOOR, LargestAllocation, assert_within_rule, make_qkv, mask_kwargs, max_err
 
 H = 4
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import qkv
 
-from .conftest import max_err
+from .helpers import max_err
 
 
 @st.composite

@@ -10,7 +10,7 @@ import qkv
 from qkv import sparse
 from qkv.reference import attention_ref
 
-from .conftest import max_err
+from .helpers import max_err
 
 f64 = torch.float64
 

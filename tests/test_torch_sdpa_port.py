@@ -103,7 +103,7 @@ from qkv.backends.chunked import ChunkedBackend
 from qkv.call import validate
 from qkv.reference import attention_ref
 
-from .conftest import assert_lse_of_16_bit_inputs, assert_within_rule, max_err, param_grid
+from .helpers import assert_lse_of_16_bit_inputs, assert_within_rule, max_err, param_grid
 
 BACKENDS = ["auto", "sdpa", "chunked", "math"]
 

@@ -12,7 +12,7 @@ import qkv
 from qkv.reference import attention_ref
 from qkv.varlen import attention_varlen
 
-from .conftest import DEVICE, FLOOR, assert_within_rule, max_err, on_cpu, on_device
+from .helpers import DEVICE, FLOOR, assert_within_rule, max_err, on_cpu, on_device
 from .rounding_baseline import rounded_attention
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

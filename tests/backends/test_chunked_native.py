@@ -10,7 +10,7 @@ import qkv
 from qkv.backends import chunked as chunked_mod
 from qkv.backends import chunked_native, native
 
-from ..conftest import make_qkv, max_err
+from ..helpers import make_qkv, max_err
 
 pytestmark = pytest.mark.skipif(
     native.library() is None or native.gemm(torch.float64) is None, reason=f"native kernels {native.status()} / no BLAS"

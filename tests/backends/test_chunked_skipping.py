@@ -11,7 +11,7 @@ import qkv
 from qkv.backends import chunked as chunked_mod
 from qkv.backends import chunked_native
 
-from ..conftest import max_err
+from ..helpers import max_err
 
 
 def _grads(q, k, v, backend, kw):

@@ -15,7 +15,7 @@ from qkv.backends import decode_cpu, native
 from qkv.call import validate
 from qkv.reference import attention_ref
 
-from ..conftest import assert_within_rule, max_err
+from ..helpers import assert_within_rule, max_err
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native CPU kernels are not built")
 

@@ -15,7 +15,7 @@ from qkv.backends import auto_order
 from qkv.backends.flash_cpu import can_fuse, empty_rows
 from qkv.call import validate
 
-from ..conftest import assert_within_rule, make_qkv, max_err
+from ..helpers import assert_within_rule, make_qkv, max_err
 
 CAUSAL = [False, True, "bottom_right"]
 WINDOWS = [None, (40, 0), (30, 50), (None, 20), (-1, 0), (0, 0)]

@@ -21,7 +21,7 @@ from qkv.backends import chunked_native, native
 from qkv.backends.chunked import ChunkedBackend
 from qkv.inspect import attention_stats, attention_with_stats
 
-from ..conftest import LargestAllocation, make_qkv, max_err
+from ..helpers import LargestAllocation, make_qkv, max_err
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")

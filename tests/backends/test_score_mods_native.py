@@ -15,7 +15,7 @@ from qkv.backends import chunked as chunked_mod
 from qkv.backends import chunked_native, native
 from qkv.score_mods import ALiBi, RelativeBias, ScoreMod, Softcap, alibi_slopes
 
-from ..conftest import assert_within_rule, make_qkv, mask_kwargs, max_err, param_grid
+from ..helpers import assert_within_rule, make_qkv, mask_kwargs, max_err, param_grid
 
 pytestmark = pytest.mark.skipif(
     native.library() is None or native.gemm(torch.float64) is None, reason=f"native kernels {native.status()} / no BLAS"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ..conftest import DEVICE, FLOOR, INTERPRETED, assert_within_rule, make_qkv, mask_kwargs, max_err, on_cpu, on_device
+from ..helpers import DEVICE, FLOOR, INTERPRETED, assert_within_rule, make_qkv, mask_kwargs, max_err, on_cpu, on_device
 
 pytest.importorskip("triton")
 

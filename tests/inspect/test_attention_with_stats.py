@@ -10,7 +10,7 @@ import qkv
 from qkv.inspect import AttentionStats, attention_stats, attention_with_stats, record
 from qkv.inspect import stats as stats_mod
 
-from ..conftest import assert_within_rule, make_qkv, max_err
+from ..helpers import assert_within_rule, make_qkv, max_err
 from .test_capture import Model
 from .test_maps import mask_cases
 

@@ -20,12 +20,8 @@ SENTENCE = (
 
 
 @pytest.fixture(scope="module")
-def model():
-    try:
-        models.default_model_dir()
-    except FileNotFoundError as e:  # pragma: no cover - depends on the environment
-        pytest.skip(f"the bundled model is not installed: {e}")
-    return models.load()
+def model(bundled_model):
+    return bundled_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 import qkv
 from qkv.inspect import attention_map, attention_scores
 from qkv.reference.attention import combined_mask, repeat_kv_heads, softmax_rows
-from ..conftest import make_qkv
+from ..helpers import make_qkv
 
 f64 = torch.float64
 
@@ -179,7 +179,7 @@ def test_nan_inputs_give_nan_maps_not_an_lse_error():
 
 
 def test_lse_check_stays_off_the_nq_by_nk_matrix():
-    from ..conftest import LargestAllocation
+    from ..helpers import LargestAllocation
 
     q, k, _ = make_qkv(1, 2, 2, 2048, 2048, 16)
     _, lse = qkv.attention(q, k, k, return_lse=True)

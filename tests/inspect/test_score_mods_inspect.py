@@ -8,6 +8,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+
+from ..helpers import bundled_model_dir
 import torch
 
 import qkv
@@ -27,7 +29,7 @@ from qkv.reference.attention import attention_ref
 from qkv.score_mods import ALiBi, Softcap
 from qkv.score_mods.alibi import alibi_slopes
 
-from ..conftest import make_qkv, on_device
+from ..helpers import make_qkv, on_device
 from .test_maps import mask_cases
 from .test_stats import check, offset_of, ref_stats
 
@@ -316,14 +318,11 @@ def test_gpt_oss_sink_maps_and_shares_equal_eager_attentions():
 
 
 def test_the_glass_box_refuses_a_head_with_a_score_function(monkeypatch):
-    models = pytest.importorskip("qkv.models")
-    try:
-        models.default_model_dir()
-    except FileNotFoundError as e:  # pragma: no cover - depends on the environment
-        pytest.skip(f"the bundled model is not installed: {e}")
+    bundled_model_dir()
+    from qkv import models
     from qkv.inspect import trace_model
 
-    model = models.load()
+    model = models.load()  # its own copy: a layer is changed below
     monkeypatch.setattr(model.encoder.layers[1].self_attn, "score_mod", Softcap(5.0), raising=False)
     with pytest.raises(NotImplementedError, match="score function"):
         trace_model("she said", model, layer=1, head=0)

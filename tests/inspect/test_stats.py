@@ -10,7 +10,7 @@ import qkv
 from qkv.inspect import attention_stats
 from qkv.reference.masks import parse_causal
 
-from ..conftest import LargestAllocation, make_qkv
+from ..helpers import LargestAllocation, make_qkv
 from .test_maps import SHAPES, mask_cases, ref_scores_weights
 
 f64 = torch.float64

@@ -15,7 +15,7 @@ from qkv.inspect import attention_stats
 from qkv.info import report
 from qkv.inspect import stats as stats_mod
 
-from ..conftest import make_qkv
+from ..helpers import make_qkv
 from .test_maps import mask_cases, ref_scores_weights
 from .test_stats import offset_of, ref_stats
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ..conftest import make_qkv, on_device
+from ..helpers import make_qkv, on_device
 
 pytest.importorskip("triton")
 

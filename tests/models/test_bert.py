@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from . import bundled_model_dir
+from ..helpers import bundled_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-MODEL_DIR = bundled_model_dir()
+MODEL_DIR = bundled_model_dir(module_level=True)
 models = pytest.importorskip("qkv.models")
 
 SENTENCES = [

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from . import bundled_model_dir
+from ..helpers import bundled_model_dir
 
-MODEL_DIR = bundled_model_dir()
+MODEL_DIR = bundled_model_dir(module_level=True)
 models = pytest.importorskip("qkv.models")
 
 

@@ -12,9 +12,9 @@ import resource
 import pytest
 import torch
 
-from . import bundled_model_dir
+from ..helpers import bundled_model_dir
 
-MODEL_DIR = bundled_model_dir()
+MODEL_DIR = bundled_model_dir(module_level=True)
 models = pytest.importorskip("qkv.models")
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sentence_bert_config.json")

@@ -13,15 +13,13 @@ import tempfile
 import numpy as np
 import pytest
 
+from ..helpers import bundled_model_dir
+
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
     pytest.skip("headless Chromium is not installed: apt-get install chromium chromium-driver", allow_module_level=True)
 webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test needs Selenium: pip install selenium")
-models = pytest.importorskip("qkv.models", reason="the report is built from the model in qkv.models")
-try:
-    models.default_model_dir()
-except FileNotFoundError as e:  # pragma: no cover - depends on the environment
-    pytest.skip(f"the bundled model is not installed: {e}", allow_module_level=True)
+bundled_model_dir(module_level=True)
 
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402

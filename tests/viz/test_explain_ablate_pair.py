@@ -24,11 +24,8 @@ TROPHY = "The trophy didn't fit in the suitcase because it was too big."
 
 
 @pytest.fixture(scope="module")
-def model():
-    try:
-        return models.load()
-    except (FileNotFoundError, ImportError) as e:  # the bundled checkpoint is an optional extra
-        pytest.skip(f"bundled model unavailable: {e}")
+def model(bundled_model):
+    return bundled_model
 
 
 def _ids(model, text, pair=None):

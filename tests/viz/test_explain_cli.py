@@ -12,12 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ..helpers import bundled_model_dir
+
 pytest.importorskip("matplotlib", reason="qkv explain --png needs matplotlib: pip install matplotlib")
-models = pytest.importorskip("qkv.models", reason="qkv explain runs the model in qkv.models")
-try:
-    models.default_model_dir()
-except FileNotFoundError as e:  # pragma: no cover - depends on the environment
-    pytest.skip(f"the bundled model is not installed: {e}", allow_module_level=True)
+bundled_model_dir(module_level=True)
 
 from qkv.cli import MODEL_SENTENCE, main  # noqa: E402
 

@@ -21,11 +21,8 @@ SMALL = "The trophy didn't fit in the suitcase because it was too small."
 
 
 @pytest.fixture(scope="module")
-def model():
-    try:
-        return models.load()
-    except (FileNotFoundError, ImportError) as e:
-        pytest.skip(f"bundled model unavailable: {e}")
+def model(bundled_model):
+    return bundled_model
 
 
 @pytest.fixture(scope="module")
