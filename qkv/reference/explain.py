@@ -168,6 +168,7 @@ class _Story(_Facts):
             lines += ["", self.say("other_heads")]
             for k, hk in enumerate(t.heads[1:], start=1):
                 lines.append(self.say("other_head", k=k, verdict=self.verdict(hk, short_form=True)))
+            assert t.concat is not None  # a multi-head trace keeps the heads' outputs side by side
             lines += ["", self.say("concat", H=t.num_heads, me=me, row=self.v(t.concat[i]), n=t.concat.shape[1])]
         if t.projected is not None:
             key = "projected_row" if t.num_heads > 1 else "projected"
@@ -214,6 +215,7 @@ class _Story(_Facts):
     def mask_parts(self, h: "Trace") -> list[str]:
         """The mask step's sentences: the keys it hides, the scores it shifts, or that it did nothing."""
         i, me = self.i, self.q(self.i)
+        assert h.masked is not None  # called only for a masked head
         hidden, parts = self.hidden(h), []
         if hidden:
             causal = "causal" in h.mask_kinds and all(j > i for j in hidden)
