@@ -17,6 +17,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..locale import check_lang, text
+
 __all__ = ["Ablation", "ablation_effect", "parse_head", "check_heads"]
 
 
@@ -117,34 +119,22 @@ class Ablation:
         return d
 
     def to_lines(self, lang: str = "en") -> list[str]:
-        """The report's section for the terminal."""
+        """The report's section for the terminal, in ``lang`` (the catalogue's ``ablation.*`` messages)."""
+        check_lang(lang)
         f = self.tokens[self.focus_index]
         mean, mx, at = self.others()
-        zh = lang == "zh"
-        mode = {"zero": "置零" if zh else "zeroed", "mean": "换成平均输出" if zh else "mean-ablated"}[self.mode]
-        if zh:
-            out = [f"消融 {self.head_names}（{mode}）之后：",
-                   f"  “{f}”最终表示的余弦距离：{self.focus_distance:.4f}"]
-            if at >= 0:
-                out.append(f"  其他词元：平均 {mean:.4f}，最大 {mx:.4f}（“{self.tokens[at]}”，第 {at} 个）")
-            out.append(f"  句向量（最终表示的平均）的余弦距离：{self.embedding_distance:.4f}")
-        else:
-            out = [f"Ablating {self.head_names} ({mode}):",
-                   f'  cosine distance of "{f}"\'s final state: {self.focus_distance:.4f}']
-            if at >= 0:
-                out.append(f'  other tokens: mean {mean:.4f}, max {mx:.4f} ("{self.tokens[at]}", token {at})')
-            out.append(f"  sentence embedding (mean of final states): cosine distance {self.embedding_distance:.4f}")
+        mode = text(f"ablation.mode.{self.mode}", lang)
+        out = [text("ablation.title", lang, heads=self.head_names, mode=mode),
+               text("ablation.focus", lang, tok=f, d=self.focus_distance)]
+        if at >= 0:
+            out.append(text("ablation.others", lang, mean=mean, max=mx, tok=self.tokens[at], i=at))
+        out.append(text("ablation.embedding", lang, d=self.embedding_distance))
         nt = self.next_token
         if nt is not None:
             top = lambda xs: ", ".join(f"{t} {np.exp(p):.3f}" for t, p in xs)  # noqa: E731
-            if zh:
-                out += [f"  “{f}”之后下一个词元的预测：KL(原始‖消融) = {nt['kl']:.4f} nats，"
-                        f"原来最可能的“{nt['clean_top'][0][0]}”的对数概率变化 {nt['delta_logprob']:+.4f}",
-                        f"    原始：{top(nt['clean_top'])}", f"    消融：{top(nt['ablated_top'])}"]
-            else:
-                out += [f'  next-token prediction after "{f}": KL(clean ‖ ablated) = {nt["kl"]:.4f} nats, '
-                        f'log-probability of the clean favourite "{nt["clean_top"][0][0]}" {nt["delta_logprob"]:+.4f}',
-                        f"    clean:   {top(nt['clean_top'])}", f"    ablated: {top(nt['ablated_top'])}"]
+            out += [text("ablation.next", lang, tok=f, kl=nt["kl"], top=nt["clean_top"][0][0], delta=nt["delta_logprob"]),
+                    text("ablation.clean", lang, tokens=top(nt["clean_top"])),
+                    text("ablation.ablated", lang, tokens=top(nt["ablated_top"]))]
         return out
 
 

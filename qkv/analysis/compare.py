@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .explain import Explanation, encode, explain, shorten, zh_note
+from ..locale import check_lang, text
+from .explain import Explanation, encode, explain, note_text, shorten
 from .loading import load_model
 
 __all__ = ["Comparison", "compare", "align_tokens"]
@@ -48,12 +49,12 @@ def _keys(enc: Any, text: str) -> list[str]:
     return [f"{t}\x00{text[a:b]}" if t in _UNKNOWN else t for t, (a, b) in zip(enc.tokens, enc.offsets, strict=True)]
 
 
-def _listed(tokens: list[str], zh: bool, most: int = 20) -> str:
-    """Tokens for a report line: at most ``most``, then how many more."""
+def _listed(tokens: list[str], lang: str, most: int = 20) -> str:
+    """Tokens for a report line in ``lang``: at most ``most``, then how many more."""
     if not tokens:
-        return "无" if zh else "none"
+        return text("compare.none", lang)
     more = len(tokens) - most
-    tail = "" if more <= 0 else (f" …（另有 {more} 个）" if zh else f" … ({more} more)")
+    tail = "" if more <= 0 else text("compare.more", lang, more=more)
     return " ".join(tokens[:most]) + tail
 
 
@@ -148,52 +149,44 @@ class Comparison:
         }
 
     def to_string(self, top: int = 5, lang: str = "en") -> str:
-        if lang not in ("en", "zh"):
-            raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
-        zh = lang == "zh"
+        """The terminal report in ``lang`` ("en" or "zh"; the catalogue's ``compare.*`` messages)."""
+        check_lang(lang)
         a, b = self.a, self.b
         fa, fb = a.tokens[a.focus_index], b.tokens[b.focus_index]
-        only_a = _listed([a.tokens[i] for i in range(len(a.tokens)) if i not in dict(self.pairs)], zh)
-        only_b = _listed([b.tokens[j] for j in range(len(b.tokens)) if j not in {j for _, j in self.pairs}], zh)
-        if zh:
-            out = [f"模型：{a.model_name}（{a.num_layers} 层 × {a.num_heads} 个头）",
-                   f"A：{shorten(a.text, 300)}", f"B：{shorten(b.text, 300)}",
-                   f"关注词元：A 中的“{fa}”（第 {a.focus_index} 个）与 B 中的“{fb}”（第 {b.focus_index} 个）；"
-                   f"{len(self.pairs)} 个词元对齐，只在 A 中：{only_a}，只在 B 中：{only_b}"]
-            out += [f"说明：B 中：{zh_note(n[6:])}" if n.startswith("in B: ") else f"说明：{zh_note(n)}" for n in self.notes]
-            out += ["", f"“{fa}”的注意力变化最大的头（全变差距离，0 = 相同，1 = 完全不同）："]
-        else:
-            out = [f"Model: {a.model_name} ({a.num_layers} layers × {a.num_heads} heads)",
-                   f"A: {shorten(a.text, 300)}", f"B: {shorten(b.text, 300)}",
-                   f'Focus: "{fa}" (token {a.focus_index} of A) and "{fb}" (token {b.focus_index} of B); '
-                   f"{len(self.pairs)} tokens aligned, only in A: {only_a}, only in B: {only_b}"]
-            out += [f"Note: {n}" for n in self.notes]
-            out += ["", f'Heads where "{fa}"\'s attention moved most (total variation distance, 0 = same, 1 = disjoint):']
+        only_a = _listed([a.tokens[i] for i in range(len(a.tokens)) if i not in dict(self.pairs)], lang)
+        only_b = _listed([b.tokens[j] for j in range(len(b.tokens)) if j not in {j for _, j in self.pairs}], lang)
+        out = [text("compare.model", lang, model=a.model_name, L=a.num_layers, H=a.num_heads),
+               text("compare.a", lang, text=shorten(a.text, 300)), text("compare.b", lang, text=shorten(b.text, 300)),
+               text("compare.focus", lang, fa=fa, ia=a.focus_index, fb=fb, ib=b.focus_index, n=len(self.pairs),
+                    only_a=only_a, only_b=only_b)]
+        out += [text("explain.note", lang, note=self._note(n, lang)) for n in self.notes]
+        out += ["", text("compare.moved_heads", lang, tok=fa)]
         for l, h, d in self.top_changes(top):
             (i, lost), (j, won) = self.moved(l, h)
             ta = a.tokens[int(np.argmax(a.focus_weights[l, h]))]
             tb = b.tokens[int(np.argmax(b.focus_weights[l, h]))]
-            if zh:
-                out.append(f"  L{l} H{h}  {d:.3f}   A 中最关注 {ta}，B 中最关注 {tb}；"
-                           f"“{a.tokens[i]}”失去 {lost:.2f}，“{b.tokens[j]}”得到 {won:.2f}")
-            else:
-                out.append(f"  L{l} H{h}  {d:.3f}   top in A: {ta}, in B: {tb}; "
-                           f"{a.tokens[i]} lost {lost:.2f}, {b.tokens[j]} gained {won:.2f}")
+            out.append(text("compare.moved_head", lang, l=l, h=h, d=d, ta=ta, tb=tb,
+                            lost_tok=a.tokens[i], lost=lost, won_tok=b.tokens[j], won=won))
         out.append("")
-        out.append("只看两句共有的词元（重新归一化）时变化最大的头：" if zh
-                   else "On the tokens both texts share (renormalised), the heads that moved most:")
+        out.append(text("compare.shared_heads", lang))
         ia = dict(self.pairs)
         for l, h, d in self.top_changes(top, shared=True):
             ra, rb = a.focus_weights[l, h], b.focus_weights[l, h]
             shared_top = lambda r, idx: max(idx, key=lambda i: r[i])  # noqa: E731
             ta = a.tokens[shared_top(ra, list(ia))]
             tb = b.tokens[shared_top(rb, list(ia.values()))]
-            out.append(f"  L{l} H{h}  {d:.3f}   A 中最关注 {ta}，B 中最关注 {tb}" if zh
-                       else f"  L{l} H{h}  {d:.3f}   top shared token in A: {ta}, in B: {tb}")
+            out.append(text("compare.shared_head", lang, l=l, h=h, d=d, ta=ta, tb=tb))
         mean = float(self.distance.mean())
         out.append("")
-        out.append(f"  所有头的平均距离：{mean:.3f}" if zh else f"  mean distance over all heads: {mean:.3f}")
+        out.append(text("compare.mean", lang, mean=mean))
         return "\n".join(out)
+
+    @staticmethod
+    def _note(note: str, lang: str) -> str:
+        """A note in ``lang``; those about B (``"in B: …"``) keep saying so."""
+        if note.startswith("in B: "):
+            return text("note.in_b", lang, note=note_text(note[len("in B: "):], lang))
+        return note_text(note, lang)
 
     def _repr_html_(self) -> str:
         """The comparison page (distance grid, both maps, B − A), for notebooks, in an iframe."""

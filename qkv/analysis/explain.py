@@ -26,9 +26,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..locale import check_lang, text
 from .loading import load_model
 
-__all__ = ["Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word", "zh_note", "shorten", "encode", "Encoded", "longest_first", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
+__all__ = ["Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word", "note_text", "zh_note", "shorten", "encode", "Encoded", "longest_first", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
 
 SENTENCE = (
     "Alice is an outstanding software engineer; she led the development of the company's core "
@@ -271,63 +272,69 @@ class Explanation:
     def to_string(self, top: int = 1, lang: str = "en") -> str:
         """The terminal report: tokens, a layer × head table of top tokens, top heads, statistics.
 
-        ``lang`` is "en" (English) or "zh" (Chinese, notes included).
+        ``lang`` is "en" (English) or "zh" (Chinese, notes included); the words are the
+        catalogue's ``explain.*`` messages.
         """
-        if lang not in ("en", "zh"):
-            raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
-        if lang == "zh":
-            return self._to_string_zh(top)
+        check_lang(lang)
         toks, f, t, keys = self.tokens, self.focus_index, self.target_index, self.keys
-        out = [f"Model: {self.model_name} ({self.num_layers} layers × {self.num_heads} heads), {len(toks)} tokens"]
-        out.append("Tokens: " + self._token_line())
-        out.append(f'Focus: "{toks[f]}" (token {f})' + (f' for "{self.focus_word}"' if self.focus_word else ""))
-        for n in self.notes:
-            out.append(f"Note: {n}")
+        out = [text("explain.model", lang, model=self.model_name, L=self.num_layers, H=self.num_heads, n=len(toks))]
+        out.append(text("explain.tokens", lang, tokens=self._token_line()))
+        out.append(text("explain.focus", lang, tok=toks[f], i=f)
+                   + (text("explain.focus_word", lang, word=self.focus_word) if self.focus_word else ""))
+        out += [text("explain.note", lang, note=note_text(n, lang)) for n in self.notes]
         out.append("")
-        out.append(f'Where "{toks[f]}" looks most: its top {top} token(s) and weight, '
-                   "in every head (rows) of every layer (columns):")
+        out.append(text("explain.looks_most", lang, tok=toks[f], top=top))
+        out += self._top_token_grid(top)
+        out.append("")
+        how = "" if self.target_given else text(
+            "explain.target_how_pair" if self.other_segment() else "explain.target_how", lang)
+        out.append(text("explain.link_heads", lang, tok=toks[f], target=keys[t], how=how))
+        for l, h, w in self.top_heads(5):
+            tops = self.top_tokens(l, h, 1)[0]
+            out.append(text("explain.link_head", lang, l=l, h=h, w=w, top=keys[tops[0]], top_w=tops[1]))
+        out.append("")
+        out += self._stats_lines(lang)
+        if "pair_weight" in self.stats:
+            out.append("")
+            out.append(text("explain.pair_heads", lang, tok=toks[f], span=self._other_span(lang)))
+            out += [f"  L{l} H{h}  {w:.3f}" for l, h, w in self.top_pair_heads(5)]
+        if self.ablation is not None:
+            out += [""] + self.ablation.to_lines(lang)
+        return "\n".join(out)
+
+    def _top_token_grid(self, top: int) -> list[str]:
+        """Each head's top ``top`` tokens and weights: heads in rows, layers in columns, as many
+        layers side by side as fit 112 characters."""
+        keys = self.keys
         cell = [[", ".join(f"{shorten(keys[i])} {w:.2f}" for i, w in self.top_tokens(l, h, top))
                  for l in range(self.num_layers)] for h in range(self.num_heads)]
         width = max(len(c) for row in cell for c in row)
         per_line = max(1, 112 // (width + 2))
+        out = []
         for start in range(0, self.num_layers, per_line):
             ls = range(start, min(self.num_layers, start + per_line))
             out.append("       " + "  ".join(f"L{l}".ljust(width) for l in ls).rstrip())
             for h in range(self.num_heads):
                 out.append(f"  H{h:<3} " + "  ".join(cell[h][l].ljust(width) for l in ls).rstrip())
-        out.append("")
-        how = "" if self.target_given else (
-            " (the most-attended content token of the other sentence; choose with --target, or target= in Python)" if self.other_segment()
-            else " (the most-attended other content token; choose with --target, or target= in Python)")
-        out.append(f'Heads that link "{toks[f]}" most strongly to "{keys[t]}"{how}:')
-        for l, h, w in self.top_heads(5):
-            tops = self.top_tokens(l, h, 1)[0]
-            out.append(f"  L{l} H{h}  weight {w:.3f}   (its top token: {keys[tops[0]]} {tops[1]:.3f})")
-        out.append("")
-        st = self.stats
-        first = shorten(keys[0], 5)
-        out.append(f'Per-head statistics of "{toks[f]}"\'s attention: entropy in nats (uniform over {len(keys)} tokens '
-                   f"= {math.log(len(keys)):.2f}), max weight, weight on {keys[0]}:")
-        head_cell = f"{'ent':>4} {'max':>4} {first:>5}"
+        return out
+
+    def _stats_lines(self, lang: str) -> list[str]:
+        """Entropy, max weight and weight on the first token of the focus row in every head, six
+        layers side by side, and where the weight parks on average."""
+        st, keys, tok = self.stats, self.keys, self.tokens[self.focus_index]
+        out = [text("explain.stats", lang, tok=tok, n=len(keys), uniform=math.log(len(keys)), first=keys[0])]
+        head_cell = text("explain.stats_columns", lang, first=shorten(keys[0], 5))
         for start in range(0, self.num_layers, 6):
             ls = range(start, min(self.num_layers, start + 6))
-            out.append("       " + "   ".join(f"L{l}".ljust(len(head_cell)) for l in ls).rstrip())
+            # 15: the cell's width on screen (a CJK column head is narrower in characters, as wide in columns)
+            out.append("       " + "   ".join(f"L{l}".ljust(15) for l in ls).rstrip())
             out.append("       " + "   ".join(head_cell for _ in ls))
             for h in range(self.num_heads):
                 out.append(f"  H{h:<3} " + "   ".join(
                     f"{st['entropy'][l, h]:4.2f} {st['max_weight'][l, h]:4.2f} {st['first_weight'][l, h]:5.2f}" for l in ls))
-        mean_first = float(np.mean(st["first_weight"]))
-        mean_last = float(np.mean(st["last_weight"]))
-        out.append(f"  on average {mean_first:.0%} of the focus token's attention goes to {keys[0]} and "
-                   f"{mean_last:.0%} to {keys[-1]}: heads with nothing to do often park their weight there.")
-        if "pair_weight" in st:
-            out.append("")
-            out.append(f'Heads that send most of "{toks[f]}"\'s attention to the other text of the pair '
-                       f"(its tokens {self._other_span()}):")
-            out += [f"  L{l} H{h}  {w:.3f}" for l, h, w in self.top_pair_heads(5)]
-        if self.ablation is not None:
-            out += [""] + self.ablation.to_lines("en")
-        return "\n".join(out)
+        out.append(text("explain.parked", lang, first=float(np.mean(st["first_weight"])), first_tok=keys[0],
+                        last=float(np.mean(st["last_weight"])), last_tok=keys[-1]))
+        return out
 
     def top_pair_heads(self, k: int = 5) -> list[tuple[int, int, float]]:
         """``(layer, head, weight)`` of the heads that send the focus token's attention across the pair most."""
@@ -337,119 +344,82 @@ class Explanation:
         order = np.argsort(-w, axis=None, kind="stable")[:k]
         return [(int(i // self.num_heads), int(i % self.num_heads), float(w.flat[i])) for i in order]
 
-    def _other_span(self) -> str:
+    def _other_span(self, lang: str = "en") -> str:
         other = self.other_segment()
-        return f"{other[0]} to {other[-1]}" if other else "none"
+        return text("explain.span", lang, first=other[0], last=other[-1]) if other else text("explain.span_none", lang)
 
     def _token_line(self) -> str:
         start = self.pair_start
         return " ".join(("‖ " if i == start else "") + f"{i}:{tok}" for i, tok in enumerate(self.tokens))
 
 
-    def _to_string_zh(self, top: int) -> str:
-        toks, f, t, keys = self.tokens, self.focus_index, self.target_index, self.keys
-        out = [f"模型：{self.model_name}（{self.num_layers} 层 × {self.num_heads} 个头），{len(toks)} 个词元"]
-        out.append("词元：" + self._token_line())
-        out.append(f"关注词元：“{toks[f]}”（第 {f} 个词元）" + (f"，对应“{self.focus_word}”" if self.focus_word else ""))
-        for n in self.notes:
-            out.append(f"说明：{zh_note(n)}")
-        out.append("")
-        out.append(f"“{toks[f]}”最关注哪里：每一层（列）每个头（行）中权重最大的 {top} 个词元及其权重：")
-        cell = [[", ".join(f"{shorten(keys[i])} {w:.2f}" for i, w in self.top_tokens(l, h, top))
-                 for l in range(self.num_layers)] for h in range(self.num_heads)]
-        width = max(len(c) for row in cell for c in row)
-        per_line = max(1, 112 // (width + 2))
-        for start in range(0, self.num_layers, per_line):
-            ls = range(start, min(self.num_layers, start + per_line))
-            out.append("       " + "  ".join(f"L{l}".ljust(width) for l in ls).rstrip())
-            for h in range(self.num_heads):
-                out.append(f"  H{h:<3} " + "  ".join(cell[h][l].ljust(width) for l in ls).rstrip())
-        out.append("")
-        how = "" if self.target_given else (
-            "（自动选出的、它在另一句中最关注的实词；可用 --target 指定）" if self.other_segment()
-            else "（自动选出的、它最关注的另一个实词；可用 --target 指定）")
-        out.append(f"把“{toks[f]}”和“{keys[t]}”联系得最紧的头{how}：")
-        for l, h, w in self.top_heads(5):
-            tops = self.top_tokens(l, h, 1)[0]
-            out.append(f"  L{l} H{h}  权重 {w:.3f}   （它最关注的词元：{keys[tops[0]]} {tops[1]:.3f}）")
-        out.append("")
-        st = self.stats
-        first = shorten(keys[0], 5)
-        out.append(f"“{toks[f]}”的注意力在每个头上的统计：熵（单位 nats；在 {len(keys)} 个词元上均匀分布时为 "
-                   f"{math.log(len(keys)):.2f}）、最大权重、落在 {keys[0]} 上的权重：")
-        head_cell = f"{'熵':>3} {'最大':>2} {first:>5}"
-        for start in range(0, self.num_layers, 6):
-            ls = range(start, min(self.num_layers, start + 6))
-            out.append("       " + "   ".join(f"L{l}".ljust(15) for l in ls).rstrip())
-            out.append("       " + "   ".join(head_cell for _ in ls))
-            for h in range(self.num_heads):
-                out.append(f"  H{h:<3} " + "   ".join(
-                    f"{st['entropy'][l, h]:4.2f} {st['max_weight'][l, h]:4.2f} {st['first_weight'][l, h]:5.2f}" for l in ls))
-        mean_first = float(np.mean(st["first_weight"]))
-        mean_last = float(np.mean(st["last_weight"]))
-        out.append(f"  平均而言，关注词元的注意力有 {mean_first:.0%} 落在 {keys[0]} 上，{mean_last:.0%} 落在 {keys[-1]} 上："
-                   "没有事可做的头常常把权重“停放”在这里。")
-        if "pair_weight" in st:
-            out.append("")
-            out.append(f"把“{toks[f]}”的注意力最多地送到句对中另一句（{self._other_span().replace(' to ', ' 到 ')} 号词元）的头：")
-            out += [f"  L{l} H{h}  {w:.3f}" for l, h, w in self.top_pair_heads(5)]
-        if self.ablation is not None:
-            out += [""] + self.ablation.to_lines("zh")
-        return "\n".join(out)
-
-
-_ZH_NOTES: list[tuple[str, str]] = [
+# The notes explain() records, in English (they are data: to_dict and the pages carry them), each
+# matched by a pattern and worded in any language by its catalogue message; a default target's
+# list of what it left out ("rest") is worded part by part (note.rest.*).
+_NOTES: tuple[tuple[str, str], ...] = (
     (r'the focus "(?P<t>.*)" has no counterpart in B; looking for "(?P<w>.*)" there',
-     "关注词元“{t}”在 B 中没有对应的词元；改在 B 中查找“{w}”"),
+     "note.focus_elsewhere"),
     (r'the focus "(?P<t>.*)" has no counterpart in B; looking for B\'s own choice',
-     "关注词元“{t}”在 B 中没有对应的词元；由 B 自行选择"),
+     "note.focus_b_choice"),
     (r'the target "(?P<t>.*)" has no counterpart in B; looking for "(?P<w>.*)" there',
-     "目标“{t}”在 B 中没有对应的词元；改在 B 中查找“{w}”"),
+     "note.target_elsewhere"),
     (r'the target "(?P<t>.*)" has no counterpart in B; looking for B\'s own choice',
-     "目标“{t}”在 B 中没有对应的词元；由 B 自行选择"),
+     "note.target_b_choice"),
     (r'target: "(?P<t>.*)", the content token of the other text that "(?P<f>.*)" gives most attention to in any head '
-     r"\(name one with --target, or target= in Python\)", "目标：“{t}”，即“{f}”在所有头中最关注的、句对另一句中的实词（可用 --target 或 Python 中的 target= 指定）"),
+     r"\(name one with --target, or target= in Python\)",
+     "note.target_pair"),
     (r'target: "(?P<t>.*)", the content token "(?P<f>.*)" gives most attention to in any head, leaving out (?P<rest>.*) '
-     r"\(name one with --target, or target= in Python\)", "目标：“{t}”，即“{f}”在所有头中最关注的实词，不计 {rest}（可用 --target 或 Python 中的 target= 指定）"),
+     r"\(name one with --target, or target= in Python\)",
+     "note.target"),
     (r'no focus word given; using the first content token "(?P<t>.*)" \(choose with --focus\)',
-     "没有给出关注词；使用第一个实词“{t}”（可用 --focus 指定）"),
+     "note.no_focus"),
     (r'"(?P<w>.*)" is not a whole word of the text; using the first place it occurs inside one',
-     "“{w}”不是文本中的一个完整单词；使用它在某个词内部第一次出现的位置"),
-    (r'"(?P<w>.*)" occurs (?P<n>\d+) times; using the first as target', "“{w}”出现了 {n} 次；取第一次作为目标"),
-    (r'"(?P<w>.*)" occurs (?P<n>\d+) times; using the first', "“{w}”出现了 {n} 次；取第一次"),
-    (r'"(?P<w>.*)" is (?P<n>\d+) tokens; using the first as target', "“{w}”对应 {n} 个词元；取第一个作为目标"),
-    (r'"(?P<w>.*)" is (?P<n>\d+) tokens; using the first', "“{w}”对应 {n} 个词元；取第一个"),
+     "note.inside_word"),
+    (r'"(?P<w>.*)" occurs (?P<n>\d+) times; using the first as target',
+     "note.repeated_target"),
+    (r'"(?P<w>.*)" occurs (?P<n>\d+) times; using the first',
+     "note.repeated"),
+    (r'"(?P<w>.*)" is (?P<n>\d+) tokens; using the first as target',
+     "note.tokens_target"),
+    (r'"(?P<w>.*)" is (?P<n>\d+) tokens; using the first',
+     "note.tokens"),
     (r'"(?P<w>.*)" is split into (?P<n>\d+) tokens \((?P<parts>.*)\); following the first, "(?P<t>.*)"',
-     "“{w}”被切分成 {n} 个词元（{parts}）；跟踪第一个“{t}”"),
+     "note.split"),
     (r'target "(?P<w>.*)" is split into (?P<n>\d+) tokens; using the first, "(?P<t>.*)"',
-     "目标“{w}”被切分成 {n} 个词元；使用第一个“{t}”"),
+     "note.split_target"),
     (r"the pair has (?P<n>\d+) tokens but the model reads at most (?P<m>\d+); keeping the first (?P<a>\d+) of the "
-     r"first text and (?P<b>\d+) of the second", "句对有 {n} 个词元，但模型最多读取 {m} 个；保留第一句的前 {a} 个和第二句的前 {b} 个"),
+     r"first text and (?P<b>\d+) of the second",
+     "note.pair_cut"),
     (r"the text has (?P<n>\d+) tokens but the model reads at most (?P<m>\d+); using the first (?P<k>\d+) and the "
-     r"closing (?P<t>.*)", "文本有 {n} 个词元，但模型最多读取 {m} 个；使用前 {k} 个和结尾的 {t}"),
+     r"closing (?P<t>.*)",
+     "note.text_cut"),
     (r"(?P<n>\d+) tokens: the attention maps would take (?P<mb>\d+) MB \(limits: (?P<lt>[^ ]+) tokens, (?P<lb>\d+) MB\); "
      r"showing statistics of the focus token's attention instead of full maps",
-     "{n} 个词元：注意力矩阵将占用 {mb} MB（上限：{lt} 个词元，{lb} MB）；改为只显示关注词元注意力的统计"),
+     "note.stats_mode"),
     (r"the focus token's rows were recorded by qkv.inspect.record: no N×N map was built",
-     "关注词元的注意力行由 qkv.inspect.record 逐块记录：没有构建 N×N 矩阵"),
+     "note.recorded"),
     (r"(?P<n>\d+) tokens: the full maps would make the page (?P<mb>\d+) MB; it shows the focus token's attention only",
-     "{n} 个词元：完整矩阵会让页面达到 {mb} MB；页面只显示关注词元的注意力"),
-]
+     "note.page_size"),
+)
+_REST_WORDS = ("note.rest.itself", "note.rest.special", "note.rest.previous", "note.rest.sep")
+
+
+def note_text(note: str, lang: str) -> str:
+    """One of the notes :func:`explain` writes, in ``lang`` (unknown notes stay as they are)."""
+    check_lang(lang)
+    for pattern, key in _NOTES:
+        m = re.fullmatch(pattern, note)
+        if m:
+            groups = m.groupdict()
+            for word in _REST_WORDS if "rest" in groups else ():
+                groups["rest"] = groups["rest"].replace(text(word, "en"), text(word, lang))
+            return text(key, lang, **groups)
+    return note
 
 
 def zh_note(note: str) -> str:
     """The Chinese wording of one of the notes :func:`explain` writes (unknown notes stay as they are)."""
-    for pattern, template in _ZH_NOTES:
-        m = re.fullmatch(pattern, note)
-        if m:
-            groups = m.groupdict()
-            for en, zh in _ZH_WORDS if "rest" in groups else ():  # the list of what a default target left out
-                groups["rest"] = groups["rest"].replace(en, zh)
-            return template.format(**groups)
-    return note
-
-
-_ZH_WORDS = ((" itself", "本身"), ("special tokens", "特殊词元"), ("the previous token ", "前一个词元"), (", ", "、"))
+    return note_text(note, "zh")
 
 
 def shorten(s: str, n: int = 10) -> str:

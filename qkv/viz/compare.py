@@ -14,6 +14,7 @@ import numpy as np
 
 from ..analysis.compare import Comparison, align_tokens, compare
 from ..analysis.explain import shorten
+from ..locale import check_lang, messages
 from .figure import CMAP, fonts_for, pyplot, tick_labels
 
 __all__ = ["Comparison", "compare", "align_tokens", "figure", "save_compare_png", "page_data", "render_compare_html", "save_compare_html"]
@@ -22,26 +23,15 @@ __all__ = ["Comparison", "compare", "align_tokens", "figure", "save_compare_png"
 # -- pictures ------------------------------------------------------------------------------------
 
 
-_FIG_TEXT = {
-    "en": {"moved": '"{tok}"\'s attention moved\n(total variation, per head)', "head": "head", "layer": "layer",
-           "map": "{name}: layer {l}, head {h}", "diff": "B − A on the aligned tokens",
-           "rows": '"{tok}"\'s attention, layer {l}, head {h}'},
-    "zh": {"moved": "“{tok}”的注意力变化\n（全变差距离，每个头）", "head": "头", "layer": "层",
-           "map": "{name}：第 {l} 层第 {h} 个头", "diff": "B − A（对齐的词元）", "rows": "“{tok}”的注意力，第 {l} 层第 {h} 个头"},
-}
-
-
 def figure(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = None, lang: str = "en") -> Any:
     """Four panels: the per-head distance grid, head (layer, head)'s map for A and for B, and B − A."""
     import matplotlib
 
-
-    if lang not in _FIG_TEXT:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    check_lang(lang)
     layer, head = cmp.select(layer, head)
     families, lang = fonts_for(lang)
     with matplotlib.rc_context({"font.family": families}):
-        return _figure(cmp, layer, head, _FIG_TEXT[lang])
+        return _figure(cmp, layer, head, messages(lang, "compare_png."))
 
 
 def _figure(cmp: Comparison, layer: int, head: int, tx: dict[str, str]) -> Any:
@@ -116,24 +106,13 @@ def page_data(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] 
     }
 
 
-_PAGE_TEXT = {
-    "en": {
-        "html_lang": "en", "title": "{model}: two sentences compared", "report": "Text report",
-        "grid": "How far the focus token's attention moved, per head",
-        "hint": "Total variation distance between its two rows (0: same, 1: disjoint). Click a head, or use the arrow keys.",
-        "diff": "B − A on the aligned tokens (red: more in B, blue: less)",
-        "head_title": "Layer {l}, head {h}: distance {d}", "rows_title": 'Focus rows: "{a}" in A and "{b}" in B',
-        "cols": ["A token", "A", "B token", "B", "B − A"],
-    },
-    "zh": {
-        "html_lang": "zh-Hans", "title": "{model}：两个句子的对比", "report": "文字报告",
-        "grid": "关注词元的注意力在每个头上变化了多少",
-        "hint": "两行注意力之间的全变差距离（0：相同，1：完全不同）。点击一个头，或用方向键。",
-        "diff": "B − A（对齐的词元；红：B 中更多，蓝：更少）",
-        "head_title": "第 {l} 层第 {h} 个头：距离 {d}", "rows_title": "关注词元的注意力行：A 中的“{a}”与 B 中的“{b}”",
-        "cols": ["A 词元", "A", "B 词元", "B", "B − A"],
-    },
-}
+def _page_text(lang: str) -> dict[str, Any]:
+    """The page's words in ``lang`` (catalogue area ``compare_page.``), the table's column heads
+    (``cols.0`` …) gathered into the list ``"cols"``."""
+    words = messages(lang, "compare_page.")
+    tx: dict[str, Any] = {key: value for key, value in words.items() if not key.startswith("cols.")}
+    tx["cols"] = [words[f"cols.{i}"] for i in range(sum(key.startswith("cols.") for key in words))]
+    return tx
 
 
 def render_compare_html(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = None,
@@ -144,9 +123,7 @@ def render_compare_html(cmp: Comparison, layer: Optional[int] = None, head: Opti
 
     from .pages import asset, environment, script_json
 
-    if lang not in _PAGE_TEXT:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
-    tx = _PAGE_TEXT[lang]
+    tx = _page_text(check_lang(lang))
     data = page_data(cmp, layer, head)
     data["labels"] = {k: tx[k] for k in ("head_title", "rows_title", "cols")}
     return environment().get_template("compare.html.j2").render(

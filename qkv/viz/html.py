@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..analysis.explain import zh_note
+from ..analysis.explain import note_text
+from ..locale import check_lang, messages
 from .pages import asset, decode_weights, encode_weights, environment
 
 __all__ = ["render_html", "save_html", "page_data", "decode_weights", "MAX_HTML_MAP_BYTES", "MAX_HTML_VECTOR_BYTES"]
@@ -34,9 +35,12 @@ MAX_HTML_MAP_BYTES = 8_000_000  # 16-bit maps beyond this (about 240 tokens × 7
 
 
 def _labels(lang: str) -> dict[str, Any]:
-    if lang not in _LABELS:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
-    return _LABELS[lang]
+    """Every visible word of the page in ``lang`` (catalogue area ``explain_page.``): the static
+    ones fill the template, the script builds the rest from those under ``"js"`` ({name} placeholders)."""
+    words = messages(check_lang(lang), "explain_page.")
+    labels: dict[str, Any] = {key: value for key, value in words.items() if not key.startswith("js.")}
+    labels["js"] = messages(lang, "explain_page.js.")
+    return labels
 
 
 def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
@@ -65,7 +69,7 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "num_layers": L,
         "num_heads": H,
         "mode": "maps" if maps is not None else "stats",
-        "notes": notes if lang == "en" else [zh_note(n) for n in notes],
+        "notes": [note_text(n, lang) for n in notes],
         "focus": {"index": ex.focus_index, "token": ex.tokens[ex.focus_index], "word": ex.focus_word},
         "target": {"index": ex.target_index, "token": keys[ex.target_index], "word": ex.target_word},
         "top_heads": [{"layer": l, "head": h, "weight": round(w, 4)} for l, h, w in ex.top_heads(5)],
@@ -119,70 +123,3 @@ def save_html(ex: Any, path: "str | os.PathLike[str]", layer: Optional[int] = No
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(page)
     return os.fspath(path)
-
-
-# Every visible word of the page, per language. Static ones fill %key% in _BODY; the script
-# builds the rest from the templates under "js" ({name} placeholders).
-_LABELS: dict[str, dict[str, Any]] = {
-    "en": {
-        "html_lang": "en", "title": "qkv attention report: {model}", "report": "Attention report",
-        "head_view": "Head view", "model_view": "Model view", "layer": "Layer", "heads": "Heads",
-        "all_heads": "all heads", "all_heads_title": "show every head of this layer",
-        "hint": "click a head to see it alone, shift-click to add it; hover a token, click to pin it",
-        "query_col": "query (attends)", "key_col": "key (attended to)",
-        "attends_most": '<b id="sel-token"></b> attends most to <b id="top-token"></b> (<span id="top-weight"></span>)',
-        "th_head": "head", "entropy_title": "entropy of the weights, nats", "th_entropy": "entropy", "th_max": "max",
-        "th_first": "first", "th_last": "last",
-        "stats_caption": "Statistics of the selected token's row in each head of this layer.",
-        "model_caption": "Each cell is one head's map (rows: queries, columns: keys). Click one to open it in the head view.",
-        "neuron_caption": "Neuron view: the query and key vectors behind one weight. Click a key on the right.",
-        "js": {
-            "neuron_title": 'Layer {l} · Head {h}: "{q}" → "{k}"',
-            "second_text": "second sentence of the pair",
-            "neuron_sum": "score q·k = {s}; × {scale} = {scaled}; softmax over the {n} keys = {w} (the map: {m})",
-            "summary": '{n} tokens, {L} \u00d7 {H}. Focus "{focus}" (token {fi}), target "{target}": '
-                       "strongest in {top}.",
-            "top_item": "L{layer} H{head} ({w})", "list_sep": ", ", "on": 'on "{tok}"', "layers_one": "1 layer", "layers_many": "{n} layers", "heads_one": "1 head",
-            "heads_many": "{n} heads", "layer_option": "Layer {l}",
-            "head_title": "head {h}", "head_label_one": "Layer {l} \u00b7 Head {h}",
-            "head_label_many": "Layer {l} \u00b7 Heads {hs}",
-            "cell_title": 'layer {l}, head {h}: "{focus}" \u2192 "{target}" {w}',
-            "ablation_title": "Ablating {heads} ({mode})",
-            "mode_zero": "zeroed", "mode_mean": "mean output", "ablation_more": "every token",
-            "ablation_summary": 'Cosine distance of each token\'s final state with and without those heads: "{focus}" '
-                                "{d}, the other tokens {mean} on average; the sentence embedding {emb}.",
-            "ablation_next": 'Next token after "{focus}": KL(clean \u2016 ablated) = {kl} nats; log-probability of '
-                             '"{tok}" {delta}.',
-        },
-    },
-    "zh": {
-        "html_lang": "zh-CN", "title": "qkv 注意力报告：{model}", "report": "注意力报告",
-        "head_view": "注意力头视图", "model_view": "模型视图", "layer": "层", "heads": "头",
-        "all_heads": "全部头", "all_heads_title": "显示这一层的所有头",
-        "hint": "点击一个头单独查看，按住 Shift 点击可加入；鼠标悬停在词元上查看，点击固定",
-        "query_col": "查询（发出关注）", "key_col": "键（被关注）",
-        "attends_most": '<b id="sel-token"></b> 最关注 <b id="top-token"></b>（<span id="top-weight"></span>）',
-        "th_head": "头", "entropy_title": "权重的熵，单位 nats", "th_entropy": "熵", "th_max": "最大",
-        "th_first": "首个", "th_last": "末个",
-        "stats_caption": "所选词元在这一层每个头中那一行注意力的统计。",
-        "model_caption": "每个格子是一个头的注意力矩阵（行：查询，列：键）。点击即可在注意力头视图中打开。",
-        "neuron_caption": "神经元视图：一个权重背后的查询向量与键向量。点击右侧的键。",
-        "js": {
-            "neuron_title": "第 {l} 层 · 第 {h} 个头：“{q}” → “{k}”",
-            "second_text": "句对中的第二句",
-            "neuron_sum": "分数 q·k = {s}；× {scale} = {scaled}；对 {n} 个键做 softmax = {w}（注意力矩阵中：{m}）",
-            "summary": "{n} 个词元，{L} \u00d7 {H}。关注词元“{focus}”（第 {fi} 个词元），目标“{target}”："
-                       "联系最强的是 {top}。",
-            "top_item": "L{layer} H{head}（{w}）", "list_sep": "、", "on": "在“{tok}”上", "layers_one": "1 层", "layers_many": "{n} 层", "heads_one": "1 个头", "heads_many": "{n} 个头", "layer_option": "第 {l} 层",
-            "head_title": "第 {h} 个头", "head_label_one": "第 {l} 层 \u00b7 第 {h} 个头",
-            "head_label_many": "第 {l} 层 \u00b7 第 {hs} 个头",
-            "cell_title": "第 {l} 层，第 {h} 个头：“{focus}” \u2192 “{target}” {w}",
-            "ablation_title": "消融 {heads}（{mode}）",
-            "mode_zero": "置零", "mode_mean": "换成平均输出", "ablation_more": "每个词元",
-            "ablation_summary": "去掉这些头前后，每个词元最终表示的余弦距离：“{focus}”为 {d}，其他词元平均 {mean}；句向量 {emb}。",
-            "ablation_next": "“{focus}”之后的下一个词元：KL(原始 \u2016 消融) = {kl} nats；“{tok}”的对数概率变化 {delta}。",
-        },
-    },
-}
-
-

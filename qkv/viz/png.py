@@ -12,28 +12,12 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from ..locale import check_lang, messages
 from .figure import CMAP, drawable, fonts_for, pyplot, tick_labels
 
 __all__ = ["save_png", "figure"]
 
-_TEXT: dict[str, dict[str, str]] = {
-    "en": {
-        "grid": "All {L} layers × {H} heads (rows: queries, columns: keys)",
-        "key": "key (attended-to token)", "query": "query (attending token)",
-        "head": 'Layer {layer}, head {head}: "{a}" → "{b}" weight {w:.2f}',
-        "weight": "attention weight", "suptitle": "{model}: attention of {n} tokens",
-        "layer_head": "layer · head",
-        "stats": 'Statistics mode ({N} tokens, maps too large): "{tok}" (token {i})\'s attention in every head',
-    },
-    "zh": {
-        "grid": "全部 {L} 层 × {H} 个头（行：查询，列：键）",
-        "key": "键（被关注的词元）", "query": "查询（发出关注的词元）",
-        "head": "第 {layer} 层第 {head} 个头：“{a}” → “{b}” 权重 {w:.2f}",
-        "weight": "注意力权重", "suptitle": "{model}：{n} 个词元的注意力",
-        "layer_head": "层 · 头",
-        "stats": "统计模式（{N} 个词元，矩阵太大）：“{tok}”（第 {i} 个词元）在每个头中的注意力",
-    },
-}
+
 def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None, lang: str = "en") -> Any:
     """The matplotlib figure for ``ex``; the big map shows ``(layer, head)``, default the top head's.
 
@@ -42,16 +26,14 @@ def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None, lan
     """
     import matplotlib
 
-
-    if lang not in _TEXT:
-        raise ValueError(f"lang={lang!r} is not available; use 'en' (English) or 'zh' (Chinese)")
+    check_lang(lang)
     layer, head = ex.select(layer, head)
     families, lang = fonts_for(lang)
     # token labels no installed font can draw become their index instead of empty boxes
     toks = [tok if drawable(tok, families) else f"#{k}" for k, tok in enumerate(ex.tokens)]
     keys = [tok if drawable(tok, families) else f"#{k}" for k, tok in enumerate(getattr(ex, "keys", ex.tokens))]
     with matplotlib.rc_context({"font.family": families}):
-        return _figure(ex, layer, head, _TEXT[lang], toks, keys)
+        return _figure(ex, layer, head, messages(lang, "png."), toks, keys)
 
 
 def _figure(ex: Any, layer: int, head: int, tx: dict[str, str], toks: list[str], keys: list[str]) -> Any:
