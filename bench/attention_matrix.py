@@ -163,14 +163,15 @@ class Cell:
         return fwd_bwd
 
 
-def run_cell(kind: str, n: int, dtype: torch.dtype, grad: bool, threads: int, rounds: int) -> dict:
+def run_cell(kind: str, n: int, dtype: torch.dtype, grad: bool, threads: int, rounds: int,
+             contenders: tuple[str, ...] = tuple(CONTENDERS)) -> dict:
     torch.set_num_threads(threads)
     cell = Cell(kind, n, dtype, grad)
     row: dict = {"kind": kind, "n": n, "nq": cell.nq, "dtype": str(dtype).replace("torch.", ""), "pass": "fwd+bwd" if grad else "fwd", "threads": threads}
     fns: dict[str, Callable[[], object]] = {}
     warm: dict[str, float] = {}
     for name in CONTENDERS:
-        fn = cell.fn(name)
+        fn = cell.fn(name) if name in contenders else None
         if fn is None:
             row[name] = None
             continue
@@ -274,6 +275,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS),
+                    help="time only these (e.g. auto chunked, to compare two versions of qkv)")
     ap.add_argument("--out", default=str(RESULTS / "attention_matrix"), help="path without suffix for .md and .json")
     ap.add_argument("--append", action="store_true", help="add to (or replace cells of) the rows already in OUT.json")
     ap.add_argument("--note", default="", help="a line for the report's header (what was re-measured when, and why)")
@@ -294,7 +297,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             for n in args.n:
                 for p in args.passes:
                     for kind in args.kinds:
-                        row = run_cell(kind, n, getattr(torch, dtype), p == "fwd+bwd", threads, args.rounds)
+                        row = run_cell(kind, n, getattr(torch, dtype), p == "fwd+bwd", threads, args.rounds, tuple(args.contenders))
                         row["rounds"] = args.rounds
                         same = ("kind", "n", "dtype", "pass", "threads")
                         rows = [r for r in rows if any(r[f] != row[f] for f in same)] + [row]  # a rerun replaces its cell
