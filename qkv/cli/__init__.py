@@ -65,15 +65,6 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-    """Keep √, ᵀ and Chinese from crashing a terminal whose encoding cannot show them."""
-    enc = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
-    if enc != "utf8" and hasattr(sys.stdout, "reconfigure"):
-        try:
-            sys.stdout.reconfigure(errors="replace")
-        except Exception:  # an unusual stream: leave it alone
-            pass
-
-
 def _utf8_safe_stdout() -> None:
     """Keep √, ᵀ and Chinese from crashing a terminal whose encoding cannot show them."""
     enc = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")

@@ -42,25 +42,6 @@
 #define FN(name) CAT(name, SUFFIX)
 #include "tile_impl.h" /* the band and key-padding masks, as the other kernels apply them */
 
-/* The row's largest entry (NaN ignored; −inf when none) and, into *nans, how many are NaN. */
-static inline float row_max_dec(const float *row, int64_t w, int64_t *nans) {
-    v8f mx = v_set(-INFINITY);
-    v8i nn = {0};
-    for (int64_t j = 0; j < w; j += LANES) {
-        v8f x = v_load(row, j, w);
-        mx = v_select(x > mx, x, mx);
-        nn -= x != x;
-    }
-    float m = mx[0];
-    int64_t cn = 0;
-    for (int i = 0; i < LANES; i++) {
-        m = mx[i] > m ? mx[i] : m;
-        cn += nn[i];
-    }
-    *nans = cn;
-    return m;
-}
-
 /* row[j] = 2^(row[j] − shift) in place (w ≤ TK, a multiple of 8 lanes in the buffer); their sum. */
 static inline float row_exp_dec(float *row, int64_t w, float shift) {
     v8f s = v_set(0.0f);
@@ -292,7 +273,7 @@ static inline __attribute__((always_inline)) int decode_part(const float *q, con
                 float *sr = s + r * TK, *orow = o + r * (dv + 2);
                 if (masks) FN(mask_row_)(sr, w, (r0 + r) % nq, n0, bd, pad, masks);
                 int64_t nans;
-                const float tmax = row_max_dec(sr, w, &nans);
+                const float tmax = row_max_f32(sr, w, &nans);
                 const float old = orow[dv];
                 const float mn = (nans || old != old) ? NAN : (old > tmax ? old : tmax);
                 if (mn == -INFINITY) { /* nothing allowed yet in this row: it adds nothing */

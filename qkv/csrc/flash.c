@@ -16,29 +16,8 @@
 
 #include "vec.h"
 
-/* The largest lane of mx, and (into *nans) the NaNs counted lane by lane in nn. */
-static inline float lanes_max(v8f mx, v8i nn, int64_t *nans) {
-    float m = mx[0];
-    int64_t cn = 0;
-    for (int i = 0; i < LANES; i++) {
-        m = mx[i] > m ? mx[i] : m;
-        cn += nn[i];
-    }
-    *nans = cn;
-    return m;
-}
-
-/* The row's largest entry (NaN ignored; −inf for an empty row) and how many entries are NaN. */
-static inline float row_max_float(const float *row, int64_t w, int64_t *nans) {
-    v8f mx = v_set(-INFINITY);
-    v8i nn = {0};
-    for (int64_t j = 0; j < w; j += LANES) {
-        v8f x = v_load(row, j, w);
-        mx = v_select(x > mx, x, mx);
-        nn -= x != x;
-    }
-    return lanes_max(mx, nn, nans);
-}
+/* The float instance of flash_impl.h's row_max_ (vec.h's row_max_f32). */
+static inline float row_max_float(const float *row, int64_t w, int64_t *nans) { return row_max_f32(row, w, nans); }
 
 /* row[j] = 2^((row[j] − shift)·c), in place; returns their sum. */
 static inline float row_exp_float(float *row, int64_t w, float shift, float c) {

@@ -124,6 +124,14 @@ def save_figure(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
+def label_lengths(axes: Any, ns: Sequence[int]) -> None:
+    """Tick each log-scaled x axis at the measured lengths ``ns`` (no minor ticks) and draw its legend."""
+    for a in axes:
+        a.set_xticks(ns, [str(n) for n in ns])
+        a.minorticks_off()
+        a.legend()
+
+
 def pyplot() -> Any:
     import matplotlib
 

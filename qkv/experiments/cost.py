@@ -15,6 +15,7 @@ from ._common import (
     Progress,
     Result,
     fit_exponent,
+    label_lengths,
     largest_tensor_bytes,
     pyplot,
     save_figure,
@@ -47,10 +48,7 @@ def _figure(backends: Any, plt: Any, ns: Any, out: Any, times: Any, b: Any, h: A
               title=f"Time, B={b} H={h} D={d} float32 CPU")
     ax[1].set(xlabel="sequence length N (tokens)", ylabel="largest tensor allocated (MiB)",
               title="Memory: largest single tensor in the forward")
-    for a in ax:
-        a.set_xticks(ns, [str(n) for n in ns])
-        a.minorticks_off()
-        a.legend()
+    label_lengths(ax, ns)
     save_figure(fig, out / "cost.png")
 
 

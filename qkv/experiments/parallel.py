@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._common import Progress, Result, fit_exponent, pyplot, save_figure, seed_all, write_csv
+from ._common import Progress, Result, fit_exponent, label_lengths, pyplot, save_figure, seed_all, write_csv
 
 NAME = "parallel"
 TITLE = "All positions at once: attention vs n sequential RNN steps"
@@ -45,10 +45,7 @@ def _figure(models: Any, plt: Any, ns: Any, d: Any, out: Any, rate: Any, b: Any,
               title=f"Forward time, batch {b}, width {d}")
     ax[1].set(xlabel="sequence length n (positions)", ylabel="arithmetic rate (GFLOP/s)",
               title="Arithmetic rate of each forward pass")
-    for a in ax:
-        a.set_xticks(ns, [str(n) for n in ns])
-        a.minorticks_off()
-        a.legend()
+    label_lengths(ax, ns)
     save_figure(fig, out / "parallel.png")
 
 
