@@ -50,28 +50,27 @@ def precision(s: str) -> int:
     return n
 
 
-def megabytes(s: str) -> float:
-    """A finite number of megabytes >= 0 (inf, nan and negatives are mistakes, not limits)."""
+def _number(s: str, not_a_number: str, ok: Callable[[float], bool], not_ok: str) -> float:
+    """``s`` as a float that ``ok`` accepts; each failure explained by its own message."""
     try:
         x = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number of megabytes, e.g. 50") from None
-    if not math.isfinite(x) or x < 0:
-        raise argparse.ArgumentTypeError(
-            f"{s} is not a size; use a finite number of megabytes >= 0, e.g. 50 (a large one such as 1e6 for no limit)"
-        )
+        raise argparse.ArgumentTypeError(not_a_number.format(s=s)) from None
+    if not ok(x):
+        raise argparse.ArgumentTypeError(not_ok.format(s=s))
     return x
+
+
+def megabytes(s: str) -> float:
+    """A finite number of megabytes >= 0 (inf, nan and negatives are mistakes, not limits)."""
+    return _number(s, "{s!r} is not a number of megabytes, e.g. 50", lambda x: math.isfinite(x) and x >= 0,
+                   "{s} is not a size; use a finite number of megabytes >= 0, e.g. 50 (a large one such as 1e6 for no limit)")
 
 
 def cap(s: str) -> float:
     """--softcap: a finite number > 0."""
-    try:
-        x = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number; give the cap, e.g. 30 (scores end up inside (-30, 30))") from None
-    if not math.isfinite(x) or x <= 0:
-        raise argparse.ArgumentTypeError(f"{s} is not a cap; use a finite number > 0, e.g. 30")
-    return x
+    return _number(s, "{s!r} is not a number; give the cap, e.g. 30 (scores end up inside (-30, 30))",
+                   lambda x: math.isfinite(x) and x > 0, "{s} is not a cap; use a finite number > 0, e.g. 30")
 
 
 def sink_list(s: str) -> list[float]:
