@@ -83,11 +83,12 @@ def test_run_cell_reports_ratios_and_refusals(monkeypatch):
 
 
 def test_append_replaces_cells_and_keeps_the_header(tmp_path, monkeypatch):
-    def fake_cell(kind, n, dtype, grad, threads, rounds):
+    def fake_cell(kind, n, dtype, grad, threads, rounds, contenders=bench.CONTENDERS):
         return {"kind": kind, "n": n, "nq": n, "dtype": str(dtype)[6:], "pass": "fwd+bwd" if grad else "fwd",
                 "threads": threads, "sdpa": 2.0, "flex": None, "auto": 1.0 + n / 1e4, "chunked": 1.0}
 
     monkeypatch.setattr(bench, "run_cell", fake_cell)
+    monkeypatch.setattr(bench, "gemm_peak", lambda threads: 1e11)  # 100 GFLOP/s, without timing a matmul
     out = tmp_path / "m"
     common = ["--dtypes", "float32", "--passes", "fwd", "--threads", "1", "--out", str(out)]
     bench.main(["--n", "64", "128", "--kinds", "plain", "causal", "--rounds", "3", "--note", "first grid", *common])
@@ -102,6 +103,11 @@ def test_append_replaces_cells_and_keeps_the_header(tmp_path, monkeypatch):
     assert "first grid" in md
     rounds_of = {(r[0], r[1]): r[5] for r in ([c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| causal |"))}
     assert rounds_of == {("causal", "64"): "3", ("causal", "128"): "1", ("causal", "256"): "1"}
+    # the dense cells' rate against the GEMM peak: causal N = 256 forward, 4·B·H·D per allowed pair in 1.0256 s
+    pairs = 256 * 257 // 2
+    rate = 4 * bench.B * bench.H * bench.D * pairs / (1.0 + 256 / 1e4)
+    row = next(line for line in md.splitlines() if line.startswith("| causal | 256 |"))
+    assert row.rstrip(" |").endswith(f"{rate / 1e9:.0f} ({100 * rate / 1e11:.0f}%)")
 
 
 @pytest.mark.parametrize("kind", ["plain", "causal", "bottom_right"])
@@ -120,3 +126,16 @@ def test_overhead_parts_run_the_call_qkv_runs(kind):
         torch.set_num_threads(threads)
     assert all(row[f] >= 0 for f in ("sdpa", "auto", "validate", "select", "guard", "guard_cold", "kernel_calls"))
     assert row["auto_vs_sdpa"] == pytest.approx(row["auto"] / row["sdpa"])
+
+
+def test_decode_bench_cell_runs_qkv_and_sdpa_on_the_same_call():
+    """bench/decode_cpu.py: a cell's qkv result equals SDPA's in float64 terms, and the report
+    classifies cells against the machine's balance."""
+    dec = load_bench_script("decode_cpu")
+    cells = [dec.Cell(1, 700, 4, 2, 16, "float32", 1), dec.Cell(3, 700, 8, 2, 16, "bfloat16", 1, lse=True, padded=True)]
+    rows = [dec.run_cell(c, rounds=1) for c in cells]
+    assert rows[0]["max_abs_err"] < 1e-5 and rows[1]["max_abs_err"] < 2e-2  # bfloat16 output rounding
+    assert rows[0]["kv_bytes"] == 2 * 2 * 700 * 16 * 4 and rows[1]["rows_per_group"] == 4 * 3
+    md = dec.report(rows, {1: 1e10}, {1: 1e11})
+    assert md.count("| Nq=") == 2 and "qkv ÷ SDPA over all 2 cells" in md
+    assert len(dec.matrix(quick=False)) == 72 and all(c.nq <= 8 for c in dec.matrix(quick=False))
