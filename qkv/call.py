@@ -396,6 +396,28 @@ def _check_key_padding(key_padding_mask: Any, q: torch.Tensor, want: tuple[int, 
         )
 
 
+def _padding_from_mask(
+    attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor], q: torch.Tensor, nk: int
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """A bool ``attn_mask`` that is the same for every head and query row — ``(…, 1, 1, Nk)``, what
+    transformers passes while generating a padded batch — is key padding: it becomes
+    ``key_padding_mask`` (joined with any given), so that every backend takes its padding path
+    (ragged lengths skipped, decoding kernels) instead of a mask it must read entry by entry."""
+    if (
+        attn_mask is None
+        or attn_mask.dtype != torch.bool
+        or q.dim() < 3
+        or attn_mask.dim() < 3
+        or attn_mask.shape[-3] != 1
+        or attn_mask.shape[-2] != 1
+    ):
+        return attn_mask, key_padding_mask
+    kp = attn_mask[..., 0, 0, :]  # (…, Nk|1)
+    if kp.shape[-1] != nk:
+        kp = kp.expand(*kp.shape[:-1], nk)
+    return None, kp if key_padding_mask is None else key_padding_mask & kp
+
+
 def validate(
     query: Any,
     key: Any,
@@ -430,6 +452,7 @@ def validate(
         attn_mask = _check_attn_mask(attn_mask, q, (*batch, hq, nq, nk))
     if key_padding_mask is not None:
         _check_key_padding(key_padding_mask, q, (*batch, nk))
+    attn_mask, key_padding_mask = _padding_from_mask(attn_mask, key_padding_mask, q, nk)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     score_mod = check_score_mod(score_mod)

@@ -178,3 +178,21 @@ def test_a_nan_query_row_with_no_key_is_still_nan() -> None:
     pad[0, 898] = False  # ...which is padding: the row is empty, and its NaN never meets a score
     out = qkv.attention(q, k, v, is_causal="bottom_right", window=(0, 0), key_padding_mask=pad)
     assert out[0, 1, 0].isnan().all() and not out[0, 0].isnan().any() and not out[0, 1, 1].isnan().any()
+
+
+def test_a_broadcast_bool_mask_is_key_padding_and_decodes() -> None:
+    """transformers passes padding while generating as a bool (B, 1, 1, Nk) attn_mask: the call
+    takes it as key padding (joined with any key_padding_mask) and runs the decoding kernel."""
+    q, k, v = torch.randn(2, 8, 1, 32), torch.randn(2, 2, 900, 32), torch.randn(2, 2, 900, 32)
+    mask = torch.ones(2, 1, 1, 900, dtype=torch.bool)
+    mask[1, ..., 600:] = False
+    extra = torch.rand(2, 900) > 0.1
+    call = validate(q, k, v, attn_mask=mask, key_padding_mask=extra, enable_gqa=True)
+    assert call.attn_mask is None and torch.equal(call.key_padding_mask, mask[:, 0, 0] & extra)
+    assert decode_cpu.can_decode(call)
+    out = qkv.attention(q, k, v, attn_mask=mask, key_padding_mask=extra, enable_gqa=True)
+    ref = torch.as_tensor(attention_ref(q.double(), k.double(), v.double(), attn_mask=mask, key_padding_mask=extra,
+                                        enable_gqa=True))  # fmt: skip
+    assert max_err(out, ref) < 1e-6
+    per_row = torch.ones(2, 1, 3, 900, dtype=torch.bool)  # differs by query row: stays a mask
+    assert validate(torch.randn(2, 8, 3, 32), k, v, attn_mask=per_row, enable_gqa=True).attn_mask is not None
