@@ -27,6 +27,16 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``fn`` (already warmed up), in seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def gemm_peak(threads: int, n: int = 2048, dtype: "object" = None) -> float:
     """FLOP/s of an n × n × n matmul on ``threads`` threads (float32 unless ``dtype``), best of 3:
     the arithmetic ceiling the attention cells are compared with."""
@@ -36,12 +46,7 @@ def gemm_peak(threads: int, n: int = 2048, dtype: "object" = None) -> float:
     a = torch.randn(n, n, dtype=dtype or torch.float32)
     b = torch.randn(n, n, dtype=dtype or torch.float32)
     a @ b
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_time(lambda: a @ b, 3)
 
 
 def time_cell(fns: dict[str, Callable[[], object]], rounds: int, warm: Optional[dict[str, float]] = None) -> dict[str, float]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_name, gemm_peak, time_cell  # noqa: E402
+from common import best_time, cpu_name, gemm_peak, time_cell  # noqa: E402
 
 import qkv  # noqa: E402
 
@@ -87,14 +86,7 @@ def copy_bandwidth(threads: int, mib: int = 512) -> float:
     src = torch.ones(mib * 2**20 // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return src.numel() * 4 / best
-
-
-def _timed(fn) -> float:  # type: ignore[no-untyped-def]
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return src.numel() * 4 / best_time(lambda: dst.copy_(src), 5)
 
 
 def run_cell(c: Cell, rounds: int) -> dict:

@@ -33,8 +33,7 @@ def build(impl: str):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=40_000)
-    cfg._attn_implementation = impl
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM._from_config(cfg, attn_implementation=impl).eval()
 
 
 def filled_cache(model, context: int, seed: int = 1):  # type: ignore[no-untyped-def]

@@ -53,7 +53,7 @@ def check_fits(what: str, shape: Sequence[int], dtype: torch.dtype, device: torc
                copies: int = 1) -> None:
     """Raise :class:`AllocationTooLarge` if ``copies`` tensors of ``shape`` and ``dtype`` cannot
     fit in ``device``'s free memory. ``what`` names the matrix, ``instead`` says what avoids it."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size() * copies
+    nbytes = math.prod(shape) * dtype.itemsize * copies
     if nbytes < SMALL:
         return
     free = free_bytes(device)

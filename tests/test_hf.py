@@ -424,3 +424,29 @@ def test_record_stats_with_softcap_or_sinks(arch):
         real = mask.bool()[:, None, :].expand(w.shape[:3])
         assert float((st.max_weight.double() - w.double().amax(-1)).abs()[real].max()) < 1e-5
         assert torch.equal(st.topk_indices[..., 0][real], w.argmax(-1)[real])
+
+
+def test_padded_decoding_runs_on_the_decoding_kernel(monkeypatch):
+    """generate()-style decoding of a left-padded batch: HF passes the padding as a broadcast bool
+    mask, which qkv takes as key padding, so each one-token step runs the CPU decoding kernel
+    (and gives eager's logits)."""
+    from qkv.backends import chunked, decode_cpu
+
+    if not decode_cpu.decode_shape(1, 8, torch.float32):
+        pytest.skip("the native CPU kernels are not built")
+    used = []
+    real = chunked.decode_attention
+    monkeypatch.setattr(chunked, "decode_attention", lambda call: used.append(call.key_padding_mask) or real(call))
+    eager, mine = _pair(transformers.LlamaForCausalLM, _llama_config())
+    ids, mask = _ids(2, 7), _padding(2, 7, [7, 4], side="left")
+    caches = [transformers.DynamicCache(), transformers.DynamicCache()]
+    with torch.no_grad():
+        for m, c in zip((eager, mine), caches):
+            m(input_ids=ids, attention_mask=mask, past_key_values=c, use_cache=True)
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        step = _ids(2, 1)
+        a, b = (m(input_ids=step, attention_mask=mask, past_key_values=c, use_cache=True).logits[:, -1]
+                for m, c in zip((eager, mine), caches))  # fmt: skip
+    assert len(used) == 3  # one call per layer, each with the padding as key padding
+    assert all(kp is not None and not bool(kp[1, :3].any()) for kp in used)
+    assert float((a - b).abs().max()) <= 1e-4

@@ -15,7 +15,7 @@ from qkv.backends import decode_cpu, native
 from qkv.call import validate
 from qkv.reference import attention_ref
 
-from ..helpers import assert_within_rule, max_err
+from ..helpers import LargestAllocation, assert_within_rule, max_err
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native CPU kernels are not built")
 
@@ -196,3 +196,17 @@ def test_a_broadcast_bool_mask_is_key_padding_and_decodes() -> None:
     assert max_err(out, ref) < 1e-6
     per_row = torch.ones(2, 1, 3, 900, dtype=torch.bool)  # differs by query row: stays a mask
     assert validate(torch.randn(2, 8, 3, 32), k, v, attn_mask=per_row, enable_gqa=True).attn_mask is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_cache_is_read_where_it_lies(dtype: torch.dtype) -> None:
+    """A view into a preallocated cache and a bfloat16 cache are read in place: no allocation
+    anywhere near the cache's size (what the README promises)."""
+    cache = torch.randn(1, 2, 4096 + 512, 64).to(dtype)  # capacity 4608, 4096 filled
+    k = v = cache[:, :, :4096]
+    q = torch.randn(1, 8, 1, 64).to(dtype)
+    with LargestAllocation(storage_bytes=True) as big:
+        out = qkv.attention(q, k, v, enable_gqa=True)
+    assert big.biggest < k.numel() * k.element_size() / 16, big.biggest
+    ref = torch.as_tensor(attention_ref(q.double(), k.double(), v.double(), enable_gqa=True))
+    assert max_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
