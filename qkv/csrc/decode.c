@@ -6,8 +6,9 @@
  * G query heads of a grouped-query group times the Nq rows), and keeps everything else in L1:
  *
  *   for each job (key/value head j, split s of the keys), for each tile of TK keys:
- *     K tile → float32 (in place for float32 caches; converted for bfloat16/float16 ones)
- *     S = c · Q_j · Kᵀ            (R × TK, R = G·Nq rows, c = scale · log2 e)
+ *     S = c · Q_j · Kᵀ            (R × TK, R = G·Nq rows, c = scale · log2 e; a bfloat16 cache
+ *                                  with the processor's bfloat16 dot product where it has one,
+ *                                  else K converted to float32 where it is used)
  *     masks (band, key padding) → −inf
  *     online softmax per row: m, l, and the unnormalised output O += 2^(S − m) · V
  *   then the splits of a head are merged exactly: M = max m_s, L = Σ l_s 2^(m_s − M),
@@ -33,7 +34,9 @@
 #include <immintrin.h>
 #endif
 
-#define TK 32 /* keys per tile: the scores of 8 rows (1 KiB) stay in L1 between the softmax and V */
+#ifndef TK
+#define TK 32
+#endif /* keys per tile: the scores of 8 rows (1 KiB) stay in L1 between the softmax and V */
 
 #define T float
 #define SUFFIX _decode
@@ -71,7 +74,12 @@ typedef _Float16 v8h __attribute__((vector_size(16), aligned(2), may_alias));
  * rather than a tile at a time beforehand, lets the loads of the cache overlap the arithmetic. */
 static inline __attribute__((always_inline)) v8f load8(const void *base, int kind, int64_t i) {
     if (kind == 0) return v_loadu((const float *)base + i);
+#if defined(__AVX2__) /* one vpmovzxwd from memory and a shift (the generic form compiled to five instructions) */
+    if (kind == 1)
+        return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))), 16);
+#else
     if (kind == 1) return (v8f)(__builtin_convertvector(*(const v8u16 *)((const uint16_t *)base + i), v8i) << 16);
+#endif
     return __builtin_convertvector(*(const v8h *)((const _Float16 *)base + i), v8f);
 }
 
@@ -86,6 +94,15 @@ static inline __attribute__((always_inline)) float load1(const void *base, int k
     return (float)((const _Float16 *)base)[i];
 }
 
+/* x rounded to bfloat16 (to nearest, ties to even; a NaN stays a NaN). Exact for the query
+ * rows of a bfloat16 call, which arrive as float32 copies of bfloat16 numbers. */
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if (x != x) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* {Σ a0, Σ a1, …, Σ a7}: eight horizontal sums at once. */
 static inline v8f hsum8(const v8f *a) {
 #if defined(__AVX__)
@@ -95,6 +112,23 @@ static inline v8f hsum8(const v8f *a) {
 #else
     return (v8f){hsum(a[0]), hsum(a[1]), hsum(a[2]), hsum(a[3]), hsum(a[4]), hsum(a[5]), hsum(a[6]), hsum(a[7])};
 #endif
+}
+
+/* Software prefetch of the rows PF_KEYS keys ahead (one tile) into L2, once per cache line, as a
+ * row's first vector is loaded. With several query rows per key the loop spends long enough on
+ * each line that the hardware prefetchers fall behind; prefetching into L1 instead evicted the
+ * tile in use. Measured on a 2-core AVX-512 EPYC, 1 thread, Nk = 32768, D = 128: 32 query heads
+ * on 4 KV heads, float32, 25.5 → 12.7 ms (bfloat16 15.1 → 7.0); 32 on 8, float32, 30 → 19 ms.
+ * A bfloat16 or float16 cache with ≤ 4 rows is streamed fast enough without it (8 heads of
+ * one row: 5.6 ms without, 8.1 with). */
+#define PF_KEYS 32
+static inline __attribute__((always_inline)) int prefetching(int kind, int64_t g) { return kind == 0 || g > 4; }
+/* Prefetch the line of entry i + PF_KEYS rows (rows ld apart) when e, the entry's offset in its
+ * row, starts a cache line. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const void *base, int kind, int64_t i, int64_t ld,
+                                                                 int64_t e) {
+    if ((e & (kind == 0 ? 15 : 31)) == 0)
+        __builtin_prefetch((const char *)base + (i + PF_KEYS * ld) * (kind == 0 ? 4 : 2), 0, 2);
 }
 
 #define RG 8 /* query rows that share each load of K and V */
@@ -119,6 +153,10 @@ static inline __attribute__((always_inline)) void scores_group(const float *q, i
         for (int64_t r = 0; r < RG; r++) a[r] = b[r] = zero;
         for (int64_t e = 0; e < d8; e += LANES) {
             const v8f x0 = load8(k, kind, i0 + e), x1 = load8(k, kind, i1 + e);
+            if (prefetching(kind, g)) {
+                prefetch_ahead(k, kind, i0 + e, ld, e);
+                prefetch_ahead(k, kind, i1 + e, ld, e);
+            }
             for (int64_t r = 0; r < g; r++) {
                 const v8f y = v_loadu(q + r * d + e);
                 a[r] += y * x0;
@@ -155,6 +193,7 @@ static inline __attribute__((always_inline)) void weigh_group(float *o, const fl
             const int64_t i = (n0 + t) * ld;
             for (int64_t e = 0; e < d8; e += LANES) {
                 const v8f x = load8(v, kind, i + e);
+                if (prefetching(kind, g)) prefetch_ahead(v, kind, i + e, ld, e);
                 for (int64_t r = 0; r < g; r++) {
                     float *orow = o + r * (dv + 2) + e;
                     v_storeu(orow, v_loadu(orow) + v_set(p[r * TK + t]) * x);
@@ -167,11 +206,36 @@ static inline __attribute__((always_inline)) void weigh_group(float *o, const fl
         }
         return;
     }
-    for (int64_t e = 0; e < d8; e += LANES) {
+    int64_t e0 = 0;
+    /* 16 lanes of each row at a time: each broadcast weight feeds two FMAs, so the loads (one
+     * weight per row, two V vectors) stay fewer than the FMAs. */
+    for (; e0 + 2 * LANES <= d8; e0 += 2 * LANES) {
+        v8f a[RG], b[RG];
+        for (int64_t r = 0; r < g; r++) {
+            a[r] = v_loadu(o + r * (dv + 2) + e0) * v_set(alpha[r]);
+            b[r] = v_loadu(o + r * (dv + 2) + e0 + LANES) * v_set(alpha[r]);
+        }
+        for (int64_t t = 0; t < w; t++) {
+            const int64_t i = (n0 + t) * ld + e0;
+            const v8f x = load8(v, kind, i), y = load8(v, kind, i + LANES);
+            if (prefetching(kind, g)) prefetch_ahead(v, kind, i, ld, e0);
+            for (int64_t r = 0; r < g; r++) {
+                const v8f pr = v_set(p[r * TK + t]);
+                a[r] += pr * x;
+                b[r] += pr * y;
+            }
+        }
+        for (int64_t r = 0; r < g; r++) {
+            v_storeu(o + r * (dv + 2) + e0, a[r]);
+            v_storeu(o + r * (dv + 2) + e0 + LANES, b[r]);
+        }
+    }
+    for (int64_t e = e0; e < d8; e += LANES) {
         v8f a[RG];
         for (int64_t r = 0; r < g; r++) a[r] = v_loadu(o + r * (dv + 2) + e) * v_set(alpha[r]);
         for (int64_t t = 0; t < w; t++) {
             const v8f x = load8(v, kind, (n0 + t) * ld + e);
+            if (prefetching(kind, g)) prefetch_ahead(v, kind, (n0 + t) * ld + e, ld, e);
             for (int64_t r = 0; r < g; r++) a[r] += v_set(p[r * TK + t]) * x;
         }
         for (int64_t r = 0; r < g; r++) v_storeu(o + r * (dv + 2) + e, a[r]);
@@ -200,6 +264,59 @@ static inline __attribute__((always_inline)) void weigh_group(float *o, const fl
     case 7: CALL(7); break;     \
     default: CALL(8); break;    \
     }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define DOT_BF16 1
+/* scores_group for a bfloat16 cache and bfloat16 query rows qb (d apart, unscaled), with the
+ * processor's bfloat16 dot product: 16 products per instruction instead of 8, and no
+ * conversion of K. Each product of two bfloat16 numbers is exact in float32, the sums are
+ * float32, and the scale c is applied to each finished sum. */
+static inline __attribute__((always_inline)) void scores_group_dot(const uint16_t *qb, int64_t g, const uint16_t *k,
+                                                                   int64_t ld, int64_t n0, int64_t w, int64_t d,
+                                                                   float c, float *s) {
+    const int64_t d16 = d - d % 16;
+    const v8f zero = v_set(0.0f);
+    for (int64_t t = 0; t < w; t += 2) {
+        const int two = t + 1 < w;
+        const int64_t i0 = (n0 + t) * ld, i1 = two ? i0 + ld : i0;
+        v8f a[RG], b[RG];
+        for (int64_t r = 0; r < RG; r++) a[r] = b[r] = zero;
+        for (int64_t e = 0; e < d16; e += 16) {
+            const __m256bh x0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(k + i0 + e));
+            const __m256bh x1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(k + i1 + e));
+            if (prefetching(1, g)) {
+                prefetch_ahead(k, 1, i0 + e, ld, e);
+                prefetch_ahead(k, 1, i1 + e, ld, e);
+            }
+            for (int64_t r = 0; r < g; r++) {
+                const __m256bh y = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + r * d + e));
+                a[r] = (v8f)_mm256_dpbf16_ps((__m256)a[r], y, x0);
+                b[r] = (v8f)_mm256_dpbf16_ps((__m256)b[r], y, x1);
+            }
+        }
+        const v8f sa = hsum8(a), sb = hsum8(b);
+        for (int64_t r = 0; r < g; r++) {
+            float xa = sa[r], xb = sb[r];
+            for (int64_t e = d16; e < d; e++) {
+                const float y = load1(qb, 1, r * d + e);
+                xa += y * load1(k, 1, i0 + e);
+                xb += y * load1(k, 1, i1 + e);
+            }
+            s[r * TK + t] = c * xa;
+            if (two) s[r * TK + t + 1] = c * xb;
+        }
+    }
+}
+
+static __attribute__((noinline)) void scores_rows_dot(const uint16_t *qb, int64_t g, const uint16_t *k, int64_t ld,
+                                                      int64_t n0, int64_t w, int64_t d, float c, float *s) {
+#define SCD(G) scores_group_dot(qb, G, k, ld, n0, w, d, c, s)
+    FOR_ROWS(g, SCD)
+#undef SCD
+}
+#else
+#define DOT_BF16 0
+#endif
 
 /* scores_group and weigh_group for each cache type and group size, as functions of their own:
  * compiled apart, their loops keep their sums in registers (inlined into the tile loop, the
@@ -254,7 +371,12 @@ static inline __attribute__((always_inline)) int decode_part(const float *q, con
                                                               int64_t a, int64_t z, float *part, float *buf) {
     float *s = buf, *alpha = s + RG * TK, *qj = alpha + RG;
     int finite = 1;
-    for (int64_t i = 0; i < R * d; i++) qj[i] = c * q[i]; /* scores come out in log2 units */
+    const int dot = DOT_BF16 && kind == 1; /* bfloat16 rows: q as bfloat16, scaled after the dot */
+    uint16_t *qb = (uint16_t *)qj;
+    if (dot)
+        for (int64_t i = 0; i < R * d; i++) qb[i] = to_bf16(q[i]);
+    else
+        for (int64_t i = 0; i < R * d; i++) qj[i] = c * q[i]; /* scores come out in log2 units */
     for (int64_t r = 0; r < R; r++) {
         float *o = part + r * (dv + 2);
         memset(o, 0, sizeof(float) * (size_t)dv);
@@ -267,6 +389,10 @@ static inline __attribute__((always_inline)) int decode_part(const float *q, con
         for (int64_t r0 = 0; r0 < R; r0 += RG) {
             const int64_t g = R - r0 < RG ? R - r0 : RG;
             float *o = part + r0 * (dv + 2);
+#if DOT_BF16
+            if (dot) scores_rows_dot(qb + r0 * d, g, (const uint16_t *)kj, ks, n0, w, d, c, s);
+            else
+#endif
             scores_rows(qj + r0 * d, g, kj, kind, ks, n0, w, d, s);
             if (r0 == 0) finite = finite && all_finite(s, w); /* before the masks: every key of the tile */
             for (int64_t r = 0; r < g; r++) { /* masks and the online softmax, row by row */
