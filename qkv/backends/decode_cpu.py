@@ -42,8 +42,8 @@ MIN_KEYS_PER_PART = 512  # a part shorter than this costs more to merge than it 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _int, _ptr, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 # qkv_decode_fwd (csrc/decode.c)
-ARGS = [_ptr, _ptr, _ptr, _int, _ptr, _ptr, *[_i64] * 8, *[_i64, _i64, _int, _int], _ptr, _i64, _i64, _ptr, _f, _ptr,
-        _i64, _ptr, _ptr, _ptr, _ptr, _int]  # fmt: skip
+ARGS = [_ptr, _ptr, _ptr, _int, *[_i64] * 13, *[_i64, _i64, _int, _int], _ptr, _i64, _ptr, _f, _ptr, _i64, _ptr, _ptr,
+        _ptr, _int]  # fmt: skip
 
 
 def decode_shape(nq: int, nk: int, dtype: torch.dtype) -> bool:
@@ -77,16 +77,13 @@ def _function() -> Optional[Any]:
     return fn
 
 
-def _in_place(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``t (B, Hk, 1, N, X)`` as the kernel reads it: the tensor (rows contiguous), each
-    (batch, head) matrix's element offset ``(B·Hk,)`` and the row stride. Views are read where
-    they lie (a stride-0 batch or head dim included); only a last dim of stride ≠ 1 is copied."""
+def _in_place(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``t (B, Hk, 1, N, X)`` as the kernel reads it: the tensor (rows contiguous) and its batch,
+    head and row strides in elements. Views are read where they lie (a stride-0 batch or head dim
+    included); only a last dim of stride ≠ 1 is copied."""
     if t.stride(-1) != 1:
         t = t.contiguous()
-    b, h = t.shape[:2]
-    offsets = (torch.arange(b, dtype=torch.int64)[:, None] * t.stride(0)
-               + torch.arange(h, dtype=torch.int64)[None, :] * t.stride(1)).reshape(-1)
-    return t, offsets.contiguous(), t.stride(3)
+    return t, t.stride(0), t.stride(1), t.stride(3)
 
 
 def parts_per_head(jobs: int, nk: int, threads: int) -> int:
@@ -106,8 +103,8 @@ def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.
     b, hk, g, nq, d = q.shape
     nk, dv, j, rows = call.nk, call.dv, b * hk, g * nq
     qc = q.to(torch.float32).reshape(j, rows, d).contiguous()  # row r = g·Nq + i
-    kc, koff, ks = _in_place(k)
-    vc, voff, vs = _in_place(v)
+    kc, ksb, ksh, ks = _in_place(k)
+    vc, vsb, vsh, vs = _in_place(v)
     band = native.band_args(*call.positional.band(), nq, nk)
     pad = call.grouped_key_padding()  # (B|1, 1, 1, 1, Nk)
     kpad = klen = None
@@ -125,18 +122,15 @@ def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.
     scratch = torch.empty(j * parts * rows * (dv + 2), dtype=torch.float32)
     out = torch.empty(j, rows, dv, dtype=torch.float32)
     lse = torch.empty(j, rows, dtype=torch.float32)
-    checked = torch.empty(j, parts, dtype=torch.int64)  # keys each part read and found finite (−1: not)
     ptr = native.ptr
-    rc = fn(ptr(qc), kc.data_ptr(), vc.data_ptr(), _KINDS[call.dtype], ptr(koff), ptr(voff), ks, vs, j, rows, nq, nk, d,
-            dv, *band, ptr(kpad), pad_rows, hk, ptr(klen), scale * LOG2E, ptr(sinks), parts, ptr(scratch), ptr(out),
-            ptr(lse), ptr(checked), threads)  # fmt: skip
-    if rc != 0:
+    rc = fn(ptr(qc), kc.data_ptr(), vc.data_ptr(), _KINDS[call.dtype], hk, ksb, ksh, vsb, vsh, ks, vs, j, rows, nq, nk,
+            d, dv, *band, ptr(kpad), pad_rows, ptr(klen), scale * LOG2E, ptr(sinks), parts, ptr(scratch), ptr(out),
+            ptr(lse), threads)  # fmt: skip
+    if rc < 0:
         raise MemoryError("qkv: could not allocate a decoding tile per thread")
     out5 = call.ungroup(out.reshape(b, hk, g, nq, dv).to(call.dtype))
     lse5 = call.ungroup((lse * LN2).reshape(b, hk, g, nq).to(call.lse_dtype)) if call.return_lse else None
-    # The kernel read every key and value and found them finite (a fully masked query row may
-    # never show its own NaN in a score, so the few query entries are checked here)
-    if bool((checked.sum(1) == nk).all()) and bool(torch.isfinite(call.query).all()):
+    if rc == 0:  # the kernel read every key and value and found them, and the queries, finite
         return Checked(out5, lse5)
     return out5, lse5  # keys skipped (masks) or something non-finite: guard applies the full rule
 

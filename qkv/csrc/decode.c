@@ -18,7 +18,7 @@
  * fewer heads than threads (batch 1, 8 key/value heads, 2 or more threads).
  *
  * Shapes: q (J, R, d) float32, row r = g·nq + i is query head g of the group at query position
- * i; key/value head j's rows start at k + koff[j], v + voff[j], consecutive rows ks and vs
+ * i; key/value head j = b·hk + h's rows start at k + b·ksb + h·ksh (v likewise), consecutive rows ks and vs
  * elements apart, each row contiguous; out (J, R, dv) float32; lse (J, R) in log2 units
  * (m + log2 l; −inf for a row with no key). sinks: NULL or (J, R) logits in log2 units, each
  * added to its row's denominator (a row with no key then gives 0 and lse = its sink). Masks as in tile_impl.h: key n is allowed for row
@@ -359,7 +359,7 @@ static inline int all_finite(const float *x, int64_t n) {
 
 /* One job: rows R of head j (q: R × d) against keys [a, z) of its K and V (kind as load8):
  * writes the running (O, m, l) of each row into part (R × (dv + 2)). buf: RG·TK + RG + R·d
- * floats. Returns whether every K and V entry it read was finite, read off what they reach: a
+ * floats. Returns whether its query rows and every K and V entry it read were finite, read off what they reach: a
  * NaN or ±inf in a key makes its score non-finite (checked on the first row, before the masks),
  * one in a value makes every output row non-finite (0·inf is NaN, and no key is skipped); an
  * overflowing score or sum also answers "no", which only sends the caller to the full check.
@@ -370,13 +370,13 @@ static inline __attribute__((always_inline)) int decode_part(const float *q, con
                                                               int64_t dv, const band_t *bd, const uint8_t *pad, float c,
                                                               int64_t a, int64_t z, float *part, float *buf) {
     float *s = buf, *alpha = s + RG * TK, *qj = alpha + RG;
-    int finite = 1;
     const int dot = DOT_BF16 && kind == 1; /* bfloat16 rows: q as bfloat16, scaled after the dot */
     uint16_t *qb = (uint16_t *)qj;
     if (dot)
         for (int64_t i = 0; i < R * d; i++) qb[i] = to_bf16(q[i]);
     else
         for (int64_t i = 0; i < R * d; i++) qj[i] = c * q[i]; /* scores come out in log2 units */
+    int finite = all_finite(q, R * d); /* a fully masked row would never show its query's NaN */
     for (int64_t r = 0; r < R; r++) {
         float *o = part + r * (dv + 2);
         memset(o, 0, sizeof(float) * (size_t)dv);
@@ -437,16 +437,19 @@ static int decode_part_f16(const float *q, const void *k, const void *v, int64_t
 }
 
 /* Forward; see the top of this file. splits ≥ 1 parts per head; scratch holds
- * J · splits · R · (dv + 2) floats. Returns 0, or −1 when out of memory. */
-int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, const int64_t *koff, const int64_t *voff,
-                   int64_t ks, int64_t vs, int64_t J, int64_t R, int64_t nq, int64_t nk, int64_t d, int64_t dv,
-                   int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
-                   int64_t heads_per_pad, const int64_t *klen, float c, const float *sinks, int64_t splits,
-                   float *scratch, float *out, float *lse, int64_t *checked, int nthreads) {
+ * J · splits · R · (dv + 2) floats. Returns 0 when every key and value was read and found finite
+ * and every query entry is finite (the non-finite rule then holds without another pass), 1 when
+ * not (keys skipped by a mask, or a NaN or ±inf somewhere), −1 when out of memory. */
+int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, int64_t hk, int64_t ksb, int64_t ksh,
+                   int64_t vsb, int64_t vsh, int64_t ks, int64_t vs, int64_t J, int64_t R, int64_t nq, int64_t nk,
+                   int64_t d, int64_t dv, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad,
+                   int64_t kpad_rows, const int64_t *klen, float c, const float *sinks, int64_t splits, float *scratch,
+                   float *out, float *lse, int nthreads) {
     const band_t bd = {lo, hi, has_lo, has_hi};
     const size_t esz = kind == 0 ? 4 : 2;
     const int64_t part = R * (dv + 2), jobs = J * splits;
-    int failed = 0;
+    int failed = 0, unchecked = 0;
+    int64_t keys_checked = 0; /* keys read and found finite, over all heads: J·nk when all were */
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)(RG * TK + RG + R * d));
@@ -457,14 +460,14 @@ int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, const
 #pragma omp for schedule(dynamic, 1)
         for (int64_t job = 0; job < jobs; job++) {
             if (!buf) continue;
-            const int64_t j = job / splits, sp = job % splits, prow = kpad_rows ? j / heads_per_pad : 0;
+            const int64_t j = job / splits, sp = job % splits, prow = kpad_rows ? j / hk : 0;
             const int64_t nreal = klen && klen[prow] < nk ? klen[prow] : nk;
             int64_t a, z;
             band_keys(&bd, 0, nq, nreal, &a, &z);
             const int64_t span = z > a ? z - a : 0, chunk = (span + splits - 1) / splits;
             const int64_t a2 = a + sp * chunk, z2 = a2 + chunk < z ? a2 + chunk : z;
-            const void *kj = (const char *)k + (size_t)(koff ? koff[j] : j * nk * ks) * esz;
-            const void *vj = (const char *)v + (size_t)(voff ? voff[j] : j * nk * vs) * esz;
+            const void *kj = (const char *)k + (size_t)(j / hk * ksb + j % hk * ksh) * esz;
+            const void *vj = (const char *)v + (size_t)(j / hk * vsb + j % hk * vsh) * esz;
             const uint8_t *pad = kpad ? kpad + prow * nk : NULL;
             const int64_t z3 = z2 > a2 ? z2 : a2;
             float *out_part = scratch + job * part;
@@ -472,7 +475,13 @@ int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, const
             if (kind == 0) finite = decode_part_f32(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
             else if (kind == 1) finite = decode_part_bf16(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
             else finite = decode_part_f16(q + j * R * d, kj, vj, ks, vs, R, nq, d, dv, &bd, pad, c, a2, z3, out_part, buf);
-            checked[job] = finite ? z3 - a2 : -1; /* keys read and found finite; −1: a NaN or ±inf */
+            if (finite) {
+#pragma omp atomic
+                keys_checked += z3 - a2;
+            } else {
+#pragma omp atomic write
+                unchecked = 1;
+            }
         }
         free(buf);
 #pragma omp for schedule(static)
@@ -508,5 +517,5 @@ int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, const
             lse[jr] = mx + log2f(L);
         }
     }
-    return failed ? -1 : 0;
+    return failed ? -1 : (unchecked || keys_checked != J * nk);
 }
