@@ -5,7 +5,9 @@
 
 Each call runs on the C kernels (``qkv/csrc``: the flash forward and backward of the chunked
 backend, the fused statistics pass, the per-tile statistics kernel, the exponential) and on the
-torch formulation (``QKV_NATIVE=0`` semantics: :func:`torch_path`), and the two must agree;
+torch formulation (``QKV_NATIVE=0`` semantics: :func:`torch_path`), and the two must agree; its
+last rows also run through the decoding kernel with a float32, bfloat16 or float16 cache,
+against the float64 math backend;
 the sanitizers (ASan, UBSan) watch every C access. Shapes are drawn to hit the edges: empty
 sizes, head dims 1–257 with dv ≠ d, GQA/MQA, Nq ≠ Nk, both causal alignments, windows with −1
 and huge sides, key padding with fully padded rows, broadcast (stride-0) K/V, 1–3 threads, and
@@ -59,6 +61,7 @@ def draw(rng: np.random.Generator) -> dict[str, Any]:
         "block": pick([None, None, (1, 1), (7, 5), (2**40, 2**40)]),
         "topk": pick([0, 1, 3, 8]),
         "score": pick([None, None, "softcap", "alibi", "relative", "softcap+alibi"]),
+        "cache": pick([torch.float32, torch.bfloat16, torch.float16]),
     }
 
 
@@ -123,10 +126,15 @@ def score_mod(c: dict[str, Any], gen: torch.Generator) -> Optional[Callable[[], 
     return make
 
 
+# Output tolerance per dtype, relative to the largest entry: sums in other orders (float32) or
+# the output's own rounding (16-bit).
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
 def close(a: torch.Tensor, b: torch.Tensor, what: str) -> str:
     if a.shape != b.shape:
         return f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-    tol = 1e-9 if b.dtype == torch.float64 else 2e-5  # float32: sums in other orders
+    tol = TOLERANCE.get(b.dtype, 2e-5)  # counts and indices: exact, far below this
     a, b = a.double(), b.double()
     both = torch.isneginf(a) & torch.isneginf(b)
     diff = torch.where(both, 0.0, (a - b).abs())
@@ -178,6 +186,21 @@ def stats_calls(q, k, v, kw: dict[str, Any], c: dict[str, Any]) -> dict[str, tor
     return res
 
 
+def decode_calls(q, k, v, kw: dict[str, Any], c: dict[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The decoding kernel (csrc/decode.c): the last Nq ≤ 8 query rows against the keys, with the
+    drawn cache dtype and masks and no gradient, each output paired with the float64 math
+    backend's answer in the output's dtype. Empty when the shapes are not decoding ones."""
+    m = min(c["nq"], 8, c["nk"] - 1)
+    if m < 1:
+        return {}
+    dt = c["cache"]
+    qd, kd, vd = q[:, :, -m:].detach().to(dt), k.detach().to(dt), v.detach().to(dt)
+    with torch.no_grad():
+        out, lse = qkv.attention(qd, kd, vd, return_lse=True, backend="chunked", **kw)
+        ref, ref_lse = qkv.attention(qd.double(), kd.double(), vd.double(), return_lse=True, backend="math", **kw)
+    return {"decode.out": (out, ref.to(dt)), "decode.lse": (lse, ref_lse.to(lse.dtype))}
+
+
 def run(seed: int, calls: int, verbose: bool = False) -> list[str]:
     rng = np.random.default_rng(seed)
     failures = []
@@ -199,6 +222,10 @@ def run(seed: int, calls: int, verbose: bool = False) -> list[str]:
             want = {**attention_calls(q, k, v, kw, c["block"], score), **stats_calls(q, k, v, kw, c)}
         for name in want:
             msg = close(got[name], want[name], name)
+            if msg:
+                failures.append(f"call {i} {c}: {msg}")
+        for name, (a, b) in decode_calls(q, k, v, kw, c).items():
+            msg = close(a, b, name)
             if msg:
                 failures.append(f"call {i} {c}: {msg}")
         if verbose:

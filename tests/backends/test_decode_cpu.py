@@ -6,6 +6,11 @@ float16 caches, sinks, and the exact merge of key parts."""
 from __future__ import annotations
 
 import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,3 +215,13 @@ def test_the_cache_is_read_where_it_lies(dtype: torch.dtype) -> None:
     assert big.biggest < k.numel() * k.element_size() / 16, big.biggest
     ref = torch.as_tensor(attention_ref(q.double(), k.double(), v.double(), enable_gqa=True))
     assert max_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86 compiler flag")
+def test_bfloat16_caches_without_the_dot_product_instruction(tmp_path) -> None:
+    """A processor without AVX-512 BF16 converts K to float32 instead (the portable path): the
+    oracle cases, run against a build made without that instruction."""
+    env = {**os.environ, "QKV_CACHE_DIR": str(tmp_path), "QKV_NATIVE_CFLAGS": "-mno-avx512bf16"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-n", "0", "-k", "oracle and bfloat16"]
+    res = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "42 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
