@@ -34,9 +34,7 @@
 #include <immintrin.h>
 #endif
 
-#ifndef TK
-#define TK 32
-#endif /* keys per tile: the scores of 8 rows (1 KiB) stay in L1 between the softmax and V */
+#define TK 32 /* keys per tile: the scores of 8 rows (1 KiB) stay in L1 between the softmax and V */
 
 #define T float
 #define SUFFIX _decode
