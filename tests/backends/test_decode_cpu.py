@@ -150,30 +150,39 @@ def test_bytes_read_counts_each_distinct_row_once() -> None:
     assert math.isclose(decode_cpu.LOG2E * decode_cpu.LN2, 1.0)
 
 
-@pytest.mark.parametrize("where", ["query", "key", "value", "masked_key", "none"])
+@pytest.mark.parametrize("where", ["query", "key", "value", "padded_key", "padded_value", "before_window", "none",
+                                   "none_padded", "none_window"])
 def test_the_non_finite_rule_without_a_second_pass(where: str) -> None:
     """qkv's rule (qkv.nonfinite) holds through qkv.attention; the kernel's own check replaces
-    guard's pass over the cache when it read every key and found nothing non-finite, and hands
-    over to guard otherwise."""
+    guard's pass over the cache when it saw every key and value (the ones its band or padding
+    skips are scanned for NaN and ±inf only) and found nothing non-finite, and hands over to
+    guard otherwise."""
     q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 1000, 16), torch.randn(2, 2, 1000, 16)
     kw: dict = {"enable_gqa": True}
+    if where in ("padded_key", "padded_value", "none_padded"):  # keys 900… never weighed
+        pad = torch.ones(2, 1000, dtype=torch.bool)
+        pad[:, 900:] = False
+        kw["key_padding_mask"] = pad
+    if where in ("before_window", "none_window"):  # keys before 800 never weighed
+        kw.update(is_causal="bottom_right", window=(200, 0))
     if where == "query":
         q[1, 3, 0, 5] = float("inf")
     elif where == "key":
         k[0, 1, 700, 2] = float("nan")
     elif where == "value":
         v[1, 0, 10, 0] = float("-inf")
-    elif where == "masked_key":  # never read (padding): guard's full check still finds it
+    elif where == "padded_key":
         k[0, 0, 999, 0] = float("nan")
-        pad = torch.ones(2, 1000, dtype=torch.bool)
-        pad[:, 900:] = False
-        kw["key_padding_mask"] = pad
+    elif where == "padded_value":
+        v[1, 1, 950, 15] = float("inf")
+    elif where == "before_window":
+        v[0, 1, 3, 7] = float("nan")
     out = qkv.attention(q, k, v, **kw)
     expected = qkv.nonfinite.nonfinite_rows(q, k, v)
     assert torch.equal(out.isnan().any(-1), expected)
     result = decode_cpu.decode_attention(validate(q, k, v, **kw))
     # the kernel vouches for finite inputs only; anything else goes to guard's full check
-    assert isinstance(result, qkv.nonfinite.Checked) == (where == "none")
+    assert isinstance(result, qkv.nonfinite.Checked) == where.startswith("none")
 
 
 def test_a_nan_query_row_with_no_key_is_still_nan() -> None:
