@@ -139,3 +139,17 @@ def test_decode_bench_cell_runs_qkv_and_sdpa_on_the_same_call():
     md = dec.report(rows, {1: 1e10}, {1: 1e11})
     assert md.count("| Nq=") == 2 and "qkv ÷ SDPA over all 2 cells" in md
     assert len(dec.matrix(quick=False)) == 72 and all(c.nq <= 8 for c in dec.matrix(quick=False))
+
+
+@pytest.mark.parametrize("cache, batch", [("dynamic", 1), ("static", 2)])
+def test_generation_bench_gives_the_same_tokens_through_qkv_and_sdpa(cache, batch):
+    """bench/generate_cpu.py: greedy decoding of its LLaMA through ``attn_implementation="qkv"``
+    picks SDPA's tokens, with transformers' default cache and with a preallocated static cache
+    and a ragged (padded) batch, where qkv's decoding kernel gets the mask as key padding."""
+    pytest.importorskip("transformers")
+    gen = load_bench_script("generate_cpu")
+    import qkv.hf
+
+    qkv.hf.register()
+    tokens = {impl: gen.generate(gen.build(impl), 96, 4, cache, batch)[1] for impl in ("sdpa", "qkv")}
+    assert tokens["qkv"] == tokens["sdpa"] and len(tokens["qkv"]) == 4 and len(tokens["qkv"][0]) == batch
