@@ -137,26 +137,50 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void *bas
  * 16 rows 67 vs 81 ms. */
 #define IN_ORDER_ROWS 4
 
-/* s[r·TK + t] = q_r · k_(n0+t) for rows r < g (g ≤ RG, q rows d apart, float32) and the w keys
- * from n0 (cache rows ld apart): each K load feeds g rows; two keys at a time keep 2·g sums in
- * flight. */
-static inline __attribute__((always_inline)) void scores_group(const float *q, int64_t g, const void *k, int kind,
-                                                               int64_t ld, int64_t n0, int64_t w, int64_t d, float *s) {
-    const int64_t d8 = d - d % LANES;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define DOT_BF16 1 /* the processor's bfloat16 dot product (AVX-512 BF16) */
+#else
+#define DOT_BF16 0
+#endif
+
+/* s[r·TK + t] = c·(q_r · k_(n0+t)) for rows r < g (g ≤ RG, q rows d apart) and the w keys from
+ * n0 (cache rows ld apart): each K load feeds g rows; two keys at a time keep 2·g sums in flight.
+ * q is float32 (then pre-scaled, and c = 1), or with dot (a bfloat16 cache, DOT_BF16) bfloat16
+ * rows multiplied by the processor's bfloat16 dot product: 16 products per instruction instead
+ * of 8 and no conversion of K; each product of two bfloat16 numbers is exact in float32 and the
+ * sums are float32. */
+static inline __attribute__((always_inline)) void scores_group(const void *q, int64_t g, const void *k, int kind,
+                                                               int dot, int64_t ld, int64_t n0, int64_t w, int64_t d,
+                                                               float c, float *s) {
+    const int step = dot ? 16 : LANES, qkind = dot ? 1 : 0;
+    const int64_t dn = d - d % step;
     const v8f zero = v_set(0.0f);
     for (int64_t t = 0; t < w; t += 2) {
         const int two = t + 1 < w;
         const int64_t i0 = (n0 + t) * ld, i1 = two ? i0 + ld : i0;
         v8f a[RG], b[RG];
         for (int64_t r = 0; r < RG; r++) a[r] = b[r] = zero;
-        for (int64_t e = 0; e < d8; e += LANES) {
-            const v8f x0 = load8(k, kind, i0 + e), x1 = load8(k, kind, i1 + e);
+        for (int64_t e = 0; e < dn; e += step) {
             if (prefetching(kind, g)) {
                 prefetch_ahead(k, kind, i0 + e, ld, e);
                 prefetch_ahead(k, kind, i1 + e, ld, e);
             }
+#if DOT_BF16
+            if (dot) {
+                const uint16_t *kb = (const uint16_t *)k, *qb = (const uint16_t *)q;
+                const __m256bh x0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(kb + i0 + e));
+                const __m256bh x1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(kb + i1 + e));
+                for (int64_t r = 0; r < g; r++) {
+                    const __m256bh y = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + r * d + e));
+                    a[r] = (v8f)_mm256_dpbf16_ps((__m256)a[r], y, x0);
+                    b[r] = (v8f)_mm256_dpbf16_ps((__m256)b[r], y, x1);
+                }
+                continue;
+            }
+#endif
+            const v8f x0 = load8(k, kind, i0 + e), x1 = load8(k, kind, i1 + e);
             for (int64_t r = 0; r < g; r++) {
-                const v8f y = v_loadu(q + r * d + e);
+                const v8f y = v_loadu((const float *)q + r * d + e);
                 a[r] += y * x0;
                 b[r] += y * x1;
             }
@@ -164,13 +188,13 @@ static inline __attribute__((always_inline)) void scores_group(const float *q, i
         const v8f sa = hsum8(a), sb = hsum8(b);
         for (int64_t r = 0; r < g; r++) {
             float xa = sa[r], xb = sb[r];
-            for (int64_t e = d8; e < d; e++) {
-                const float k0 = load1(k, kind, i0 + e), k1 = load1(k, kind, i1 + e);
-                xa += q[r * d + e] * k0;
-                xb += q[r * d + e] * k1;
+            for (int64_t e = dn; e < d; e++) {
+                const float y = load1(q, qkind, r * d + e);
+                xa += y * load1(k, kind, i0 + e);
+                xb += y * load1(k, kind, i1 + e);
             }
-            s[r * TK + t] = xa;
-            if (two) s[r * TK + t + 1] = xb;
+            s[r * TK + t] = c * xa;
+            if (two) s[r * TK + t + 1] = c * xb;
         }
     }
 }
@@ -263,58 +287,6 @@ static inline __attribute__((always_inline)) void weigh_group(float *o, const fl
     default: CALL(8); break;    \
     }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-#define DOT_BF16 1
-/* scores_group for a bfloat16 cache and bfloat16 query rows qb (d apart, unscaled), with the
- * processor's bfloat16 dot product: 16 products per instruction instead of 8, and no
- * conversion of K. Each product of two bfloat16 numbers is exact in float32, the sums are
- * float32, and the scale c is applied to each finished sum. */
-static inline __attribute__((always_inline)) void scores_group_dot(const uint16_t *qb, int64_t g, const uint16_t *k,
-                                                                   int64_t ld, int64_t n0, int64_t w, int64_t d,
-                                                                   float c, float *s) {
-    const int64_t d16 = d - d % 16;
-    const v8f zero = v_set(0.0f);
-    for (int64_t t = 0; t < w; t += 2) {
-        const int two = t + 1 < w;
-        const int64_t i0 = (n0 + t) * ld, i1 = two ? i0 + ld : i0;
-        v8f a[RG], b[RG];
-        for (int64_t r = 0; r < RG; r++) a[r] = b[r] = zero;
-        for (int64_t e = 0; e < d16; e += 16) {
-            const __m256bh x0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(k + i0 + e));
-            const __m256bh x1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(k + i1 + e));
-            if (prefetching(1, g)) {
-                prefetch_ahead(k, 1, i0 + e, ld, e);
-                prefetch_ahead(k, 1, i1 + e, ld, e);
-            }
-            for (int64_t r = 0; r < g; r++) {
-                const __m256bh y = (__m256bh)_mm256_loadu_si256((const __m256i *)(qb + r * d + e));
-                a[r] = (v8f)_mm256_dpbf16_ps((__m256)a[r], y, x0);
-                b[r] = (v8f)_mm256_dpbf16_ps((__m256)b[r], y, x1);
-            }
-        }
-        const v8f sa = hsum8(a), sb = hsum8(b);
-        for (int64_t r = 0; r < g; r++) {
-            float xa = sa[r], xb = sb[r];
-            for (int64_t e = d16; e < d; e++) {
-                const float y = load1(qb, 1, r * d + e);
-                xa += y * load1(k, 1, i0 + e);
-                xb += y * load1(k, 1, i1 + e);
-            }
-            s[r * TK + t] = c * xa;
-            if (two) s[r * TK + t + 1] = c * xb;
-        }
-    }
-}
-
-static __attribute__((noinline)) void scores_rows_dot(const uint16_t *qb, int64_t g, const uint16_t *k, int64_t ld,
-                                                      int64_t n0, int64_t w, int64_t d, float c, float *s) {
-#define SCD(G) scores_group_dot(qb, G, k, ld, n0, w, d, c, s)
-    FOR_ROWS(g, SCD)
-#undef SCD
-}
-#else
-#define DOT_BF16 0
-#endif
 
 /* scores_group and weigh_group for each cache type and group size, as functions of their own:
  * compiled apart, their loops keep their sums in registers (inlined into the tile loop, the
@@ -326,11 +298,13 @@ static __attribute__((noinline)) void scores_rows_dot(const uint16_t *qb, int64_
     default: { FOR_ROWS(g, CALL_G##2) } break;                    \
     }
 
-static __attribute__((noinline)) void scores_rows(const float *q, int64_t g, const void *k, int kind, int64_t ld,
-                                                  int64_t n0, int64_t w, int64_t d, float *s) {
-#define SC0(G) scores_group(q, G, k, 0, ld, n0, w, d, s)
-#define SC1(G) scores_group(q, G, k, 1, ld, n0, w, d, s)
-#define SC2(G) scores_group(q, G, k, 2, ld, n0, w, d, s)
+/* q: float32 rows scaled by c already (c = 1 here), or bfloat16 rows for a bfloat16 cache where
+ * DOT_BF16 (see scores_group). */
+static __attribute__((noinline)) void scores_rows(const void *q, int64_t g, const void *k, int kind, int64_t ld,
+                                                  int64_t n0, int64_t w, int64_t d, float c, float *s) {
+#define SC0(G) scores_group(q, G, k, 0, 0, ld, n0, w, d, c, s)
+#define SC1(G) scores_group(q, G, k, 1, DOT_BF16, ld, n0, w, d, c, s)
+#define SC2(G) scores_group(q, G, k, 2, 0, ld, n0, w, d, c, s)
     FOR_KINDS(kind, SC)
 #undef SC0
 #undef SC1
@@ -402,11 +376,8 @@ static inline __attribute__((always_inline)) int decode_part(const float *q, con
         for (int64_t r0 = 0; r0 < R; r0 += RG) {
             const int64_t g = R - r0 < RG ? R - r0 : RG;
             float *o = part + r0 * (dv + 2);
-#if DOT_BF16
-            if (dot) scores_rows_dot(qb + r0 * d, g, (const uint16_t *)kj, ks, n0, w, d, c, s);
-            else
-#endif
-            scores_rows(qj + r0 * d, g, kj, kind, ks, n0, w, d, s);
+            if (dot) scores_rows(qb + r0 * d, g, kj, kind, ks, n0, w, d, c, s);
+            else scores_rows(qj + r0 * d, g, kj, kind, ks, n0, w, d, 1.0f, s);
             if (r0 == 0) finite = finite && all_finite(s, w); /* before the masks: every key of the tile */
             for (int64_t r = 0; r < g; r++) { /* masks and the online softmax, row by row */
                 float *sr = s + r * TK, *orow = o + r * (dv + 2);
