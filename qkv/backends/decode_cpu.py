@@ -9,14 +9,20 @@ time is the time to read K and V once. ``qkv/csrc/decode.c`` does exactly that:
   grouped-query group share every load);
 - the cache is read in place: a view into a preallocated cache (:class:`qkv.nn.KVCache`,
   transformers' static cache), a head dim broadcast by stride 0, any row stride;
-- a bfloat16 or float16 cache is converted to float32 one tile at a time inside the loop,
-  never as a full-size copy;
+- a bfloat16 or float16 cache is converted to float32 where its entries are used, never as a
+  full-size copy; a bfloat16 cache's scores use the processor's bfloat16 dot product where it
+  has one (AVX-512 BF16: exact products, float32 sums);
+- with several query rows per key/value row the next tile's rows are prefetched into L2, so
+  the arithmetic and the reads overlap;
 - when there are fewer heads than threads' worth of work, each head's keys are split into
   parts that run on different threads, and the parts' (m, l, O) are merged exactly afterwards
   (flash-decoding).
 
 Masks: the causal/window band (bottom-right for ``Nq < Nk``, as decoding needs), key padding
-(ragged batches stop at each entry's last real key), and sinks. Calls with gradients, a
+(ragged batches and preallocated caches stop at each entry's last real key), and sinks. The
+kernel sees every entry for the non-finite rule (:mod:`qkv.nonfinite`): those it weighs through
+their scores and outputs, those a band or padding skips by one scan, so the rule needs no
+second pass over the cache. Calls with gradients, a
 score function, an ``attn_mask``, dropout or float64 take the other kernels.
 
 Shapes: q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``, v ``(B, Hk, 1, Nk, Dv)``;
