@@ -301,7 +301,12 @@ def test_auto_choices():
     assert _chosen(q, k, v, generator=torch.Generator(), dropout_p=0.1) == "math"
     big = make_qkv(1, 4, 4, 4096, 4096, 16)
     assert _chosen(*big, window=(128, 0)) == "chunked"  # sdpa would need a 4096² mask
-    assert _chosen(*big, is_causal=True, return_lse=True) == "sdpa"
+    # causal self-attention up to 4096 tokens, no gradient: chunked's tile loops stop at the diagonal
+    assert _chosen(*big, is_causal=True, return_lse=True) == "chunked"
+    assert BACKENDS["chunked"].kernel(qkv.call.validate(*big, is_causal=True)) == "tiles"
+    longer = make_qkv(1, 4, 4, 8192, 8192, 16)
+    assert _chosen(*longer, is_causal=True, return_lse=True) == "sdpa"
+    assert _chosen(*(t.double() for t in big), is_causal=True) == "sdpa"
     grad = make_qkv(1, 2, 2, 1024, 1024, 16, requires_grad=True)
     assert _chosen(*grad, return_lse=True) == "chunked"  # torch's lse is not differentiable
 

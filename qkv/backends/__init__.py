@@ -15,7 +15,7 @@ import torch
 
 from ..call import AttentionCall
 from .base import Backend
-from .chunked import ChunkedBackend
+from .chunked import ChunkedBackend, causal_prefill, causal_prefill_shape
 from .decode_cpu import can_decode, decode_shape
 from .flash_cpu import can_fuse
 from .math import MathBackend
@@ -74,7 +74,8 @@ def plain_sdpa_call(
     ignore broadcasting there), ``scale > 0``, dropout in [0, 1), a mask on the query's device in
     its dtype (or bool) not combined with ``is_causal``, and none of what :func:`auto_order` sends
     elsewhere: gradients below float64 (:func:`dtype_misses_rule`), a large bool mask
-    (:func:`blocks_beat_dense`), decoding shapes (:func:`.decode_cpu.decode_shape`). The caller checks the keyword-only features (window, padding,
+    (:func:`blocks_beat_dense`), decoding shapes (:func:`.decode_cpu.decode_shape`), causal
+    self-attention that chunked's tile loops run faster (:func:`.chunked.causal_prefill_shape`). The caller checks the keyword-only features (window, padding,
     lse, score_mod, sinks). Inputs not of the plain kind (a non-tensor, an odd scale) answer False,
     and the call is validated, which explains them."""
     try:
@@ -88,6 +89,7 @@ def plain_sdpa_call(
             and query.numel()
             and key.numel()
             and not decode_shape(query.shape[-2], key.shape[-2], query.dtype)
+            and not (attn_mask is None and causal_prefill_shape(query.shape[-2], key.shape[-2], query.dtype, is_causal))
             and (
                 not dtype_misses_rule(query.dtype)
                 or not torch.is_grad_enabled()
@@ -118,6 +120,10 @@ def auto_order(call: AttentionCall) -> list[Backend]:
         # a few query rows against a long cache: chunked's decoding kernel reads each K/V row once
         # for all the rows of its group; SDPA reads it once per query head
         order = [chunked, sdpa, math]
+    elif causal_prefill(call):
+        # causal self-attention up to a few thousand tokens, no gradient: chunked's tile loops stop
+        # each row block's keys at the diagonal, where torch's kernel computes 512-key blocks past it
+        order = [chunked, sdpa, math]
     elif (needs_dense_mask(call) or call.bool_mask) and can_fuse(call) and blocks_beat_dense(call.nq, call.nk):
         # no gradient: chunked runs the rules SDPA has no argument for on torch's kernel block by
         # block, without the Nq × Nk mask SDPA would need, and skips a bool mask's empty blocks
@@ -144,6 +150,9 @@ def order_notes(call: AttentionCall) -> list[str]:
     if order[0] == "chunked" and can_decode(call):
         notes.append("chunked first: a decoding call (few query rows, long cache) runs its kernel that reads each "
                      "key/value row once for all the query rows of its group")
+    elif order[0] == "chunked" and causal_prefill(call):
+        notes.append("chunked first: causal self-attention without gradients runs faster on its tile loops, whose "
+                     "key range stops at each row block's diagonal")
     elif order[0] == "chunked" and can_fuse(call):
         notes.append(
             "chunked first: without gradients it runs the call on torch's fused CPU kernel block by block, "

@@ -29,6 +29,12 @@ from .tiles import LOG2E
 # Both tile loops keep scores in base 2 (the exponentials are exp2): LOG2E from the tile walk.
 
 
+@torch.compiler.assume_constant_result  # fixed for the process: a traced graph need not look again
+def available(dtype: torch.dtype) -> bool:
+    """Do the C loops run CPU calls of this dtype (float32 or float64, the kernels built)?"""
+    return dtype in (torch.float32, torch.float64) and native.library() is not None and native.gemm(dtype) is not None
+
+
 def _kernel(q: torch.Tensor, tiles: MaskTiles, which: str) -> Optional[tuple[Any, int]]:
     """(C function, gemm address) for this call, or None."""
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or tiles.attn is not None:
