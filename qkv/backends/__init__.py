@@ -118,6 +118,10 @@ def auto_order(call: AttentionCall) -> list[Backend]:
         # a few query rows against a long cache: chunked's decoding kernel reads each K/V row once
         # for all the rows of its group; SDPA reads it once per query head
         order = [chunked, sdpa, math]
+    elif call.block_sparse is not None and call.device.type == "cpu" and blocks_beat_dense(call.nq, call.nk):
+        # a block-sparse layout: chunked walks its blocks, forward and backward, without the
+        # Nq × Nk mask SDPA would need
+        order = [chunked, sdpa, math]
     elif (needs_dense_mask(call) or call.bool_mask) and can_fuse(call) and blocks_beat_dense(call.nq, call.nk):
         # no gradient: chunked runs the rules SDPA has no argument for on torch's kernel block by
         # block, without the Nq × Nk mask SDPA would need, and skips a bool mask's empty blocks
@@ -144,6 +148,9 @@ def order_notes(call: AttentionCall) -> list[str]:
     if order[0] == "chunked" and can_decode(call):
         notes.append("chunked first: a decoding call (few query rows, long cache) runs its kernel that reads each "
                      "key/value row once for all the query rows of its group")
+    elif order[0] == "chunked" and call.block_sparse is not None:
+        notes.append("chunked first: it walks the block-sparse layout's blocks, forward and backward, where SDPA "
+                     "would get the dense Nq × Nk mask")
     elif order[0] == "chunked" and can_fuse(call):
         notes.append(
             "chunked first: without gradients it runs the call on torch's fused CPU kernel block by block, "

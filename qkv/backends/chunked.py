@@ -72,7 +72,7 @@ from . import chunked_native
 from .base import Backend, half_to_float
 from .decode_cpu import can_decode, decode_attention
 from .flash_cpu import can_fuse, fused_attention
-from .tiles import LOG2E, augment, check_tile_size, head_groups, key_blocks, plan_tiles
+from .tiles import LOG2E, SparseRows, augment, check_tile_size, head_groups, key_blocks, layout_rows, plan_tiles
 # Re-exported: the tile shape's old home (:mod:`.tiles` is the walk's own module).
 from .tiles import BLOCK_K, BLOCK_Q, TILE_BUDGET, band_rows  # noqa: F401
 
@@ -561,6 +561,95 @@ def _scored_attention(q, k, v, tiles: MaskTiles, scale: float, plan: tuple[int, 
     return out, lse
 
 
+def _row_tiles(r: SparseRows, padding: Optional[torch.Tensor], device: torch.device) -> MaskTiles:
+    """The masks of one layout row block's sub-call: rows ``[q0, q1)`` against its gathered keys."""
+    c = r.k1 - r.k0 if r.keys is None else r.keys.numel()
+    return MaskTiles(PositionalMask(r.q1 - r.q0, c), r.mask, None if padding is None else r.take(padding, 4), device)
+
+
+def _layout_forward(q, k, v, rows: list[SparseRows], padding, scale: float, block: tuple[Optional[int], Optional[int]]):
+    """out, m, l of :func:`chunked_forward` for a block-sparse layout, in the compute dtype: each
+    row block is a call of its own over the keys of its blocks (the C loops where it needs no
+    mask; a short one where it does), so no empty block is visited and no ``Nq × Nk`` mask built."""
+    b, hk, g, nq, _ = q.shape
+    out = q.new_zeros(b, hk, g, nq, v.shape[-1])  # rows no block reaches: 0, m = -inf, l = 0
+    m = q.new_full((b, hk, g, nq), _NEG_INF)
+    l = q.new_zeros((b, hk, g, nq))
+    for r in rows:
+        t = _row_tiles(r, padding, q.device)
+        plan = plan_tiles(b, hk, g, r.q1 - r.q0, t.positional.nk, *block)
+        o, mr, lr = chunked_forward(q[:, :, :, r.q0 : r.q1], r.take(k, 3), r.take(v, 3), t, scale, plan)
+        out[:, :, :, r.q0 : r.q1], m[:, :, :, r.q0 : r.q1], l[:, :, :, r.q0 : r.q1] = o, mr, lr
+    return out, m, l
+
+
+def _layout_backward(q, k, v, out, m, l, dout, dlse, rows: list[SparseRows], padding, scale: float, block):
+    """dq, dk, dv of :func:`chunked_backward` for a block-sparse layout: each row block's
+    recomputation over its keys, given the whole row's ``m`` and ``l``; the keys' gradients are
+    added back to their positions."""
+    b, hk, g = q.shape[:3]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for r in rows:
+        t, rs = _row_tiles(r, padding, q.device), slice(r.q0, r.q1)
+        plan = plan_tiles(b, hk, g, r.q1 - r.q0, t.positional.nk, *block)
+        dq_r, dk_r, dv_r = chunked_backward(
+            q[:, :, :, rs], r.take(k, 3), r.take(v, 3), out[:, :, :, rs], m[:, :, :, rs], l[:, :, :, rs],
+            dout[:, :, :, rs], None if dlse is None else dlse[:, :, :, rs], t, scale, plan,
+        )  # fmt: skip
+        dq[:, :, :, rs] = dq_r
+        if r.keys is None:
+            dk[:, :, :, r.k0 : r.k1] += dk_r
+            dv[:, :, :, r.k0 : r.k1] += dv_r
+        else:
+            dk.index_add_(3, r.keys, dk_r)
+            dv.index_add_(3, r.keys, dv_r)
+    return dq, dk, dv
+
+
+class _LayoutAttention(torch.autograd.Function):
+    """:class:`_ChunkedAttention` for a block-sparse layout (:func:`.tiles.layout_rows`): the tile
+    loops run per row block over the keys of its blocks. No ``vmap`` rule and no double backward
+    (under ``torch.func`` transforms the call takes the dense mask's path)."""
+
+    @staticmethod
+    def forward(q, k, v, rows: list[SparseRows], padding, scale: float, block):
+        qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
+        out, m, l = _layout_forward(qc, kc, vc, rows, padding, scale, block)
+        return out, lse_from(m, l, MaskTiles(PositionalMask(q.shape[3], k.shape[3]), None, None, q.device), scale), m, l
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, v, rows, padding, scale, block = inputs
+        out, _, m, l = output
+        ctx.save_for_backward(q, k, v, out, m, l)
+        ctx.rows, ctx.padding, ctx.scale, ctx.block = rows, padding, scale, block
+        ctx.mark_non_differentiable(m, l)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor], _dm: Any, _dl: Any):
+        q, k, v, out, m, l = ctx.saved_tensors
+        qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
+        cd = qc.dtype
+        dout = torch.zeros_like(out) if dout is None else dout.to(cd)
+        dlse = None if dlse is None else dlse.to(cd)
+        with torch.no_grad():
+            dq, dk, dv = _layout_backward(qc, kc, vc, out, m, l, dout, dlse, ctx.rows, ctx.padding, ctx.scale, ctx.block)
+        dq, dk, dv = gradient_rule(q, k, v, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+@torch.compiler.disable  # the layout's walk syncs with the host: torch.compile breaks the graph here
+def _layout_attention(call: AttentionCall, q, k, v, scale: float, block) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse, _, _ = _LayoutAttention.apply(q, k, v, layout_rows(call), call.grouped_key_padding(), scale, block)
+    return out, lse
+
+
+def _walks_layout(call: AttentionCall) -> bool:
+    """Does the tile walk follow the call's block-sparse layout? Yes, unless a score function
+    (it reads positions the gathered keys lose) or ``torch.func`` transforms (no vmap rule) are there."""
+    return call.block_sparse is not None and call.score_mod is None and torch._C._functorch.peek_interpreter_stack() is None
+
+
 class ChunkedBackend(Backend):
     NAME = "chunked"
     DESCRIPTION = "online softmax over key blocks in torch; O(N·block) extra memory; recomputing backward"
@@ -614,6 +703,11 @@ class ChunkedBackend(Backend):
             return fused_attention(call)  # no gradient: torch's fused kernel, block by block
         query, scale = call.positive_scale()  # the row maximum of q·kᵀ must be the largest score
         q, k, v = call.grouped_qkv(query)
+        if _walks_layout(call):
+            out, lse = _layout_attention(call, q, k, v, scale, (self.block_q, self.block_k))
+            if call.sinks is not None:
+                out, lse = add_sinks(out, lse, grouped_sinks(call.sinks, call.hk, call.group))
+            return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
         tiles = MaskTiles.from_call(call)
         lo, hi = tiles.positional.band()
         span = None  # how many consecutive keys a row can see at most, where a band limits them

@@ -15,9 +15,13 @@ expressed to it one row block at a time:
 - key padding whose True entries form a prefix (ragged lengths) trims each batch entry's keys
   to its length; any other padding becomes a broadcast ``(B, 1, 1, Nk)`` mask. Under
   ``torch.compile`` padding always takes the broadcast mask, which needs no host sync;
-- a bool ``attn_mask`` is read once to find its non-empty 128 × 128 blocks, and each row block
-  is given only the keys of those blocks (:func:`sparse_forward`), with no mask at all where
-  those blocks are wholly True (a block-sparse layout), so the kernel builds and reads none.
+- a block-sparse layout (:class:`qkv.sparse.BlockSparseMask`) is walked block by block
+  (:func:`layout_forward`): each row block is given only the keys of its layout blocks, with no
+  mask at all unless a rule inside the blocks, a head-varying layout or the band needs one for
+  that small tile; no ``Nq × Nk`` mask is built or read;
+- a bool ``attn_mask`` tensor is read once to find its non-empty 128 × 128 blocks, and each row
+  block is given only the keys of those blocks (:func:`sparse_forward`), with no mask at all
+  where those blocks are wholly True.
 
 Apart from that merge, one call per row block means each row's output and log-sum-exp are
 the kernel's own, as precise as torch SDPA's. This path serves calls without gradients:
@@ -41,6 +45,7 @@ import torch
 from ..call import AttentionCall, accumulate_dtype
 from ..masks import additive_mask, prefix_lengths
 from ..reference.masks import PositionalMask
+from .tiles import SparseRows, layout_rows
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -56,11 +61,11 @@ def can_fuse(call: AttentionCall) -> bool:
     dropout, score function or sinks, equal query and value head dims, and no empty size (the kernel divides by them).
     A bool ``attn_mask`` shared by the key/value heads' query groups, or given per query head,
     is dispatched block-sparsely."""
-    mask = call.attn_mask
+    mask = call.given_mask
     return (
         call.device.type == "cpu"
         and not call.requires_grad
-        and (mask is None or (mask.dtype == torch.bool and _grouped_bool_mask(call) is not None))
+        and (call.block_sparse is not None or mask is None or (mask.dtype == torch.bool and _grouped_bool_mask(call) is not None))
         and call.dropout_p == 0.0
         and call.score_mod is None
         and call.sinks is None
@@ -97,7 +102,9 @@ def fused_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.T
         k4, v4 = (t.reshape(b * hk, 1, *t.shape[3:]).expand(-1, g, -1, -1) for t in (k, v))
         if pad is not None and pad.shape[0] > 1:
             pad = pad.repeat_interleave(hk, 0)  # (B·Hk, Nk)
-    if call.attn_mask is not None:
+    if call.block_sparse is not None and not torch.compiler.is_compiling():  # (no host syncs under compile)
+        out, lse = layout_forward(q4, k4, v4, layout_rows(call), pad, scale, (b, hk, g))
+    elif call.has_attn_mask:
         out, lse = sparse_forward(q4, k4, v4, call.positional, pad, _grouped_bool_mask(call), scale)
     else:
         out, lse = fused_forward(q4, k4, v4, call.positional, pad, scale)
@@ -246,6 +253,39 @@ def _open_left(
     share_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)  # (B, H, Nq, 1)
     acc = torch.lerp(out_b.to(lse_a.dtype), out_a.to(lse_a.dtype), share_a)
     return acc.to(q.dtype), torch.logaddexp(lse_a, lse_b)
+
+
+def _kernel_mask(m: torch.Tensor, b: int, hk: int, g: int) -> torch.Tensor:
+    """A grouped tile mask ``(B|1, Hk|1, G|1, R|1, C)`` in the kernel layout of :func:`fused_attention`
+    (``(B, H, ·, C)``, or ``(B·Hk, G, ·, C)`` for shared key/value heads), broadcast dims kept."""
+    if g == 1:
+        return m[:, :, 0]
+    if m.shape[0] == 1 and m.shape[1] == 1:
+        return m[0]
+    return m.expand(b, hk, *m.shape[2:]).reshape(b * hk, *m.shape[2:])
+
+
+def layout_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[SparseRows], padding: Optional[torch.Tensor],
+    scale: float, grouped: tuple[int, int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Like :func:`fused_forward` for a block-sparse layout's row blocks (:func:`.tiles.layout_rows`):
+    one kernel call per row block over the keys of its blocks (a view where they are adjacent,
+    else gathered), masked only where its small tile needs it. ``grouped``: the call's (B, Hk, G)."""
+    out, lse = _empty_result(q, v)  # rows that no block reaches: 0 and -inf
+    for r in rows:
+        ks, vs = r.take(k, 2), r.take(v, 2)
+        allowed = None if r.mask is None else _kernel_mask(r.mask, *grouped)
+        if padding is not None:
+            pad = r.take(padding, 1)[:, None, None, :]  # (B|1, 1, 1, C)
+            allowed = pad if allowed is None else allowed & pad
+        if allowed is None:
+            out[:, :, r.q0 : r.q1], lse[:, :, r.q0 : r.q1] = _kernel(q[:, :, r.q0 : r.q1], ks, vs, False, None, scale)
+            continue
+        o, s = _kernel(q[:, :, r.q0 : r.q1], ks, vs, False, additive_mask(allowed, q.dtype), scale)
+        out[:, :, r.q0 : r.q1] = o
+        lse[:, :, r.q0 : r.q1] = s.masked_fill(~allowed.any(-1), float("-inf"))  # the kernel reports 0 there
+    return out, lse
 
 
 # Block-sparse dispatch of a bool attn_mask: rows are taken SPARSE_ROWS at a time, and each row

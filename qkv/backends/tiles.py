@@ -9,6 +9,8 @@ Legend: q ``(B, Hk, G, Nq, D)`` (G query heads share one key/value head), k ``(B
 - :func:`plan_tiles` — ``(block_q, block_k, heads per group)`` for a call;
 - :func:`head_groups` — slices over ``(B, Hk)`` of at most that many key/value heads;
 - :func:`key_blocks` — the key tiles one row block may see, structurally empty ones skipped;
+- :func:`layout_rows` — a block-sparse layout's row blocks, each with the keys of its blocks
+  and the small mask (if any) that its tile of gathered keys needs;
 - :func:`augment` — ``[x, column]``: folds a per-row or per-key term into a matmul;
 - :data:`LOG2E`, :data:`LN2` — base-2 units: ``exp(x) = 2 ** (x · LOG2E)``, ``log(x) = log2(x) · LN2``.
 """
@@ -18,15 +20,17 @@ from __future__ import annotations
 import math
 import numbers
 
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 
+from ..call import AttentionCall
 from ..masks import MaskTiles
 
 __all__ = [
     "BLOCK_K", "BLOCK_Q", "LN2", "LOG2E", "TILE_BUDGET",
-    "augment", "band_rows", "check_tile_size", "head_groups", "key_blocks", "plan_tiles",
+    "SparseRows", "augment", "band_rows", "check_tile_size", "head_groups", "key_blocks", "layout_rows", "plan_tiles",
 ]  # fmt: skip
 
 # Scores are kept in base 2 so that the exponentials are exp2 (cheaper than exp on every target).
@@ -121,3 +125,90 @@ def augment(x: torch.Tensor, column: torch.Tensor | float) -> torch.Tensor:
     """Append one column to the last dim: ``[x, column]`` (``column`` broadcasts over rows)."""
     col = torch.as_tensor(column, dtype=x.dtype, device=x.device).expand(*x.shape[:-1], 1)
     return torch.cat([x, col], dim=-1)
+
+
+# ---- block-sparse layouts: the walk over the layout's blocks, no Nq × Nk mask ------------------
+
+
+@dataclass
+class SparseRows:
+    """Rows ``[q0, q1)`` of a block-sparse call and the keys their layout blocks hold.
+
+    ``keys``: the key indices ``(C,)`` of those blocks, ascending, or None when they are one
+    range ``[k0, k1)`` (then K and V are read as views, not gathered). ``mask``: bool
+    ``(B|1, Hk|1, G|1, R|1, C)``, the pairs allowed inside that ``(R, C)`` tile where not all are
+    (a rule inside the blocks, layouts that differ by head or batch entry, the causal/window
+    band); None = every pair of the tile. Key padding is left to the kernels.
+    """
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    keys: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+
+    def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """``t``'s entries at this row block's keys along ``dim`` (a view for one key range)."""
+        return t.narrow(dim, self.k0, self.k1 - self.k0) if self.keys is None else t.index_select(dim, self.keys)
+
+
+def _key_span(cols: list[int], bk: int, nk: int, device: torch.device) -> tuple[int, int, Optional[torch.Tensor]]:
+    """(k0, k1, keys) of key blocks ``cols`` (see :class:`SparseRows`)."""
+    k0, k1 = cols[0] * bk, min(nk, (cols[-1] + 1) * bk)
+    if len(cols) == cols[-1] - cols[0] + 1:
+        return k0, k1, None
+    return k0, k1, torch.cat([torch.arange(j * bk, min(nk, (j + 1) * bk), device=device) for j in cols])
+
+
+def _row_mask(call: AttentionCall, lay: torch.Tensor, i: int, cols: list[int], q0: int, q1: int,
+              keys: torch.Tensor, partial: bool) -> Optional[torch.Tensor]:  # fmt: skip
+    """The :attr:`SparseRows.mask` of row block ``i`` over key blocks ``cols`` (``keys`` their key
+    indices); ``partial``: the positional band cuts some of those blocks."""
+    bs = call.block_sparse
+    assert bs is not None
+    mask = None
+    per_block = lay[..., i, cols]  # (B|1, Hk|1, G|1, len(cols)): which heads need each block
+    if per_block[..., 0].numel() > 1 and not bool(per_block.all()):  # layouts differ by head or batch entry
+        width = torch.tensor([min(call.nk, (j + 1) * bs.block_size[1]) - j * bs.block_size[1] for j in cols], device=lay.device)
+        mask = per_block.repeat_interleave(width, -1).unsqueeze(-2)  # (B|1, Hk|1, G|1, 1, C)
+    rows = torch.arange(q0, q1, device=call.device)[:, None]
+    if bs.rule is not None:
+        ruled = call.grouped_mask(bs.rule(rows, keys[None, :]))  # (B|1, Hk|1, G|1, R, C)
+        if not bool(ruled.all()):
+            mask = ruled if mask is None else mask & ruled
+    if partial:
+        band = call.positional.allowed(rows, keys[None, :])  # (R, C)
+        mask = band if mask is None else mask & band
+    return None if mask is None else mask.reshape((1,) * (5 - mask.dim()) + tuple(mask.shape))
+
+
+def layout_rows(call: AttentionCall) -> list[SparseRows]:
+    """The row blocks of ``call.block_sparse`` that see some key, each with its key blocks: those
+    the layout computes for some head or batch entry and that the causal/window band does not
+    rule out. Consecutive row blocks with the same keys and no mask are one entry (one kernel
+    call). Reads the small layout once (one host sync); builds no ``Nq × Nk`` tensor."""
+    bs = call.block_sparse
+    assert bs is not None
+    lay = call.grouped_layout()  # (B|1, Hk|1, G|1, Bq, Bk)
+    assert lay is not None
+    bq, bk = bs.block_size
+    nq, nk, pm = call.nq, call.nk, call.positional
+    any_head = lay.reshape(-1, *lay.shape[-2:]).any(0).tolist()  # (Bq, Bk): one host sync
+    out: list[SparseRows] = []
+    for i, row in enumerate(any_head):
+        q0, q1 = i * bq, min(nq, (i + 1) * bq)
+        status = {j: pm.block_status(q0, q1, j * bk, min(nk, (j + 1) * bk)) for j, on in enumerate(row) if on}
+        cols = [j for j, st in status.items() if st != "empty"]
+        if not cols:
+            continue
+        k0, k1, keys = _key_span(cols, bk, nk, call.device)
+        span = keys if keys is not None else torch.arange(k0, k1, device=call.device)
+        mask = _row_mask(call, lay, i, cols, q0, q1, span, any(status[j] == "partial" for j in cols))
+        last = out[-1] if out else None
+        if (mask is None and last is not None and last.mask is None and last.q1 == q0 and (last.k0, last.k1) == (k0, k1)
+                and (last.keys is None) == (keys is None) and (keys is None or torch.equal(last.keys, keys))):  # fmt: skip
+            last.q1 = q1
+            continue
+        out.append(SparseRows(q0, q1, k0, k1, keys, mask))
+    return out
