@@ -72,7 +72,7 @@ from . import chunked_native
 from .base import Backend, half_to_float
 from .decode_cpu import can_decode, decode_attention
 from .flash_cpu import can_fuse, fused_attention
-from .tiles import LOG2E, SparseRows, augment, check_tile_size, head_groups, key_blocks, layout_rows, plan_tiles
+from .tiles import LOG2E, SparseRows, augment, gather_buffer, check_tile_size, head_groups, key_blocks, layout_rows, plan_tiles
 # Re-exported: the tile shape's old home (:mod:`.tiles` is the walk's own module).
 from .tiles import BLOCK_K, BLOCK_Q, TILE_BUDGET, band_rows  # noqa: F401
 
@@ -563,8 +563,7 @@ def _scored_attention(q, k, v, tiles: MaskTiles, scale: float, plan: tuple[int, 
 
 def _row_tiles(r: SparseRows, padding: Optional[torch.Tensor], device: torch.device) -> MaskTiles:
     """The masks of one layout row block's sub-call: rows ``[q0, q1)`` against its gathered keys."""
-    c = r.k1 - r.k0 if r.keys is None else r.keys.numel()
-    return MaskTiles(PositionalMask(r.q1 - r.q0, c), r.mask, None if padding is None else r.take(padding, 4), device)
+    return MaskTiles(PositionalMask(r.q1 - r.q0, r.width), r.mask, None if padding is None else r.take(padding, 4), device)
 
 
 def _layout_forward(q, k, v, rows: list[SparseRows], padding, scale: float, block: tuple[Optional[int], Optional[int]]):
@@ -575,10 +574,11 @@ def _layout_forward(q, k, v, rows: list[SparseRows], padding, scale: float, bloc
     out = q.new_zeros(b, hk, g, nq, v.shape[-1])  # rows no block reaches: 0, m = -inf, l = 0
     m = q.new_full((b, hk, g, nq), _NEG_INF)
     l = q.new_zeros((b, hk, g, nq))
+    kbuf, vbuf = gather_buffer(rows, k, 3), gather_buffer(rows, v, 3)
     for r in rows:
         t = _row_tiles(r, padding, q.device)
         plan = plan_tiles(b, hk, g, r.q1 - r.q0, t.positional.nk, *block)
-        o, mr, lr = chunked_forward(q[:, :, :, r.q0 : r.q1], r.take(k, 3), r.take(v, 3), t, scale, plan)
+        o, mr, lr = chunked_forward(q[:, :, :, r.q0 : r.q1], r.take(k, 3, kbuf), r.take(v, 3, vbuf), t, scale, plan)
         out[:, :, :, r.q0 : r.q1], m[:, :, :, r.q0 : r.q1], l[:, :, :, r.q0 : r.q1] = o, mr, lr
     return out, m, l
 
@@ -589,20 +589,17 @@ def _layout_backward(q, k, v, out, m, l, dout, dlse, rows: list[SparseRows], pad
     added back to their positions."""
     b, hk, g = q.shape[:3]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    kbuf, vbuf = gather_buffer(rows, k, 3), gather_buffer(rows, v, 3)
     for r in rows:
         t, rs = _row_tiles(r, padding, q.device), slice(r.q0, r.q1)
         plan = plan_tiles(b, hk, g, r.q1 - r.q0, t.positional.nk, *block)
         dq_r, dk_r, dv_r = chunked_backward(
-            q[:, :, :, rs], r.take(k, 3), r.take(v, 3), out[:, :, :, rs], m[:, :, :, rs], l[:, :, :, rs],
+            q[:, :, :, rs], r.take(k, 3, kbuf), r.take(v, 3, vbuf), out[:, :, :, rs], m[:, :, :, rs], l[:, :, :, rs],
             dout[:, :, :, rs], None if dlse is None else dlse[:, :, :, rs], t, scale, plan,
         )  # fmt: skip
         dq[:, :, :, rs] = dq_r
-        if r.keys is None:
-            dk[:, :, :, r.k0 : r.k1] += dk_r
-            dv[:, :, :, r.k0 : r.k1] += dv_r
-        else:
-            dk.index_add_(3, r.keys, dk_r)
-            dv.index_add_(3, r.keys, dv_r)
+        r.add_to(dk, dk_r, 3)
+        r.add_to(dv, dv_r, 3)
     return dq, dk, dv
 
 

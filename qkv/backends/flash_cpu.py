@@ -45,7 +45,7 @@ import torch
 from ..call import AttentionCall, accumulate_dtype
 from ..masks import additive_mask, prefix_lengths
 from ..reference.masks import PositionalMask
-from .tiles import SparseRows, layout_rows
+from .tiles import SparseRows, gather_buffer, layout_rows
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -273,8 +273,12 @@ def layout_forward(
     one kernel call per row block over the keys of its blocks (a view where they are adjacent,
     else gathered), masked only where its small tile needs it. ``grouped``: the call's (B, Hk, G)."""
     out, lse = _empty_result(q, v)  # rows that no block reaches: 0 and -inf
+    g = grouped[2]
+    if g > 1:  # gather each shared key/value head once, then read it for its G query heads by stride 0
+        k, v = k[:, :1], v[:, :1]
+    kbuf, vbuf = gather_buffer(rows, k, 2), gather_buffer(rows, v, 2)
     for r in rows:
-        ks, vs = r.take(k, 2), r.take(v, 2)
+        ks, vs = r.take(k, 2, kbuf).expand(-1, q.shape[1], -1, -1), r.take(v, 2, vbuf).expand(-1, q.shape[1], -1, -1)
         allowed = None if r.mask is None else _kernel_mask(r.mask, *grouped)
         if padding is not None:
             pad = r.take(padding, 1)[:, None, None, :]  # (B|1, 1, 1, C)
