@@ -138,13 +138,16 @@ class SparseRows:
     read as a view, several are gathered (``C`` keys in all). ``mask``: bool
     ``(B|1, Hk|1, G|1, R|1, C)``, the pairs allowed inside that ``(R, C)`` tile where not all are
     (a rule inside the blocks, layouts that differ by head or batch entry, the causal/window
-    band); None = every pair of the tile. Key padding is left to the kernels.
+    band); None = every pair of the tile. Key padding is left to the kernels. ``joins``: these
+    rows' other keys came in the entry before (see :func:`layout_rows`'s ``split``), and the
+    two results are merged.
     """
 
     q0: int
     q1: int
     runs: list[tuple[int, int]]
     mask: Optional[torch.Tensor]
+    joins: bool = False
 
     @property
     def width(self) -> int:
@@ -221,11 +224,35 @@ def _row_mask(call: AttentionCall, lay: torch.Tensor, i: int, cols: list[int], q
     return None if mask is None else mask.reshape((1,) * (5 - mask.dim()) + tuple(mask.shape))
 
 
-def layout_rows(call: AttentionCall) -> list[SparseRows]:
+def _split(call: AttentionCall, q0: int, q1: int, cols: list[int], mask: torch.Tensor) -> list[SparseRows]:
+    """Row block ``[q0, q1)`` as its key blocks that ``mask`` leaves whole (no mask), then each
+    range of the others with its part of the mask (``joins``): for kernels that run unmasked
+    tiles (and bands) much faster than masked ones."""
+    bk, nk = call.block_sparse.block_size[1], call.nk  # type: ignore[union-attr]
+    whole = mask.reshape(-1, mask.shape[-1]).all(0)  # (C,): keys every row and head may see
+    widths = [min(nk, (j + 1) * bk) - j * bk for j in cols]
+    starts = [sum(widths[:i]) for i in range(len(cols))]
+    ok = torch.stack([whole[a : a + w].all() for a, w in zip(starts, widths)]).tolist()  # one host sync
+    if all(ok):
+        return [SparseRows(q0, q1, _runs(cols, bk, nk), None)]
+    clean = [j for j, o in zip(cols, ok) if o]
+    if not clean:
+        return [SparseRows(q0, q1, _runs(cols, bk, nk), mask)]
+    out = [SparseRows(q0, q1, _runs(clean, bk, nk), None)]
+    for a, b in _runs([j for j, o in zip(cols, ok) if not o], bk, nk):  # each masked range apart: a band, say
+        at = sum(w for j, w in zip(cols, widths) if j * bk < a)  # where the range starts in the tile
+        out.append(SparseRows(q0, q1, [(a, b)], mask.narrow(-1, at, b - a), joins=True))
+    return out
+
+
+def layout_rows(call: AttentionCall, split: bool = False) -> list[SparseRows]:
     """The row blocks of ``call.block_sparse`` that see some key, each with its key blocks: those
     the layout computes for some head or batch entry and that the causal/window band does not
     rule out. Consecutive row blocks with the same keys and no mask are one entry (one kernel
-    call). Reads the small layout once (one host sync); builds no ``Nq × Nk`` tensor."""
+    call). Reads the small layout once (one host sync); builds no ``Nq × Nk`` tensor.
+
+    ``split``: a masked row block whose mask leaves some key blocks whole comes as several
+    entries: those blocks unmasked, then each range of the others masked (``joins``)."""
     bs = call.block_sparse
     assert bs is not None
     lay = call.grouped_layout()  # (B|1, Hk|1, G|1, Bq, Bk)
@@ -243,6 +270,9 @@ def layout_rows(call: AttentionCall) -> list[SparseRows]:
         runs = _runs(cols, bk, nk)
         partial = any(status[j] == "partial" for j in cols)
         mask = _row_mask(call, lay, i, cols, q0, q1, runs, partial)
+        if mask is not None and split and len(cols) > 1:
+            out.extend(_split(call, q0, q1, cols, mask))
+            continue
         last = out[-1] if out else None
         if mask is None and last is not None and last.mask is None and last.q1 == q0 and last.runs == runs:
             last.q1 = q1  # the same keys unmasked: one kernel call for both
