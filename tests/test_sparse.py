@@ -259,3 +259,31 @@ def test_the_call_keeps_the_layout_and_densifies_only_when_asked():
     assert call.attn_mask is call.given_mask  # and once
     with pytest.raises(ValueError, match="layout \\(5, 3, 3\\)"):
         validate(q, q, q, attn_mask=BlockSparseMask(torch.ones(5, 3, 3, dtype=torch.bool), (32, 32), (n, n)))
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 40, 8), (1, 2, 40, 0), (1, 0, 40, 8)], ids=["batch 0", "head dim 0", "heads 0"])
+def test_empty_sizes_on_the_layout_path(shape):
+    layout = sparse.bigbird(40, 16, 1, 1, 1)
+    for grad in (False, True):
+        q = torch.randn(shape, requires_grad=grad)
+        got = qkv.attention(q, q, q, attn_mask=layout, backend="chunked", return_lse=True)
+        want = qkv.attention(q, q, q, attn_mask=layout.to_dense(), backend="math", return_lse=True)
+        assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want))
+        if grad and q.numel():
+            got[0].sum().backward()
+            assert q.grad.shape == q.shape
+
+
+def test_nonfinite_inputs_follow_the_dense_mask_rule():
+    layout = sparse.bigbird(96, 16, 1, 1, 1)
+    q, k, v = (torch.randn(1, 2, 96, 8, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        k[0, 1, 5, 0] = float("nan")
+        q[0, 0, 70, 2] = float("inf")
+    for backend in ("chunked", "auto"):
+        got = _grads(q, k, v, backend, layout)
+        want = _grads(q, k, v, backend, layout.to_dense())
+        for what, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, want):
+            if what == "dq":  # the bad query row's own dq is the formula's, entry by entry (qkv.nonfinite)
+                a, b = a[0, 0, torch.arange(96) != 70], b[0, 0, torch.arange(96) != 70]
+            assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isinf(a), torch.isinf(b)), (backend, what, a.isnan().sum(), b.isnan().sum(), a.isinf().sum(), b.isinf().sum())

@@ -49,6 +49,12 @@ with torch's own BLAS (:mod:`.chunked_native`): the same tiles, units and precis
 stays their reference, and runs a score function given as a Python callable. The loops here are torch custom ops, so
 ``torch.compile`` keeps a call in one graph without tracing into them.
 
+A block-sparse layout (:class:`qkv.sparse.BlockSparseMask`) is walked by its row blocks
+(:func:`.tiles.layout_rows`): each is a call of its own over the keys of its blocks, gathered
+into one buffer where they are not adjacent — the C loops where the blocks need no mask or a
+band (a rule inside them), the torch formulation for the tiles that need another — and the
+keys' gradients are added back to their places. No ``Nq × Nk`` mask is built.
+
 The autograd functions follow ``torch.func``'s protocol (``setup_context`` and a ``vmap``
 rule), so ``jacrev``, ``vmap`` and ``grad`` work; batched cotangents from the autograd engine
 (``gradcheck(check_batched_grad=True)``) take a dense formula.
