@@ -61,17 +61,25 @@ def can_fuse(call: AttentionCall) -> bool:
     dropout, score function or sinks, equal query and value head dims, and no empty size (the kernel divides by them).
     A bool ``attn_mask`` shared by the key/value heads' query groups, or given per query head,
     is dispatched block-sparsely."""
-    mask = call.given_mask
     return (
         call.device.type == "cpu"
         and not call.requires_grad
-        and (call.block_sparse is not None or mask is None or (mask.dtype == torch.bool and _grouped_bool_mask(call) is not None))
+        and _mask_fits(call)
         and call.dropout_p == 0.0
         and call.score_mod is None
         and call.sinks is None
         and call.dv == call.d
         and call.batch_size * call.hq * call.nq * call.nk * call.d > 0
     )
+
+
+def _mask_fits(call: AttentionCall) -> bool:
+    """No mask, a block-sparse layout (walked by :func:`layout_forward`; under ``torch.compile``
+    its dense mask instead), or a bool mask :func:`_grouped_bool_mask` can view."""
+    if call.block_sparse is not None and not torch.compiler.is_compiling():
+        return True
+    mask = call.attn_mask  # the dense mask
+    return mask is None or (mask.dtype == torch.bool and _grouped_bool_mask(call) is not None)
 
 
 def _grouped_bool_mask(call: AttentionCall) -> Optional[torch.Tensor]:
