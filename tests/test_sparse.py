@@ -287,3 +287,18 @@ def test_nonfinite_inputs_follow_the_dense_mask_rule():
             if what == "dq":  # the bad query row's own dq is the formula's, entry by entry (qkv.nonfinite)
                 a, b = a[0, 0, torch.arange(96) != 70], b[0, 0, torch.arange(96) != 70]
             assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isinf(a), torch.isinf(b)), (backend, what, a.isnan().sum(), b.isnan().sum(), a.isinf().sum(), b.isinf().sum())
+
+
+def test_auto_runs_a_large_layout_on_chunked_with_or_without_gradients():
+    from qkv.backends import auto_order, order_notes, select
+
+    n = 256
+    layout = sparse.bigbird(n, 32, 3, 1, 1)
+    for dtype in (torch.float32, f64):
+        for grad in (False, True):
+            q = torch.randn(1, 2, n, 8, dtype=dtype, requires_grad=grad)
+            call = validate(q, q, q, attn_mask=layout)
+            assert auto_order(call)[0].NAME == "chunked", (dtype, grad)
+            assert select(call).NAME == "chunked"
+            assert call.given_mask is None  # choosing built no dense mask
+    assert any("block-sparse" in note for note in order_notes(call))
