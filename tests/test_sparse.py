@@ -163,6 +163,7 @@ def _cases():
     yield "strided causal", sparse.strided(n, 32, 3), 4, 4, {}
     yield "from_dense per batch and head", sparse.from_dense(mask, 32), 4, 4, {}
     yield "head-varying layout, empty row block", _random_layout((4,), n, 32, 2), 4, 4, {}
+    yield "head-varying layout in 128-blocks", _random_layout((4,), n, 128, 6, p=0.5), 4, 4, {}
     yield "batch-varying layout (B, 1, ...)", _random_layout((2, 1), n, 64, 3), 4, 4, {}
     yield "GQA, layout per query head", _random_layout((4,), n, 32, 4), 4, 2, {"enable_gqa": True}
     yield "GQA, bigbird", sparse.bigbird(n, 64, 3, 1, 1), 4, 1, {"enable_gqa": True}

@@ -575,6 +575,8 @@ def _row_tiles(r: SparseRows, padding: Optional[torch.Tensor], device: torch.dev
     key padding, which the C loops run; other masks keep the torch formulation."""
     pad = None if padding is None else r.take(padding, 4)
     pm, mask = PositionalMask(r.q1 - r.q0, r.width), r.mask
+    if mask is not None:
+        mask = mask.expand(*mask.shape[:-2], r.q1 - r.q0, r.width)  # MaskTiles wants the tile's last two dims
     if mask is not None and all(n == 1 for n in mask.shape[:3]):
         found = _band_and_keys(mask[0, 0, 0].expand(r.q1 - r.q0, r.width), len(r.runs) == 1)
         if found is not None:
