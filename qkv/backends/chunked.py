@@ -78,7 +78,7 @@ from . import chunked_native
 from .base import Backend, half_to_float
 from .decode_cpu import can_decode, decode_attention
 from .flash_cpu import can_fuse, fused_attention
-from .tiles import LOG2E, SparseRows, augment, gather_buffer, check_tile_size, head_groups, key_blocks, layout_rows, plan_tiles
+from .tiles import LOG2E, SparseRows, augment, gather_buffer, layout_groups, pick, pick_index, check_tile_size, head_groups, key_blocks, layout_rows, plan_tiles
 # Re-exported: the tile shape's old home (:mod:`.tiles` is the walk's own module).
 from .tiles import BLOCK_K, BLOCK_Q, TILE_BUDGET, band_rows  # noqa: F401
 
@@ -692,9 +692,18 @@ class _LayoutAttention(torch.autograd.Function):
 @torch.compiler.disable  # the layout's walk syncs with the host: torch.compile breaks the graph here
 def _layout_attention(call: AttentionCall, q, k, v, scale: float, block) -> tuple[torch.Tensor, torch.Tensor]:
     padding = call.grouped_key_padding()
-    # split: masked tiles run in torch ops, so the others keep the C loops; masks found once for both passes
-    parts = [(r, _row_tiles(r, padding, q.device)) for r in layout_rows(call, split=True)]
-    out, lse, _, _ = _LayoutAttention.apply(q, k, v, parts, scale, block)
+    groups = layout_groups(call)
+    out = lse = None
+    for sel in groups:  # one walk per distinct layout
+        pad = pick(padding, sel)
+        # split: masked tiles run in torch ops, so the others keep the C loops; masks found once for both passes
+        parts = [(r, _row_tiles(r, pad, q.device)) for r in layout_rows(call, split=True, sel=sel)]
+        o, s, _, _ = _LayoutAttention.apply(pick(q, sel), pick(k, sel), pick(v, sel), parts, scale, block)
+        if sel is None:
+            return o, s
+        if out is None:
+            out, lse = o.new_zeros(*q.shape[:4], o.shape[-1]), s.new_zeros(q.shape[:4])
+        out[pick_index(out, sel)], lse[pick_index(lse, sel)] = o, s
     return out, lse
 
 

@@ -45,7 +45,7 @@ import torch
 from ..call import AttentionCall, accumulate_dtype
 from ..masks import additive_mask, prefix_lengths
 from ..reference.masks import PositionalMask
-from .tiles import SparseRows, gather_buffer, layout_rows
+from .tiles import SparseRows, gather_buffer, layout_groups, layout_rows, pick, pick_index
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -100,25 +100,40 @@ def fused_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.T
     """Run a call that :func:`can_fuse` on torch's kernel; returns (out, lse or None) in the caller's layout."""
     query, scale = call.positive_scale()
     q, k, v = call.grouped_qkv(query)  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, ·)
-    b, hk, g = q.shape[:3]
     kp = call.grouped_key_padding()
+    if call.block_sparse is not None and not torch.compiler.is_compiling():  # (no host syncs under compile)
+        out = q.new_empty(*q.shape[:4], call.dv)
+        lse = q.new_empty(q.shape[:4], dtype=accumulate_dtype(q.dtype))
+        for sel in layout_groups(call):  # one walk per distinct layout
+            qs, ks, vs, kps = (pick(t, sel) for t in (q, k, v, kp))
+            q4, k4, v4, pad = _kernel_layout(qs, ks, vs, kps)
+            o, s = layout_forward(q4, k4, v4, layout_rows(call, sel=sel), pad, scale, tuple(qs.shape[:3]))
+            out[pick_index(out, sel)], lse[pick_index(lse, sel)] = o.reshape(*qs.shape[:4], call.dv), s.reshape(qs.shape[:4])
+    else:
+        q4, k4, v4, pad = _kernel_layout(q, k, v, kp)
+        if call.has_attn_mask:
+            out, lse = sparse_forward(q4, k4, v4, call.positional, pad, _grouped_bool_mask(call), scale)
+        else:
+            out, lse = fused_forward(q4, k4, v4, call.positional, pad, scale)
+        out, lse = out.reshape(*q.shape[:4], call.dv), lse.reshape(q.shape[:4])
+    return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
+
+
+def _kernel_layout(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kp: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Grouped q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` and padding ``(B|1, 1, 1, 1, Nk)``
+    as the kernel takes them: ``(B, H, N, ·)``, or for shared key/value heads ``(B·Hk)`` batch
+    entries of G heads reading one K/V by stride 0; padding ``(B|1 or B·Hk, Nk)``."""
+    b, hk, g, nq, d = q.shape
     pad = None if kp is None else kp[:, 0, 0, 0, :]  # (B|1, Nk)
     if g == 1:
-        q4, k4, v4 = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # (B, H, N, ·)
-    else:  # shared key/value heads: (B·Hk) batch entries of G heads reading one K/V by stride 0
-        q4 = q.reshape(b * hk, g, call.nq, call.d)
-        k4, v4 = (t.reshape(b * hk, 1, *t.shape[3:]).expand(-1, g, -1, -1) for t in (k, v))
-        if pad is not None and pad.shape[0] > 1:
-            pad = pad.repeat_interleave(hk, 0)  # (B·Hk, Nk)
-    if call.block_sparse is not None and not torch.compiler.is_compiling():  # (no host syncs under compile)
-        out, lse = layout_forward(q4, k4, v4, layout_rows(call), pad, scale, (b, hk, g))
-    elif call.has_attn_mask:
-        out, lse = sparse_forward(q4, k4, v4, call.positional, pad, _grouped_bool_mask(call), scale)
-    else:
-        out, lse = fused_forward(q4, k4, v4, call.positional, pad, scale)
-    out = out.reshape(b, hk, g, call.nq, call.dv)
-    lse = lse.reshape(b, hk, g, call.nq)
-    return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
+        return q[:, :, 0], k[:, :, 0], v[:, :, 0], pad  # (B, H, N, ·)
+    q4 = q.reshape(b * hk, g, nq, d)
+    k4, v4 = (t.reshape(b * hk, 1, *t.shape[3:]).expand(-1, g, -1, -1) for t in (k, v))
+    if pad is not None and pad.shape[0] > 1:
+        pad = pad.repeat_interleave(hk, 0)  # (B·Hk, Nk)
+    return q4, k4, v4, pad
 
 
 def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor], scale: float):
