@@ -102,13 +102,19 @@ def fused_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.T
     q, k, v = call.grouped_qkv(query)  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, ·)
     kp = call.grouped_key_padding()
     if call.block_sparse is not None and not torch.compiler.is_compiling():  # (no host syncs under compile)
-        out = q.new_empty(*q.shape[:4], call.dv)
-        lse = q.new_empty(q.shape[:4], dtype=accumulate_dtype(q.dtype))
-        for sel in layout_groups(call):  # one walk per distinct layout
+        groups = layout_groups(call)  # one walk per distinct layout
+        if groups != [None]:
+            out = q.new_empty(*q.shape[:4], call.dv)
+            lse = q.new_empty(q.shape[:4], dtype=accumulate_dtype(q.dtype))
+        for sel in groups:
             qs, ks, vs, kps = (pick(t, sel) for t in (q, k, v, kp))
             q4, k4, v4, pad = _kernel_layout(qs, ks, vs, kps)
             o, s = layout_forward(q4, k4, v4, layout_rows(call, sel=sel), pad, scale, tuple(qs.shape[:3]))
-            out[pick_index(out, sel)], lse[pick_index(lse, sel)] = o.reshape(*qs.shape[:4], call.dv), s.reshape(qs.shape[:4])
+            o, s = o.reshape(*qs.shape[:4], call.dv), s.reshape(qs.shape[:4])
+            if sel is None:
+                out, lse = o, s
+            else:
+                out[pick_index(out, sel)], lse[pick_index(lse, sel)] = o, s
     else:
         q4, k4, v4, pad = _kernel_layout(q, k, v, kp)
         if call.has_attn_mask:
