@@ -78,7 +78,10 @@ from . import chunked_native
 from .base import Backend, half_to_float
 from .decode_cpu import can_decode, decode_attention
 from .flash_cpu import can_fuse, fused_attention
-from .tiles import LOG2E, SparseRows, augment, gather_buffer, layout_groups, pick, pick_index, check_tile_size, head_groups, key_blocks, layout_rows, plan_tiles
+from .tiles import (
+    LOG2E, SparseRows, augment, check_tile_size, gather_buffer, head_groups, key_blocks, layout_groups, layout_rows, pick,
+    pick_index, plan_tiles,
+)  # fmt: skip
 # Re-exported: the tile shape's old home (:mod:`.tiles` is the walk's own module).
 from .tiles import BLOCK_K, BLOCK_Q, TILE_BUDGET, band_rows  # noqa: F401
 
