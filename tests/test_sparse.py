@@ -303,3 +303,16 @@ def test_auto_runs_a_large_layout_on_chunked_with_or_without_gradients():
             assert select(call).NAME == "chunked"
             assert call.given_mask is None  # choosing built no dense mask
     assert any("block-sparse" in note for note in order_notes(call))
+
+
+def test_a_layout_under_torch_compile():
+    layout = sparse.bigbird(256, 32, 3, 1, 1)
+    q, k, v = (torch.randn(1, 2, 256, 16, requires_grad=True) for _ in range(3))
+    f = torch.compile(lambda q, k, v: qkv.attention(q, k, v, attn_mask=layout))
+    out = f(q, k, v)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    want = qkv.attention(q, k, v, attn_mask=layout.to_dense(), backend="math")
+    g_want = torch.autograd.grad(want.sum(), (q, k, v))
+    assert max_err(out, want) < 1e-5 and all(max_err(a, b) < 1e-5 for a, b in zip(g, g_want))
+    with torch.no_grad():
+        assert max_err(f(q, k, v), want) < 1e-5
