@@ -51,7 +51,7 @@ class AttentionCall:
     query: torch.Tensor  # (..., Hq, Nq, D)
     key: torch.Tensor  # (..., Hk, Nk, D)
     value: torch.Tensor  # (..., Hk, Nk, Dv)
-    attn_mask: Optional[torch.Tensor]
+    given_mask: Optional[torch.Tensor]  # the attn_mask tensor; None for a block-sparse layout (see attn_mask)
     dropout_p: float
     causal: bool
     alignment: Alignment
@@ -71,6 +71,23 @@ class AttentionCall:
     dv: int
     score_mod: Optional[Any] = None  # a ScoreMod or a callable (score, batch, head, q_idx, kv_idx) -> score
     sinks: Optional[torch.Tensor] = None  # (Hq,) logits that join each row's softmax denominator
+    block_sparse: Optional[BlockSparseMask] = None  # a layout kept as blocks: no Nq × Nk mask unless asked
+
+    @property
+    def attn_mask(self) -> Optional[torch.Tensor]:
+        """The attn_mask as a tensor broadcastable to the scores ``(..., Hq, Nq, Nk)``.
+
+        A :class:`~qkv.sparse.BlockSparseMask` is kept as its layout (:attr:`block_sparse`), which
+        the CPU tile loops walk block by block; this is the one place its dense bool mask is
+        built, on first use and once per call, for the backends that read a dense mask."""
+        if self.given_mask is None and self.block_sparse is not None:
+            self.given_mask = self.block_sparse.to_dense(self.device)
+        return self.given_mask
+
+    @property
+    def has_attn_mask(self) -> bool:
+        """Is there an attn_mask (a tensor or a block-sparse layout)? Builds nothing."""
+        return self.given_mask is not None or self.block_sparse is not None
 
     @property
     def positional(self) -> PositionalMask:
@@ -101,7 +118,7 @@ class AttentionCall:
     @property
     def requires_grad(self) -> bool:
         return torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (self.query, self.key, self.value, self.attn_mask, self.sinks)
+            t is not None and t.requires_grad for t in (self.query, self.key, self.value, self.given_mask, self.sinks)
         ) or (self.score_mod is not None and torch.is_grad_enabled() and bool(captured_tensors(self.score_mod)))
 
     @property
@@ -117,12 +134,12 @@ class AttentionCall:
 
     @property
     def bool_mask(self) -> bool:
-        return self.attn_mask is not None and self.attn_mask.dtype == torch.bool
+        return self.block_sparse is not None or (self.given_mask is not None and self.given_mask.dtype == torch.bool)
 
     @property
     def rows_may_be_empty(self) -> bool:
         """Could some query row have no key to attend to?"""
-        if self.nk == 0 or self.attn_mask is not None or self.key_padding_mask is not None:
+        if self.nk == 0 or self.has_attn_mask or self.key_padding_mask is not None:
             return True
         pm = self.positional
         return not pm.trivial and any(pm.key_range(i, i + 1)[0] >= pm.key_range(i, i + 1)[1] for i in (0, self.nq - 1))
@@ -145,8 +162,11 @@ class AttentionCall:
             parts.append(f"causal ({self.alignment})")
         if self.window is not None:
             parts.append(f"window={self.window}" + (f" ({self.window_alignment})" if self.window_alignment else ""))
-        if self.attn_mask is not None:
-            parts.append(f"{'bool' if self.bool_mask else 'float'} attn_mask {_shape(self.attn_mask.shape)}")
+        if self.block_sparse is not None:
+            bs = self.block_sparse
+            parts.append(f"block-sparse attn_mask {bs.name} {_shape(bs.layout.shape)} blocks of {bs.block_size}")
+        elif self.given_mask is not None:
+            parts.append(f"{'bool' if self.bool_mask else 'float'} attn_mask {_shape(self.given_mask.shape)}")
         if self.key_padding_mask is not None:
             parts.append("key_padding_mask")
         if self.hq != self.hk:
@@ -182,6 +202,16 @@ class AttentionCall:
         m = self.attn_mask
         if m is None:
             return None
+        m = self.grouped_mask(m)
+        return m.expand(*m.shape[:-2], self.nq, self.nk)
+
+    def grouped_layout(self) -> Optional[torch.Tensor]:
+        """The block-sparse layout as bool ``(B|1, Hk|1, G|1, Bq, Bk)`` (a view), or None."""
+        return None if self.block_sparse is None else self.grouped_mask(self.block_sparse.layout.to(self.device))
+
+    def grouped_mask(self, m: torch.Tensor) -> torch.Tensor:
+        """A tensor ``(..., X, Y)`` whose dims before the last two broadcast to the call's
+        ``(*batch, Hq)``, as ``(B|1, Hk|1, G|1, X, Y)``: a mask's tile, a layout."""
         rank = len(self.batch_shape) + 3
         m = m.reshape((1,) * (rank - m.dim()) + tuple(m.shape))  # (..., H|1, Nq|1, Nk|1)
         lead, h = m.shape[: rank - 3], m.shape[rank - 3]
@@ -193,7 +223,7 @@ class AttentionCall:
             m = m.unsqueeze(1)  # (B|1, 1, 1, Nq|1, Nk|1)
         else:
             m = m.reshape(m.shape[0], self.hk, self.group, m.shape[-2], m.shape[-1])
-        return m.expand(*m.shape[:-2], self.nq, self.nk)
+        return m
 
     def grouped_key_padding(self) -> Optional[torch.Tensor]:
         """key_padding_mask as ``(B|1, 1, 1, 1, Nk)`` bool."""
@@ -310,16 +340,27 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: 
     return batch, hq, hk
 
 
+def _check_block_sparse(mask: BlockSparseMask, scores_shape: tuple[int, ...]) -> BlockSparseMask:
+    """A layout for the call's ``(Nq, Nk)`` whose batch dims broadcast to the scores' (checked on
+    the layout: its dense mask is not built)."""
+    nq, nk = scores_shape[-2:]
+    if mask.shape != (nq, nk):
+        raise ValueError(
+            f"attn_mask is a BlockSparseMask for {mask.shape} but (query_len, key_len) = ({nq}, {nk}); "
+            f"build it for n = {nq}" + ("" if nq == nk else f" queries and {nk} keys (qkv.sparse.from_dense)")
+        )
+    if not _fits((*mask.layout.shape[:-2], nq, nk), scores_shape):
+        raise ValueError(
+            f"attn_mask is a BlockSparseMask with layout {_shape(mask.layout.shape)}, whose batch dims do not "
+            f"broadcast to the scores {_shape(scores_shape)} (..., heads, query_len, key_len); give the layout "
+            "shape (query blocks, key blocks) or (batch, heads, query blocks, key blocks)"
+        )
+    return mask
+
+
 def _unwrap_mask(attn_mask: Any, is_causal: Any, nq: int, nk: int, device: torch.device) -> tuple[Any, Any]:
-    """(attn_mask, is_causal) with a :class:`BlockSparseMask` made dense and a torch ``CausalBias``
-    turned into its causal alignment."""
-    if isinstance(attn_mask, BlockSparseMask):  # it means its dense bool mask; empty blocks are skipped downstream
-        if attn_mask.shape != (nq, nk):
-            raise ValueError(
-                f"attn_mask is a BlockSparseMask for {attn_mask.shape} but (query_len, key_len) = ({nq}, {nk}); "
-                f"build it for n = {nq}" + ("" if nq == nk else f" queries and {nk} keys (qkv.sparse.from_dense)")
-            )
-        attn_mask = attn_mask.to_dense(device)
+    """(attn_mask, is_causal) with a torch ``CausalBias`` turned into its causal alignment (a
+    :class:`BlockSparseMask` is checked by :func:`_check_block_sparse`)."""
     bias_alignment = causal_bias_alignment(attn_mask) if attn_mask is not None else None
     if bias_alignment is not None:  # torch.nn.attention.bias.causal_upper_left / causal_lower_right
         if is_causal is not False:
@@ -448,7 +489,10 @@ def validate(
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
-    if attn_mask is not None:
+    block_sparse = None
+    if isinstance(attn_mask, BlockSparseMask):  # kept as blocks (see AttentionCall.attn_mask)
+        block_sparse, attn_mask = _check_block_sparse(attn_mask, (*batch, hq, nq, nk)), None
+    elif attn_mask is not None:
         attn_mask = _check_attn_mask(attn_mask, q, (*batch, hq, nq, nk))
     if key_padding_mask is not None:
         _check_key_padding(key_padding_mask, q, (*batch, nk))
@@ -464,7 +508,7 @@ def validate(
         query=q,
         key=k,
         value=v,
-        attn_mask=attn_mask,
+        given_mask=attn_mask,
         dropout_p=dropout_p,
         causal=causal,
         alignment=alignment,
@@ -484,6 +528,7 @@ def validate(
         dv=v.shape[-1],
         score_mod=score_mod,
         sinks=sinks,
+        block_sparse=block_sparse,
     )
 
 

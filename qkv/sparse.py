@@ -9,8 +9,10 @@ A :class:`BlockSparseMask` is a bool ``layout (..., Bq, Bk)`` plus, optionally, 
 pairs inside the computed blocks (a token-level window, causality, or an explicit dense mask).
 It means exactly its dense bool mask (:meth:`BlockSparseMask.to_dense`, True = may attend):
 pass it as ``attn_mask=`` to :func:`qkv.attention` or :mod:`qkv.nn` and every backend gives the
-answer of that dense mask. The ``chunked`` backend (and ``auto`` on a CPU) skips the blocks the
-layout leaves out, so the time follows the density.
+answer of that dense mask. The call keeps the layout as blocks: the ``chunked`` backend (and
+``auto`` on a CPU) runs each row block over the keys of its blocks only, forward and backward,
+building no ``Nq × Nk`` mask (a rule inside the blocks is applied to that small tile), so the
+time follows the density; backends that read a dense mask get it built once for the call.
 
 Constructors for the published patterns::
 

@@ -118,3 +118,201 @@ def test_bad_arguments():
     q = torch.randn(1, 1, 10, 4)
     with pytest.raises(ValueError, match="BlockSparseMask for \\(12, 12\\)"):
         qkv.attention(q, q, q, attn_mask=sparse.longformer(12, 2))
+
+
+# ---- the layout path: chunked and auto walk the blocks (no dense mask), against the oracle ------
+
+from qkv.call import validate  # noqa: E402
+from qkv.sparse import BlockSparseMask  # noqa: E402
+
+from .helpers import LargestAllocation, assert_within_rule  # noqa: E402
+
+
+def _grads(q, k, v, backend, mask, seed=3, **kw):
+    """out, lse, dq, dk, dv of one call (random cotangents for out and lse; seeded)."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = qkv.attention(q, k, v, attn_mask=mask, backend=backend, return_lse=True, **kw)
+    g = torch.Generator().manual_seed(seed)
+    loss = (out.double() * torch.randn(out.shape, generator=g, dtype=f64)).sum()
+    loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * torch.randn(lse.shape, generator=g, dtype=f64)).sum()
+    loss.backward()
+    return out, lse, q.grad, k.grad, v.grad
+
+
+def _random_layout(shape, n, block, seed, p=0.3):
+    """A layout without a rule, ``shape + (Bq, Bk)``, that differs by head / batch entry; row
+    block 2 is empty everywhere (its rows see nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-n // block)
+    lay = torch.rand(*shape, nb, nb, generator=g) < p
+    lay |= torch.eye(nb, dtype=torch.bool)
+    lay[..., 2, :] = False
+    return BlockSparseMask(lay, (block, block), (n, n), None, "random")
+
+
+def _cases():
+    """(name, layout, hq, hk, extra kwargs): every shape the layout path must get right."""
+    n = 300  # not a multiple of any block size below
+    mask = torch.rand(2, 4, n, n, generator=torch.Generator().manual_seed(1)) > 0.93
+    mask[..., 100:140, :] = False  # empty rows inside a block, and a whole empty row block with 32-blocks
+    pad = torch.ones(2, n, dtype=torch.bool)
+    pad[0, 250:] = False  # ragged lengths
+    pad[1, ::7] = False  # and holes
+    yield "bigbird", sparse.bigbird(n, 32, 3, 1, 2), 4, 4, {}
+    yield "longformer (a rule inside the blocks)", sparse.longformer(n, 20, [0, 150], block_size=32), 4, 4, {}
+    yield "strided causal", sparse.strided(n, 32, 3), 4, 4, {}
+    yield "from_dense per batch and head", sparse.from_dense(mask, 32), 4, 4, {}
+    yield "head-varying layout, empty row block", _random_layout((4,), n, 32, 2), 4, 4, {}
+    yield "head-varying layout in 128-blocks", _random_layout((4,), n, 128, 6, p=0.5), 4, 4, {}
+    yield "batch-varying layout (B, 1, ...)", _random_layout((2, 1), n, 64, 3), 4, 4, {}
+    yield "GQA, layout per query head", _random_layout((4,), n, 32, 4), 4, 2, {"enable_gqa": True}
+    yield "GQA, bigbird", sparse.bigbird(n, 64, 3, 1, 1), 4, 1, {"enable_gqa": True}
+    yield "bigbird + key padding", sparse.bigbird(n, 32, 3, 1, 2), 4, 4, {"key_padding_mask": pad}
+    yield "longformer + key padding", sparse.longformer(n, 20, 1, block_size=32), 4, 4, {"key_padding_mask": pad}
+    yield "bigbird + causal", sparse.bigbird(n, 32, 3, 1, 2), 4, 4, {"is_causal": True}
+    yield "from_dense + window", sparse.from_dense(mask[:, :1], 64), 4, 4, {"window": (40, 10)}
+
+
+@pytest.mark.parametrize("backend", ["chunked", "auto"])
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
+def test_layout_path_within_rule_of_the_oracle(backend, grad):
+    torch.manual_seed(0)
+    for name, layout, hq, hk, kw in _cases():
+        n = layout.shape[0]
+        q64, k64, v64 = (torch.randn(2, h, n, 16, dtype=f64) for h in (hq, hk, hk))
+        dense = layout.to_dense()
+        q, k, v = (t.float() for t in (q64, k64, v64))
+        if not grad:
+            with torch.no_grad():
+                got = qkv.attention(q, k, v, attn_mask=layout, backend=backend, return_lse=True, **kw)
+                base = qkv.attention(q, k, v, attn_mask=dense, backend="math", return_lse=True, **kw)
+                ref = qkv.attention(q64, k64, v64, attn_mask=dense, backend="math", return_lse=True, **kw)
+            whats = ["out", "lse"]
+        else:
+            got = _grads(q, k, v, backend, layout, **kw)
+            base = _grads(q, k, v, "math", dense, **kw)
+            ref = _grads(q64, k64, v64, "math", dense, **kw)
+            whats = ["out", "lse", "dq", "dk", "dv"]
+        assert torch.equal(torch.isneginf(got[1]), torch.isneginf(ref[1])), f"{name}: empty rows"
+        for what, c, b, r in zip(whats, got, base, ref):
+            if what == "lse":  # -inf where a row sees nothing, in both
+                c, b, r = (torch.where(torch.isneginf(r), 0, t.double()) for t in (c, b, r))
+            assert_within_rule(c, b, r, torch.float32, factor=3 if what.startswith("d") else 2, what=f"{backend} {name}: {what}")
+
+
+def test_empty_row_blocks_give_zero_and_minus_inf():
+    n = 200
+    layout = _random_layout((), n, 32, 5)  # row block 2 (rows 64..95) sees nothing
+    q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(3))
+    for backend in ("chunked", "auto"):
+        out, lse = qkv.attention(q, k, v, attn_mask=layout, backend=backend, return_lse=True)
+        assert (out[:, :, 64:96] == 0).all() and torch.isneginf(lse[:, :, 64:96]).all()
+        out.sum().backward()
+        assert (q.grad[:, :, 64:96] == 0).all() and not torch.isnan(q.grad).any()
+        q.grad = None
+        with torch.no_grad():
+            out, lse = qkv.attention(q, k, v, attn_mask=layout, backend=backend, return_lse=True)
+        assert (out[:, :, 64:96] == 0).all() and torch.isneginf(lse[:, :, 64:96]).all()
+
+
+def test_bfloat16_layout_within_rule():
+    n = 256
+    layout = sparse.longformer(n, 24, 2, block_size=32)
+    q64, k64, v64 = (torch.randn(1, 4, n, 32, dtype=f64) for _ in range(3))
+    q, k, v = (t.bfloat16() for t in (q64, k64, v64))
+    ref = _grads(*(t.double() for t in (q, k, v)), "math", layout.to_dense())
+    base = _grads(q, k, v, "math", layout.to_dense())
+    for backend in ("chunked", "auto"):
+        got = _grads(q, k, v, backend, layout)
+        for what, c, b, r in zip(["out", "lse", "dq", "dk", "dv"], got, base, ref):
+            assert_within_rule(c, b, r, torch.bfloat16, factor=3 if what.startswith("d") else 2, what=f"{backend}: {what}")
+
+
+@pytest.mark.parametrize("backend", ["chunked", "auto"])
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradients"])
+def test_layout_path_builds_no_dense_mask(backend, grad):
+    """The layout reaches the tile loops: no tensor of Nq × Nk elements (or a quarter of it) is made."""
+    n = 2048
+    layout = sparse.bigbird(n, 64, 3, 1, 2)
+    q, k, v = (torch.randn(1, 2, n, 16, requires_grad=grad) for _ in range(3))
+    with LargestAllocation() as big:
+        out = qkv.attention(q, k, v, attn_mask=layout, backend=backend)
+        if grad:
+            out.sum().backward()
+    assert big.biggest < n * n // 16, big.biggest
+    with LargestAllocation() as big:  # the same with a rule inside the blocks and key padding
+        pad = torch.ones(1, n, dtype=torch.bool)
+        pad[:, -100:] = False
+        out = qkv.attention(q, k, v, attn_mask=sparse.longformer(n, 64, 1, block_size=64), key_padding_mask=pad, backend=backend)
+        if grad:
+            out.sum().backward()
+    assert big.biggest < n * n // 16, big.biggest
+
+
+def test_the_call_keeps_the_layout_and_densifies_only_when_asked():
+    n = 96
+    layout = sparse.longformer(n, 8, 1, block_size=32)
+    q = torch.randn(2, 3, n, 8)
+    call = validate(q, q, q, attn_mask=layout)
+    assert call.block_sparse is layout and call.given_mask is None and call.has_attn_mask and call.bool_mask
+    assert "block-sparse" in call.describe() and call.given_mask is None
+    assert torch.equal(call.attn_mask, layout.to_dense())  # the dense mask, built on first use
+    assert call.attn_mask is call.given_mask  # and once
+    with pytest.raises(ValueError, match="layout \\(5, 3, 3\\)"):
+        validate(q, q, q, attn_mask=BlockSparseMask(torch.ones(5, 3, 3, dtype=torch.bool), (32, 32), (n, n)))
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 40, 8), (1, 2, 40, 0), (1, 0, 40, 8)], ids=["batch 0", "head dim 0", "heads 0"])
+def test_empty_sizes_on_the_layout_path(shape):
+    layout = sparse.bigbird(40, 16, 1, 1, 1)
+    for grad in (False, True):
+        q = torch.randn(shape, requires_grad=grad)
+        got = qkv.attention(q, q, q, attn_mask=layout, backend="chunked", return_lse=True)
+        want = qkv.attention(q, q, q, attn_mask=layout.to_dense(), backend="math", return_lse=True)
+        assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want))
+        if grad and q.numel():
+            got[0].sum().backward()
+            assert q.grad.shape == q.shape
+
+
+def test_nonfinite_inputs_follow_the_dense_mask_rule():
+    layout = sparse.bigbird(96, 16, 1, 1, 1)
+    q, k, v = (torch.randn(1, 2, 96, 8, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        k[0, 1, 5, 0] = float("nan")
+        q[0, 0, 70, 2] = float("inf")
+    for backend in ("chunked", "auto"):
+        got = _grads(q, k, v, backend, layout)
+        want = _grads(q, k, v, backend, layout.to_dense())
+        for what, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, want):
+            if what == "dq":  # the bad query row's own dq is the formula's, entry by entry (qkv.nonfinite)
+                a, b = a[0, 0, torch.arange(96) != 70], b[0, 0, torch.arange(96) != 70]
+            assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isinf(a), torch.isinf(b)), (backend, what, a.isnan().sum(), b.isnan().sum(), a.isinf().sum(), b.isinf().sum())
+
+
+def test_auto_runs_a_large_layout_on_chunked_with_or_without_gradients():
+    from qkv.backends import auto_order, order_notes, select
+
+    n = 256
+    layout = sparse.bigbird(n, 32, 3, 1, 1)
+    for dtype in (torch.float32, f64):
+        for grad in (False, True):
+            q = torch.randn(1, 2, n, 8, dtype=dtype, requires_grad=grad)
+            call = validate(q, q, q, attn_mask=layout)
+            assert auto_order(call)[0].NAME == "chunked", (dtype, grad)
+            assert select(call).NAME == "chunked"
+            assert call.given_mask is None  # choosing built no dense mask
+    assert any("block-sparse" in note for note in order_notes(call))
+
+
+def test_a_layout_under_torch_compile():
+    layout = sparse.bigbird(256, 32, 3, 1, 1)
+    q, k, v = (torch.randn(1, 2, 256, 16, requires_grad=True) for _ in range(3))
+    f = torch.compile(lambda q, k, v: qkv.attention(q, k, v, attn_mask=layout))
+    out = f(q, k, v)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    want = qkv.attention(q, k, v, attn_mask=layout.to_dense(), backend="math")
+    g_want = torch.autograd.grad(want.sum(), (q, k, v))
+    assert max_err(out, want) < 1e-5 and all(max_err(a, b) < 1e-5 for a, b in zip(g, g_want))
+    with torch.no_grad():
+        assert max_err(f(q, k, v), want) < 1e-5

@@ -124,6 +124,10 @@ def auto_order(call: AttentionCall) -> list[Backend]:
         # causal self-attention up to a few thousand tokens, no gradient: chunked's tile loops stop
         # each row block's keys at the diagonal, where torch's kernel computes 512-key blocks past it
         order = [chunked, sdpa, math]
+    elif call.block_sparse is not None and call.device.type == "cpu" and blocks_beat_dense(call.nq, call.nk):
+        # a block-sparse layout: chunked walks its blocks, forward and backward, without the
+        # Nq × Nk mask SDPA would need
+        order = [chunked, sdpa, math]
     elif (needs_dense_mask(call) or call.bool_mask) and can_fuse(call) and blocks_beat_dense(call.nq, call.nk):
         # no gradient: chunked runs the rules SDPA has no argument for on torch's kernel block by
         # block, without the Nq × Nk mask SDPA would need, and skips a bool mask's empty blocks
@@ -153,6 +157,9 @@ def order_notes(call: AttentionCall) -> list[str]:
     elif order[0] == "chunked" and causal_prefill(call):
         notes.append("chunked first: causal self-attention without gradients runs faster on its tile loops, whose "
                      "key range stops at each row block's diagonal")
+    elif order[0] == "chunked" and call.block_sparse is not None:
+        notes.append("chunked first: it walks the block-sparse layout's blocks, forward and backward, where SDPA "
+                     "would get the dense Nq × Nk mask")
     elif order[0] == "chunked" and can_fuse(call):
         notes.append(
             "chunked first: without gradients it runs the call on torch's fused CPU kernel block by block, "

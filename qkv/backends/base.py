@@ -49,7 +49,7 @@ class Backend:
             reasons.append("a dropout generator= is not supported")
         if call.return_lse and not self.SUPPORTS_LSE:
             reasons.append("return_lse=True is not supported")
-        if call.attn_mask is not None and call.attn_mask.requires_grad and torch.is_grad_enabled() and not self.SUPPORTS_MASK_GRAD:
+        if call.given_mask is not None and call.given_mask.requires_grad and torch.is_grad_enabled() and not self.SUPPORTS_MASK_GRAD:
             reasons.append("gradients with respect to a float attn_mask are not supported")
         if call.score_mod is not None and self.SCORE_MODS != "any":
             if self.SCORE_MODS == "none":

@@ -66,7 +66,7 @@ def can_decode(call: AttentionCall) -> bool:
         call.device.type == "cpu"
         and decode_shape(call.nq, call.nk, call.dtype)
         and call.key.dtype == call.dtype
-        and call.attn_mask is None
+        and not call.has_attn_mask
         and call.score_mod is None
         and call.dropout_p == 0.0
         and call.batch_size * call.hq * call.d * call.dv > 0

@@ -15,9 +15,13 @@ expressed to it one row block at a time:
 - key padding whose True entries form a prefix (ragged lengths) trims each batch entry's keys
   to its length; any other padding becomes a broadcast ``(B, 1, 1, Nk)`` mask. Under
   ``torch.compile`` padding always takes the broadcast mask, which needs no host sync;
-- a bool ``attn_mask`` is read once to find its non-empty 128 × 128 blocks, and each row block
-  is given only the keys of those blocks (:func:`sparse_forward`), with no mask at all where
-  those blocks are wholly True (a block-sparse layout), so the kernel builds and reads none.
+- a block-sparse layout (:class:`qkv.sparse.BlockSparseMask`) is walked block by block
+  (:func:`layout_forward`): each row block is given only the keys of its layout blocks, with no
+  mask at all unless a rule inside the blocks, a head-varying layout or the band needs one for
+  that small tile; no ``Nq × Nk`` mask is built or read;
+- a bool ``attn_mask`` tensor is read once to find its non-empty 128 × 128 blocks, and each row
+  block is given only the keys of those blocks (:func:`sparse_forward`), with no mask at all
+  where those blocks are wholly True.
 
 Apart from that merge, one call per row block means each row's output and log-sum-exp are
 the kernel's own, as precise as torch SDPA's. This path serves calls without gradients:
@@ -41,6 +45,7 @@ import torch
 from ..call import AttentionCall, accumulate_dtype
 from ..masks import additive_mask, prefix_lengths
 from ..reference.masks import PositionalMask
+from .tiles import SparseRows, gather_buffer, layout_groups, layout_rows, pick, pick_index
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -56,17 +61,25 @@ def can_fuse(call: AttentionCall) -> bool:
     dropout, score function or sinks, equal query and value head dims, and no empty size (the kernel divides by them).
     A bool ``attn_mask`` shared by the key/value heads' query groups, or given per query head,
     is dispatched block-sparsely."""
-    mask = call.attn_mask
     return (
         call.device.type == "cpu"
         and not call.requires_grad
-        and (mask is None or (mask.dtype == torch.bool and _grouped_bool_mask(call) is not None))
+        and _mask_fits(call)
         and call.dropout_p == 0.0
         and call.score_mod is None
         and call.sinks is None
         and call.dv == call.d
         and call.batch_size * call.hq * call.nq * call.nk * call.d > 0
     )
+
+
+def _mask_fits(call: AttentionCall) -> bool:
+    """No mask, a block-sparse layout (walked by :func:`layout_forward`; under ``torch.compile``
+    its dense mask instead), or a bool mask :func:`_grouped_bool_mask` can view."""
+    if call.block_sparse is not None and not torch.compiler.is_compiling():
+        return True
+    mask = call.attn_mask  # the dense mask
+    return mask is None or (mask.dtype == torch.bool and _grouped_bool_mask(call) is not None)
 
 
 def _grouped_bool_mask(call: AttentionCall) -> Optional[torch.Tensor]:
@@ -87,23 +100,46 @@ def fused_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.T
     """Run a call that :func:`can_fuse` on torch's kernel; returns (out, lse or None) in the caller's layout."""
     query, scale = call.positive_scale()
     q, k, v = call.grouped_qkv(query)  # (B, Hk, G, Nq, D), (B, Hk, 1, Nk, ·)
-    b, hk, g = q.shape[:3]
     kp = call.grouped_key_padding()
+    if call.block_sparse is not None and not torch.compiler.is_compiling():  # (no host syncs under compile)
+        groups = layout_groups(call)  # one walk per distinct layout
+        if groups != [None]:
+            out = q.new_empty(*q.shape[:4], call.dv)
+            lse = q.new_empty(q.shape[:4], dtype=accumulate_dtype(q.dtype))
+        for sel in groups:
+            qs, ks, vs, kps = (pick(t, sel) for t in (q, k, v, kp))
+            q4, k4, v4, pad = _kernel_layout(qs, ks, vs, kps)
+            o, s = layout_forward(q4, k4, v4, layout_rows(call, sel=sel), pad, scale, tuple(qs.shape[:3]))
+            o, s = o.reshape(*qs.shape[:4], call.dv), s.reshape(qs.shape[:4])
+            if sel is None:
+                out, lse = o, s
+            else:
+                out[pick_index(out, sel)], lse[pick_index(lse, sel)] = o, s
+    else:
+        q4, k4, v4, pad = _kernel_layout(q, k, v, kp)
+        if call.has_attn_mask:
+            out, lse = sparse_forward(q4, k4, v4, call.positional, pad, _grouped_bool_mask(call), scale)
+        else:
+            out, lse = fused_forward(q4, k4, v4, call.positional, pad, scale)
+        out, lse = out.reshape(*q.shape[:4], call.dv), lse.reshape(q.shape[:4])
+    return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
+
+
+def _kernel_layout(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kp: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Grouped q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` and padding ``(B|1, 1, 1, 1, Nk)``
+    as the kernel takes them: ``(B, H, N, ·)``, or for shared key/value heads ``(B·Hk)`` batch
+    entries of G heads reading one K/V by stride 0; padding ``(B|1 or B·Hk, Nk)``."""
+    b, hk, g, nq, d = q.shape
     pad = None if kp is None else kp[:, 0, 0, 0, :]  # (B|1, Nk)
     if g == 1:
-        q4, k4, v4 = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # (B, H, N, ·)
-    else:  # shared key/value heads: (B·Hk) batch entries of G heads reading one K/V by stride 0
-        q4 = q.reshape(b * hk, g, call.nq, call.d)
-        k4, v4 = (t.reshape(b * hk, 1, *t.shape[3:]).expand(-1, g, -1, -1) for t in (k, v))
-        if pad is not None and pad.shape[0] > 1:
-            pad = pad.repeat_interleave(hk, 0)  # (B·Hk, Nk)
-    if call.attn_mask is not None:
-        out, lse = sparse_forward(q4, k4, v4, call.positional, pad, _grouped_bool_mask(call), scale)
-    else:
-        out, lse = fused_forward(q4, k4, v4, call.positional, pad, scale)
-    out = out.reshape(b, hk, g, call.nq, call.dv)
-    lse = lse.reshape(b, hk, g, call.nq)
-    return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
+        return q[:, :, 0], k[:, :, 0], v[:, :, 0], pad  # (B, H, N, ·)
+    q4 = q.reshape(b * hk, g, nq, d)
+    k4, v4 = (t.reshape(b * hk, 1, *t.shape[3:]).expand(-1, g, -1, -1) for t in (k, v))
+    if pad is not None and pad.shape[0] > 1:
+        pad = pad.repeat_interleave(hk, 0)  # (B·Hk, Nk)
+    return q4, k4, v4, pad
 
 
 def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: Optional[torch.Tensor], scale: float):
@@ -246,6 +282,43 @@ def _open_left(
     share_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)  # (B, H, Nq, 1)
     acc = torch.lerp(out_b.to(lse_a.dtype), out_a.to(lse_a.dtype), share_a)
     return acc.to(q.dtype), torch.logaddexp(lse_a, lse_b)
+
+
+def _kernel_mask(m: torch.Tensor, b: int, hk: int, g: int) -> torch.Tensor:
+    """A grouped tile mask ``(B|1, Hk|1, G|1, R|1, C)`` in the kernel layout of :func:`fused_attention`
+    (``(B, H, ·, C)``, or ``(B·Hk, G, ·, C)`` for shared key/value heads), broadcast dims kept."""
+    if g == 1:
+        return m[:, :, 0]
+    if m.shape[0] == 1 and m.shape[1] == 1:
+        return m[0]
+    return m.expand(b, hk, *m.shape[2:]).reshape(b * hk, *m.shape[2:])
+
+
+def layout_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[SparseRows], padding: Optional[torch.Tensor],
+    scale: float, grouped: tuple[int, int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Like :func:`fused_forward` for a block-sparse layout's row blocks (:func:`.tiles.layout_rows`):
+    one kernel call per row block over the keys of its blocks (a view where they are adjacent,
+    else gathered), masked only where its small tile needs it. ``grouped``: the call's (B, Hk, G)."""
+    out, lse = _empty_result(q, v)  # rows that no block reaches: 0 and -inf
+    g = grouped[2]
+    if g > 1:  # gather each shared key/value head once, then read it for its G query heads by stride 0
+        k, v = k[:, :1], v[:, :1]
+    kbuf, vbuf = gather_buffer(rows, k, 2), gather_buffer(rows, v, 2)
+    for r in rows:
+        ks, vs = r.take(k, 2, kbuf).expand(-1, q.shape[1], -1, -1), r.take(v, 2, vbuf).expand(-1, q.shape[1], -1, -1)
+        allowed = None if r.mask is None else _kernel_mask(r.mask, *grouped)
+        if padding is not None:
+            pad = r.take(padding, 1)[:, None, None, :]  # (B|1, 1, 1, C)
+            allowed = pad if allowed is None else allowed & pad
+        if allowed is None:
+            out[:, :, r.q0 : r.q1], lse[:, :, r.q0 : r.q1] = _kernel(q[:, :, r.q0 : r.q1], ks, vs, False, None, scale)
+            continue
+        o, s = _kernel(q[:, :, r.q0 : r.q1], ks, vs, False, additive_mask(allowed, q.dtype), scale)
+        out[:, :, r.q0 : r.q1] = o
+        lse[:, :, r.q0 : r.q1] = s.masked_fill(~allowed.any(-1), float("-inf"))  # the kernel reports 0 there
+    return out, lse
 
 
 # Block-sparse dispatch of a bool attn_mask: rows are taken SPARSE_ROWS at a time, and each row

@@ -53,7 +53,7 @@ def sdpa_is_causal(call: AttentionCall) -> Optional[bool]:
     pm = call.positional
     if pm.trivial or call.nq == 0 or call.nk == 0 or pm.block_status(0, call.nq, 0, call.nk) == "full":
         return False  # e.g. bottom-right causal with one query row (a decoding step) sees every key
-    if pm.causal and pm.band() == (None, 0) and call.attn_mask is None:
+    if pm.causal and pm.band() == (None, 0) and not call.has_attn_mask:
         # includes bottom-right alignment when Nq == Nk; torch refuses is_causal with a mask
         # on most of its kernels, so a mask and causality travel folded into one mask
         return True
