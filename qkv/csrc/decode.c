@@ -117,10 +117,10 @@ static inline v8f hsum8(const v8f *a) {
  * each line that the hardware prefetchers fall behind; prefetching into L1 instead evicted the
  * tile in use. Measured on a 2-core AVX-512 EPYC, 1 thread, Nk = 32768, D = 128: 32 query heads
  * on 4 KV heads, float32, 25.5 → 12.7 ms (bfloat16 15.1 → 7.0); 32 on 8, float32, 30 → 19 ms.
- * A bfloat16 or float16 cache with ≤ 4 rows is streamed fast enough without it (8 heads of
- * one row: 5.6 ms without, 8.1 with). */
+ * A bfloat16 or float16 cache with one row per key is streamed fast enough without it (8 heads:
+ * 5.6 ms without, 8.1 with). */
 #define PF_KEYS 32
-static inline __attribute__((always_inline)) int prefetching(int kind, int64_t g) { return kind == 0 || g > 4; }
+static inline __attribute__((always_inline)) int prefetching(int kind, int64_t g) { return kind == 0 || g > 1; }
 /* Prefetch the line of entry i + PF_KEYS rows (rows ld apart) when e, the entry's offset in its
  * row, starts a cache line. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const void *base, int kind, int64_t i, int64_t ld,
@@ -132,10 +132,11 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void *bas
 #define RG 8 /* query rows that share each load of K and V */
 /* Up to this many rows, V's rows are read whole and in order (the prefetchers stream them) and
  * added into each row's output in L1; beyond, 8 lanes of each row's output stay in a register
- * while the tile's V rows pass. Measured on a 2-core AVX-512 EPYC, 1 thread, Nk = 32768: 8
- * heads of D = 64 (1 row) 7 ms in order vs 14 ms in registers; 4 rows of D = 128 34 vs 43 ms;
- * 16 rows 67 vs 81 ms. */
-#define IN_ORDER_ROWS 4
+ * while the tile's V rows pass (and the next tile is prefetched). Measured on a 2-core AVX-512
+ * EPYC, 1 thread, Nk = 32768, D = 128, in order vs in registers: 1 row (8 heads) float32 15.8
+ * vs 15.9 ms, bfloat16 5.9 vs 6.7; 2 rows 16.1 vs 14.2, 9.5 vs 7.9; 4 rows 19.4 vs 17.2, 14.3
+ * vs 8.6. */
+#define IN_ORDER_ROWS 1
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define DOT_BF16 1 /* the processor's bfloat16 dot product (AVX-512 BF16) */
