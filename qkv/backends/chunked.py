@@ -813,9 +813,14 @@ class ChunkedBackend(Backend):
         q, k, v = call.grouped_qkv(query)
         if _walks_layout(call):
             out, lse = _layout_attention(call, q, k, v, scale, (self.block_q, self.block_k))
-            if call.sinks is not None:
-                out, lse = add_sinks(out, lse, grouped_sinks(call.sinks, call.hk, call.group))
-            return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
+        else:
+            out, lse = self._tile_attention(call, q, k, v, scale)
+        if call.sinks is not None:
+            out, lse = add_sinks(out, lse, grouped_sinks(call.sinks, call.hk, call.group))
+        return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
+
+    def _tile_attention(self, call: AttentionCall, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) in the grouped layout from the tile loops (custom ops, or the scored loop)."""
         tiles = MaskTiles.from_call(call)
         lo, hi = tiles.positional.band()
         span = None  # how many consecutive keys a row can see at most, where a band limits them
@@ -825,8 +830,5 @@ class ChunkedBackend(Backend):
         if tiles.score is None or tiles.score.form is not None:  # no score function, or a built-in: the custom ops
             rel = None if tiles.score is None else tiles.score.form.rel  # type: ignore[union-attr]
             out, lse, _, _ = _ChunkedAttention.apply(q, k, v, tiles, scale, plan, rel)
-        else:
-            out, lse = _scored_attention(q, k, v, tiles, scale, plan)
-        if call.sinks is not None:
-            out, lse = add_sinks(out, lse, grouped_sinks(call.sinks, call.hk, call.group))
-        return call.ungroup(out.to(call.dtype)), (call.ungroup(lse.to(call.lse_dtype)) if call.return_lse else None)
+            return out, lse
+        return _scored_attention(q, k, v, tiles, scale, plan)

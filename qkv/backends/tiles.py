@@ -31,7 +31,8 @@ from ..masks import MaskTiles
 
 __all__ = [
     "BLOCK_K", "BLOCK_Q", "LN2", "LOG2E", "TILE_BUDGET",
-    "SparseRows", "augment", "gather_buffer", "layout_groups", "pick", "pick_index", "band_rows", "check_tile_size", "head_groups", "key_blocks", "layout_rows", "plan_tiles",
+    "SparseRows", "augment", "band_rows", "check_tile_size", "gather_buffer", "head_groups", "key_blocks",
+    "layout_groups", "layout_rows", "pick", "pick_index", "plan_tiles",
 ]  # fmt: skip
 
 # Scores are kept in base 2 so that the exponentials are exp2 (cheaper than exp on every target).
@@ -154,10 +155,6 @@ class SparseRows:
     def width(self) -> int:
         """C, the number of keys."""
         return sum(b - a for a, b in self.runs)
-
-    def keys(self, device: torch.device) -> torch.Tensor:
-        """The key indices ``(C,)``."""
-        return torch.cat([torch.arange(a, b, device=device) for a, b in self.runs])
 
     def take(self, t: torch.Tensor, dim: int, buffer: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``t``'s entries at this row block's keys along ``dim`` (a view for one range).
