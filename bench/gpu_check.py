@@ -66,6 +66,8 @@ KERNEL_TESTS = (
     "tests/inspect/test_stats_triton.py",
     "tests/inspect/test_score_mods_inspect.py",
     "tests/test_varlen.py",
+    "tests/test_finite_limits.py",
+    "tests/test_nonfinite_rule.py",
     "tests/fuzz/test_fuzz.py",
 )
 PORTED_TESTS = ("tests/test_flash_attn_port.py",)

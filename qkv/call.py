@@ -12,6 +12,7 @@ Backends receive tensors in the *grouped* layout ``(B, Hk, G, N, D)`` (keys and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -155,6 +156,25 @@ class AttentionCall:
         if self.scale == 0:
             return self.query * 0.0, 1.0
         return -self.query, -self.scale
+
+    def score_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the score function reads: a built-in's (slopes, a table), or those a Python
+        callable captures that need gradients (what qkv can find of them)."""
+        if isinstance(self.score_mod, ScoreMod):
+            return tuple(self.score_mod.tensors())
+        return captured_tensors(self.score_mod) if self.score_mod is not None else ()
+
+    def in_float64(self) -> "AttentionCall":
+        """The same call on float64 copies of its float tensors (differentiable: gradients flow
+        back to the originals in their own dtypes); a score function's tensors follow, since it
+        is bound in the call's dtype. For calls whose float32 scores overflow (qkv.overflow)."""
+
+        def up(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return t.double() if t is not None and t.is_floating_point() else t
+
+        return dataclasses.replace(
+            self, query=up(self.query), key=up(self.key), value=up(self.value), given_mask=up(self.given_mask), sinks=up(self.sinks)
+        )
 
     def describe(self) -> str:
         parts = [f"query {_shape(self.query.shape)}", f"key {_shape(self.key.shape)}", str(self.dtype).replace("torch.", "")]
@@ -502,6 +522,7 @@ def validate(
     score_mod = check_score_mod(score_mod)
     if isinstance(score_mod, ScoreMod):
         score_mod.check_heads(hq)
+        score_mod.check_dtype(compute_dtype(q.dtype))  # a cap or bias the kernels' precision cannot hold
     if sinks is not None:
         sinks = check_sinks(sinks, hq, q)
     return AttentionCall(

@@ -8,9 +8,10 @@ from typing import Literal, Optional, Tuple, Union, overload
 import torch
 import torch.nn.functional as F
 
-from .backends import BACKENDS, plain_sdpa_call, select
+from . import overflow
+from .backends import BACKENDS, BackendError, plain_sdpa_call, select
 from .backends.sdpa import empty_rows_are_zero
-from .call import BackendName, validate, validate_qk
+from .call import AttentionCall, BackendName, validate, validate_qk
 from .nonfinite import Checked, guard
 from .reference.masks import Alignment, IsCausal
 from .score_mods.base import ScoreFn, ScoreMod
@@ -160,7 +161,11 @@ def attention(
     - ``scale``: any finite number, zero and negative included (default ``1/√D``).
     - A query row with nothing to attend to gets output 0, lse ``-inf`` and zero gradient.
     - Non-finite inputs are never hidden: a row whose query holds NaN/±inf, or whose
-      (batch, key/value head) has a NaN/±inf key or value, is NaN (see :mod:`qkv.nonfinite`).
+      (batch, key/value head) has a NaN/±inf key or value, or whose head's built-in score
+      function bias does, is NaN, and so is every gradient it reaches (see :mod:`qkv.nonfinite`).
+    - Finite inputs whose scores leave float32's range (``scale=3e38``, values of 1e20) are
+      answered in float64 by ``auto`` on the CPU, and refused by a named backend (see
+      :mod:`qkv.overflow`).
     - ``backend``: ``"auto"`` (fastest that supports the call), ``"sdpa"``, ``"chunked"``
       (never materialises ``Nq × Nk``), ``"triton"`` (fused GPU kernels) or ``"math"``; a
       named backend never falls back.
@@ -178,14 +183,36 @@ def attention(
     if backend == "auto" and window is None and key_padding_mask is None and not return_lse:
         out = _fast_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, generator, score_mod, sinks)
         if out is not None:
-            return guard(query, key, value, out)[0]
+            mask = attn_mask if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point() else None
+            out = guard(query, key, value, out, mask=mask)[0]
+            if not (overflow.may_check(out) and overflow.nonfinite_result(out)):
+                return out  # (else the call goes the whole way below, which answers an overflow exactly)
     call = validate(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window=window, window_alignment=window_alignment,
         key_padding_mask=key_padding_mask, return_lse=return_lse, generator=generator, score_mod=score_mod, sinks=sinks,
     )  # fmt: skip
     result = select(call, backend).forward(call)
     out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
+    out, lse = _exact_beyond_float32(call, out, lse, backend)
     return (out, lse) if return_lse else out
+
+
+def _exact_beyond_float32(
+    call: AttentionCall, out: torch.Tensor, lse: Optional[torch.Tensor], backend: str
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(out, lse)``, or the float64 answer where float32 scores overflowed (:mod:`qkv.overflow`:
+    ``auto`` returns it, a named backend raises BackendError)."""
+    if not overflow.suspect(out, call.query, call.key, call.value, call.score_tensors()):
+        return out, lse
+    call64 = call.in_float64()
+    result = select(call64, "auto").forward(call64)
+    out64, lse64 = result if isinstance(result, Checked) else guard(call64.query, call64.key, call64.value, *result)
+    exact = out64.to(out.dtype)
+    if backend != "auto":
+        if overflow.overflowed(exact, out):
+            raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {overflow.explain(backend, call.dtype)}")
+        return out, lse
+    return exact, (None if lse64 is None else lse64.to(call.lse_dtype))
 
 
 def attention_weights(

@@ -36,7 +36,7 @@ from typing import Any, Literal, Optional, Tuple, Union, overload
 
 import torch
 
-from .call import BackendName, check_sinks, check_tensor
+from .call import BackendName, check_sinks, check_tensor, compute_dtype
 from .reference.masks import Alignment, IsCausal, PositionalMask, parse_causal, parse_window
 from .score_mods.base import ScoreMod, captured_tensors, check_score_mod
 
@@ -170,6 +170,7 @@ def attention_varlen(
     score_mod = check_score_mod(score_mod)
     if isinstance(score_mod, ScoreMod):
         score_mod.check_heads(hq)
+        score_mod.check_dtype(compute_dtype(q.dtype))  # a cap or bias the kernels' precision cannot hold
         if score_mod.alignment is None:  # follow this call's alignment, not qkv.attention's top-left default
             score_mod = copy.copy(score_mod)
             score_mod.alignment = alignment

@@ -23,6 +23,9 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+# A limit for each subprocess a test starts (a build, the CLI, pip, a type checker): it only keeps
+# a hang from stalling the suite, so it is far beyond what a busy 2-core machine needs
+SUBPROCESS_TIMEOUT = 1800
 
 
 def load_bench_script(name: str) -> ModuleType:

@@ -15,7 +15,7 @@ import torch
 
 import qkv
 
-from .helpers import BENCH, load_bench_script
+from .helpers import BENCH, SUBPROCESS_TIMEOUT, load_bench_script
 
 SCRIPT = BENCH / "attention_gpu.py"
 bench = load_bench_script("attention_gpu")
@@ -124,7 +124,7 @@ def dry_run(tmp_path_factory):
         [sys.executable, str(SCRIPT), "--dry-run", "--qkv-backend", "chunked", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=SUBPROCESS_TIMEOUT,
     )
     print(res.stdout[-3000:], res.stderr[-3000:])
     assert res.returncode == 0, res.stderr

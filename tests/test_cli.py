@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 from qkv import cli
 from qkv.cli import main, sentence_trace
-from .helpers import bundled_model_dir
+from .helpers import SUBPROCESS_TIMEOUT, bundled_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,12 +83,9 @@ def test_version(capsys):
     assert capsys.readouterr().out.startswith("qkv ")
 
 
-def test_demo_walks_through_and_is_quick(capsys):
-    start = time.perf_counter()
+def test_demo_walks_through(capsys):
     assert main(["demo", "--no-model"]) == 0  # the glass-box part alone; the model part is tested in tests/viz
-    elapsed = time.perf_counter() - start
     out = capsys.readouterr().out
-    assert elapsed < 2.0
     assert 'Self-attention on "Thinking Machines"' in out
     assert "112" in out and "96" in out and "14" in out and "12" in out
     assert "softmax([14, 12]) = [0.881, 0.119]" in out
@@ -113,7 +109,7 @@ def test_demo_can_be_extended(capsys, monkeypatch):
 def test_python_m_qkv_trace_json():
     r = subprocess.run(
         [sys.executable, "-m", "qkv", "trace", "Thinking Machines", "--json"],
-        capture_output=True, text=True, encoding="utf-8", cwd=ROOT, env=_env(), timeout=60,
+        capture_output=True, text=True, encoding="utf-8", cwd=ROOT, env=_env(), timeout=SUBPROCESS_TIMEOUT,
     )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
@@ -129,7 +125,7 @@ def test_trace_and_glass_box_demo_do_not_import_torch():
         "    main(['trace', 'a b']); main(['demo', '--no-model'])\n"
         "print(before, 'torch' in sys.modules)"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=SUBPROCESS_TIMEOUT)
     assert r.returncode == 0, r.stderr
     before, after = r.stdout.split()
     if before == "True":

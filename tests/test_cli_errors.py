@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qkv.cli import main
-from .helpers import bundled_model_dir
+from .helpers import SUBPROCESS_TIMEOUT, bundled_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,7 +145,7 @@ def test_info_cuda_without_cuda_is_a_usage_error():
         pytest.skip("this machine has CUDA")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "qkv", "info", "--device", "cuda"], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=60)
+                       cwd=ROOT, env=env, timeout=SUBPROCESS_TIMEOUT)
     print(r.stderr)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "qkv info: error: argument --device: device 'cuda' is not available here" in r.stderr

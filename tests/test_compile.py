@@ -78,7 +78,7 @@ def test_one_graph_and_eager_results(backend, name, grad):
             assert max_err(a, b) < 1e-4
 
 
-@pytest.mark.parametrize("module", ["mha", "transformer"])
+@pytest.mark.parametrize("module", ["mha", pytest.param("transformer", marks=pytest.mark.slow)])
 def test_modules_compile_to_one_graph(module):
     torch.manual_seed(0)
     x = torch.randn(2, 20, 32, requires_grad=True)
@@ -98,6 +98,7 @@ def test_modules_compile_to_one_graph(module):
     assert max_err(g_got, g_want) < 1e-4
 
 
+@pytest.mark.slow
 def test_chunked_under_inductor_matches_eager():
     (q, k, v), kw = _inputs("window_padding_lse", True)
 

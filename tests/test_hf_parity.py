@@ -12,14 +12,13 @@ Every model is built from a config (nothing is downloaded). float32 is held to 1
 largest eager output; bfloat16 to twice the error of sdpa (eager, for models without sdpa) in
 bfloat16 against float32 eager, plus a floor. Architectures whose attention transformers does
 not route through its interface must be refused when built. The seed is printed
-(``QKV_TEST_SEED`` replays it).
+(tests/seeds.py: ``QKV_TEST_SEED`` replays it).
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import random
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -34,7 +33,9 @@ pytest.importorskip("transformers.masking_utils")
 
 import qkv.hf  # noqa: E402
 
-SEED = int(os.environ.get("QKV_TEST_SEED", random.randrange(2**31)))
+from . import seeds  # noqa: E402
+
+SEED = seeds.derive("hf_parity")
 VOCAB, N = 99, 12
 SHARPEN, WIDEN = 16.0, 5.0  # attention scaling ×16 on weights initialised 5× wider
 TOL32 = 1e-4  # float32: relative to the largest eager output
@@ -137,7 +138,7 @@ REFUSED = [
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     qkv.hf.register()
-    print(f"seed {SEED} (QKV_TEST_SEED={SEED} replays it)")
+    print(f"seed {SEED} ({seeds.describe()})")
 
 
 def _seed(arch: str, what: str) -> torch.Generator:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from .helpers import SUBPROCESS_TIMEOUT
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
@@ -20,7 +22,7 @@ CELLS = [
 
 def test_results_render_as_their_best_view_on_a_real_kernel(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(nb, timeout=SUBPROCESS_TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     html = []
     for cell in nb.cells:
         errors = [o for o in cell.outputs if o.output_type == "error"]

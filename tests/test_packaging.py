@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import SUBPROCESS_TIMEOUT
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,12 +49,12 @@ def _venv(root: Path, wheel: Path, with_models: bool) -> Path:
 def _run(python: Path, *args: str, cwd: Path) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     done = subprocess.run([str(python), "-m", "qkv", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+                          timeout=SUBPROCESS_TIMEOUT)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
 
 
-@pytest.mark.parametrize("with_models", [True, False], ids=["with-models", "without-models"])
+@pytest.mark.parametrize("with_models", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["with-models", "without-models"])
 def test_the_wheel_runs_the_demo_and_writes_a_trace_page(wheel: Path, tmp_path: Path, with_models: bool) -> None:
     python = _venv(tmp_path / "venv", wheel, with_models)
     where = subprocess.run([str(python), "-c", "import qkv; print(qkv.__file__)"], check=True, capture_output=True,

@@ -305,6 +305,7 @@ def test_auto_runs_a_large_layout_on_chunked_with_or_without_gradients():
     assert any("block-sparse" in note for note in order_notes(call))
 
 
+@pytest.mark.slow
 def test_a_layout_under_torch_compile():
     layout = sparse.bigbird(256, 32, 3, 1, 1)
     q, k, v = (torch.randn(1, 2, 256, 16, requires_grad=True) for _ in range(3))

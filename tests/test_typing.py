@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import SUBPROCESS_TIMEOUT
+
 ROOT = Path(__file__).resolve().parent.parent
 USER = Path(__file__).parent / "typing" / "user_code.py"
 BAD = Path(__file__).parent / "typing" / "bad_calls.py"
@@ -28,7 +30,7 @@ def expected_lines() -> set[int]:
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
 
 
 def mypy_errors(path: Path) -> tuple[set[int], str]:
@@ -58,15 +60,17 @@ def basedpyright_errors(path: Path) -> tuple[set[int], str]:
 
 
 CHECKERS = {"mypy": mypy_errors, "basedpyright": basedpyright_errors}
+# mypy takes several times basedpyright's time on the same files: the slow tier runs it
+CHECKER_PARAMS = [pytest.param("mypy", marks=pytest.mark.slow), "basedpyright"]
 
 
-@pytest.mark.parametrize("checker", CHECKERS)
+@pytest.mark.parametrize("checker", CHECKER_PARAMS)
 def test_user_code_type_checks(checker: str) -> None:
     lines, output = CHECKERS[checker](USER)
     assert not lines, f"{checker} rejects correct calls:\n{output}"
 
 
-@pytest.mark.parametrize("checker", CHECKERS)
+@pytest.mark.parametrize("checker", CHECKER_PARAMS)
 def test_wrong_calls_are_reported(checker: str) -> None:
     lines, output = CHECKERS[checker](BAD)
     expected = expected_lines()

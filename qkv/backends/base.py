@@ -7,6 +7,20 @@ from typing import ClassVar, Optional
 import torch
 
 from ..call import AttentionCall
+from ..nonfinite import Checked, guard
+
+
+def follow_rule(call: AttentionCall, out: torch.Tensor, lse: Optional[torch.Tensor]) -> Checked:
+    """A backend's ``out (..., Hq, Nq, Dv)`` and ``lse (..., Hq, Nq)`` after the non-finite rule
+    (:mod:`qkv.nonfinite`), with every tensor of the call it covers: q, k, v, a built-in score
+    function's bias (bound afresh: its gradient reaches the slopes or the table through its own
+    ``rel``), the sinks and a float ``attn_mask``. Every backend ends its forward here, so the
+    rule, gradients included, holds in one place whatever the kernel skipped."""
+    # a Python callable is opaque (qkv.nonfinite): only a built-in's bias joins the rule
+    bound = call.bound_score() if call.score_mod is not None and call.builtin_score else None
+    bias = None if bound is None or bound.form is None else bound.form.rel  # (Hq, L); None for a softcap alone
+    mask = call.given_mask if call.given_mask is not None and call.given_mask.is_floating_point() else None
+    return Checked(*guard(call.query, call.key, call.value, out, lse, bias=bias, sinks=call.sinks, mask=mask))
 
 
 class Backend:

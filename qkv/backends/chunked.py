@@ -70,12 +70,11 @@ import torch
 
 from ..call import AttentionCall
 from ..masks import MaskTiles
-from ..nonfinite import gradient_rule
 from ..reference.masks import PositionalMask
 from ..score_mods.base import BoundScore, KernelForm, captured_tensors
 from ..sinks import add_sinks, grouped_sinks
 from . import chunked_native
-from .base import Backend, half_to_float
+from .base import Backend, follow_rule, half_to_float
 from .decode_cpu import can_decode, decode_attention
 from .flash_cpu import can_fuse, fused_attention
 from .tiles import (
@@ -258,8 +257,9 @@ def _entries(tiles: MaskTiles) -> list[tuple[slice, MaskTiles]]:
 
 
 def lse_from(m: torch.Tensor, l: torch.Tensor, tiles: MaskTiles, scale: float) -> torch.Tensor:
-    """``lse = m + log l`` in natural log, ``-inf`` for empty rows (``l = 0``)."""
-    has = l > 0
+    """``lse = m + log l`` in natural log, ``-inf`` for empty rows (``l = 0``), NaN where ``l`` is
+    (a NaN or ``+inf`` score: the lse of a NaN row is NaN, :mod:`qkv.nonfinite`)."""
+    has = l != 0  # True for NaN
     m_nat = m * _Units(tiles, scale).to_nat
     return torch.where(has, m_nat + torch.log(torch.where(has, l, torch.ones_like(l))), _NEG_INF)
 
@@ -429,7 +429,6 @@ def chunked_bwd_op(
     dlse = None if dlse is None else dlse.to(cd)
     drel = [torch.zeros_like(rel)] if rel is not None else []
     dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout.to(cd), dlse, tiles, scale, (block_q, block_k, per_group), drel)
-    dq, dk, dv = gradient_rule(q, k, v, dq, dk, dv)  # the C loops and the torch formulation skip different keys
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (drel[0] if drel else q.new_zeros(0))
 
 
@@ -504,7 +503,7 @@ class _ChunkedAttention(torch.autograd.Function):
             # autograd.grad(is_grads_batched=True)) bypass the vmap rule: use plain tensor ops
             if ctx.tiles.score is not None:
                 raise NotImplementedError("batched gradients (is_grads_batched, check_batched_grad) with a score function: use backend='math'")
-            return (*gradient_rule(q, k, v, *_dense_backward(q, k, v, dout, dlse, ctx.tiles, ctx.scale)), None, None, None, None)
+            return (*_dense_backward(q, k, v, dout, dlse, ctx.tiles, ctx.scale), None, None, None, None)
         dq, dk, dv, drel = _ChunkedBackward.apply(q, k, v, out, m, l, dout, dlse, ctx.tiles, ctx.scale, ctx.plan, rel)
         return dq, dk, dv, None, None, None, (drel if rel is not None else None)
 
@@ -569,7 +568,6 @@ class _ScoredAttention(torch.autograd.Function):
         dparams = [torch.zeros_like(p) for p in params]
         with torch.no_grad():
             dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout, dlse, tiles, ctx.scale, ctx.plan, dparams)
-        dq, dk, dv = gradient_rule(q, k, v, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, *dparams
 
 
@@ -728,7 +726,6 @@ class _LayoutAttention(torch.autograd.Function):
         dlse = None if dlse is None else dlse.to(cd)
         with torch.no_grad():
             dq, dk, dv = _layout_backward(qc, kc, vc, out, m, l, dout, dlse, ctx.parts, ctx.scale, ctx.block)
-        dq, dk, dv = gradient_rule(q, k, v, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -806,9 +803,15 @@ class ChunkedBackend(Backend):
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         kernel = self.kernel(call)
         if kernel == "decode":
-            return decode_attention(call)
+            return decode_attention(call)  # no gradient; the kernel's own check, or qkv.attention's guard
         if kernel == "flash_cpu":
-            return fused_attention(call)  # no gradient: torch's fused kernel, block by block
+            return follow_rule(call, *fused_attention(call))  # no gradient: torch's fused kernel, block by block
+        # every kernel's backward (C loops, torch formulation, layout walk, dense batched formula)
+        # computes what its tiles give; follow_rule then adds the rule's NaN (qkv.nonfinite)
+        return follow_rule(call, *self._tiled(call))
+
+    def _tiled(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(out, lse or None)`` from the tile loops (or the layout walk), before the rule."""
         query, scale = call.positive_scale()  # the row maximum of q·kᵀ must be the largest score
         q, k, v = call.grouped_qkv(query)
         if _walks_layout(call):

@@ -41,7 +41,7 @@ import torch
 from ..call import AttentionCall
 from ..nonfinite import Checked
 from . import native
-from .tiles import LN2, LOG2E
+from .tiles import LOG2E
 
 MAX_QUERY_ROWS = 8  # Nq per head: decoding and speculative decoding; longer calls take the tiled kernels
 MIN_KEYS_PER_PART = 512  # a part shorter than this costs more to merge than it saves
@@ -121,8 +121,10 @@ def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.
         klen = (kp * torch.arange(1, nk + 1)).amax(-1).contiguous()  # keys past an entry's last real one are skipped
         pad_rows = 0 if pad.shape[0] == 1 else pad.shape[0]
     sinks = None
-    if call.sinks is not None:  # (Hq,) → (B, Hk, G, Nq) in log2 units, one per row
-        sinks = (call.sinks.detach().to(torch.float32) * LOG2E).reshape(1, hk, g, 1).expand(b, hk, g, nq).contiguous()
+    if call.sinks is not None:  # (Hq,) → (B, Hk, G, Nq), one per row, natural units in float64: the kernel
+        # merges them in double, so a sink of any finite size joins exactly (as sink·log2 e in float32,
+        # one above ~2.36e38 would overflow)
+        sinks = call.sinks.detach().to(torch.float64).reshape(1, hk, g, 1).expand(b, hk, g, nq).contiguous()
     threads = torch.get_num_threads()
     parts = parts_per_head(j, nk, threads)
     scratch = torch.empty(j * parts * rows * (dv + 2), dtype=torch.float32)
@@ -135,7 +137,7 @@ def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.
     if rc < 0:
         raise MemoryError("qkv: could not allocate a decoding tile per thread")
     out5 = call.ungroup(out.reshape(b, hk, g, nq, dv).to(call.dtype))
-    lse5 = call.ungroup((lse * LN2).reshape(b, hk, g, nq).to(call.lse_dtype)) if call.return_lse else None
+    lse5 = call.ungroup(lse.reshape(b, hk, g, nq).to(call.lse_dtype)) if call.return_lse else None  # natural units
     if rc == 0:  # the kernel read every key and value and found them, and the queries, finite
         return Checked(out5, lse5)
     return out5, lse5  # keys skipped (masks) or something non-finite: guard applies the full rule

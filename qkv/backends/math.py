@@ -15,7 +15,7 @@ from ..allocation import check_fits
 from ..call import AttentionCall
 from ..masks import MaskTiles, apply_tile
 from ..sinks import add_sinks, grouped_sinks
-from .base import Backend, dropout_weights, half_to_float
+from .base import Backend, dropout_weights, follow_rule, half_to_float
 
 _NEG_INF = float("-inf")
 
@@ -47,14 +47,16 @@ def softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Written out rather than ``torch.logsumexp`` so that no NaN enters the graph for a row of
     all ``-inf``: its shift is 0, its sum 0, and both the weights and the lse are selected by
-    ``where``, so the gradient of such a row is exactly 0. The shift is detached: the lse does
-    not depend on it (the terms cancel), and the max has no useful gradient.
+    ``where``, so the gradient of such a row is exactly 0. A row whose sum is NaN (a NaN or
+    ``+inf`` score) keeps NaN in its lse as in its weights (:mod:`qkv.nonfinite`), not ``-inf``.
+    The shift is detached: the lse does not depend on it (the terms cancel), and the max has no
+    useful gradient.
     """
     m = s.detach().amax(-1, keepdim=True) if s.shape[-1] else s.new_full((*s.shape[:-1], 1), _NEG_INF)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # empty rows: shift by 0, exp(-inf) = 0
     e = torch.exp(s - m)
     total = e.sum(-1, keepdim=True)
-    has = total > 0
+    has = total != 0  # True for NaN
     w = e / torch.where(has, total, torch.ones_like(total))
     lse = torch.where(has, torch.log(torch.where(has, total, torch.ones_like(total))) + m, _NEG_INF)
     return w, lse.squeeze(-1)
@@ -75,6 +77,10 @@ class MathBackend(Backend):
     SUPPORTS_SINKS = True
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return follow_rule(call, *self.attend(call))
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(out, lse or None)`` before the non-finite rule (:func:`follow_rule`)."""
         check_scores_fit(call, "The score matrix backend='math' holds (one score per query and key)",
                          "backend='chunked' (or 'auto') never holds them.")
         q, k, v = call.grouped_qkv()

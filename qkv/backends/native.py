@@ -2,8 +2,8 @@
 
 Some CPU work is a chain of elementwise torch operations over one tile, each a full pass
 through memory; a C loop does the chain in one pass while the tile is in cache. The sources
-are plain C (no torch headers, so a build takes about a second), compiled with the machine's
-compiler (``$CC``, else ``cc``) for the machine it runs on (``-O3 -march=native``) and with
+are plain C (no torch headers; they compile in parallel, in a few seconds), compiled with the
+machine's compiler (``$CC``, else ``cc``) for the machine it runs on (``-O3 -march=native``) and with
 OpenMP, which links to the OpenMP runtime torch has already loaded, so the kernels share
 torch's threads (``torch.get_num_threads()``). Builds are cached under
 ``$QKV_CACHE_DIR`` (default ``~/.cache/qkv``), keyed by the sources, flags, compiler and CPU;
@@ -45,7 +45,7 @@ import torch
 log = logging.getLogger("qkv")
 
 SOURCES = ("stats_tile.c", "flash.c", "decode.c")  # compiled
-HEADERS = ("stats_tile_impl.h", "flash_impl.h", "tile_impl.h", "vec.h")  # included by them
+HEADERS = ("stats_tile_impl.h", "flash_impl.h", "tile_impl.h", "vec.h", "parallel.h")  # included by them
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11")
 
@@ -120,7 +120,7 @@ def _build(cc: str, rebuild: bool = False) -> Path:
     and rename it; the checksum is written after the library, so a reader that finds the
     library without it rebuilds rather than trusts it."""
     text = b"".join((CSRC / s).read_bytes() for s in SOURCES + HEADERS)
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     all_flags = (*FLAGS, *extra_flags())
     key = hashlib.sha256(b"\0".join([text, " ".join(all_flags).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("QKV_CACHE_DIR") or Path.home() / ".cache" / "qkv")
@@ -133,12 +133,11 @@ def _build(cc: str, rebuild: bool = False) -> Path:
     try:
         # without OpenMP (Apple's clang, say) the kernels still build, and run on one thread
         for flags in (all_flags, tuple(f for f in all_flags if f != "-fopenmp")):
-            cmd = [cc, *flags, *(str(CSRC / s) for s in SOURCES), "-o", tmp, "-lm"]
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if res.returncode == 0:
+            failed = _compile(cc, flags, tmp)
+            if failed is None:
                 break
         else:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()[-2000:]}")
+            raise RuntimeError(failed)
         digest = _digest(Path(tmp))
         os.replace(tmp, lib)
         _write_atomically(_checksum_path(lib), digest.encode())
@@ -146,6 +145,28 @@ def _build(cc: str, rebuild: bool = False) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def _compile(cc: str, flags: tuple[str, ...], out: str) -> Optional[str]:
+    """Compile every source to an object, all at once (the build takes as long as its longest
+    source, not their sum), and link them into ``out``; None, or what failed. No time limit:
+    a compiler does not hang, and a busy machine's build that gave up would leave the user
+    on the slower torch formulation for no reason."""
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as objects:
+        compile_flags = [f for f in flags if f != "-shared"]
+        jobs = []
+        for src in SOURCES:
+            cmd = [cc, *compile_flags, "-c", str(CSRC / src), "-o", os.path.join(objects, src + ".o")]
+            jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+        for cmd, job in jobs:
+            _, err = job.communicate()
+            if job.returncode != 0:
+                for _, other in jobs:
+                    other.wait()
+                return f"{' '.join(cmd)} failed:\n{err.strip()[-2000:]}"
+        cmd = [cc, *flags, *(os.path.join(objects, src + ".o") for src in SOURCES), "-o", out, "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        return None if res.returncode == 0 else f"{' '.join(cmd)} failed:\n{res.stderr.strip()[-2000:]}"
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -255,6 +276,11 @@ def exp2(x: torch.Tensor) -> torch.Tensor:
 def tanh(x: torch.Tensor) -> torch.Tensor:
     """``tanh(x)`` of a float32 CPU tensor by the kernels' own (softcapped scores; for tests)."""
     return _elementwise("tanh", x)
+
+
+def library_path() -> Optional[Path]:
+    """The file the loaded kernels came from (in the cache), or None when they are not used."""
+    return None if library() is None or _path is None else Path(_path)
 
 
 def status() -> str:

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from ..call import AttentionCall
 from ..masks import additive_mask, dense_sdpa_mask
-from .base import Backend
+from .base import Backend, follow_rule
+from .math import MathBackend
 
 # Above this many scores, a mask that qkv has to build for SDPA costs more than it saves.
 DENSE_MASK_LIMIT = 1 << 22
@@ -99,13 +100,14 @@ class SdpaBackend(Backend):
         return reasons
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return follow_rule(call, *self._attend(call))
+
+    def _attend(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if call.batch_size * call.hq * call.nq == 0 or call.nk == 0 or call.d == 0:
             # nothing to compute; torch's kernels divide by these sizes or drop broadcasting
             # (an empty batch broadcast against 2 keeps its 1): the math path's empty matmuls
             # give the broadcast shapes, zeros and -inf
-            from .math import MathBackend
-
-            return MathBackend().forward(call)
+            return MathBackend().attend(call)
         if call.return_lse:
             return self._with_lse(call)
         is_causal = sdpa_is_causal(call)

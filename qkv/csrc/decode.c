@@ -11,16 +11,17 @@
  *                                  else K converted to float32 where it is used)
  *     masks (band, key padding) → −inf
  *     online softmax per row: m, l, and the unnormalised output O += 2^(S − m) · V
- *   then the splits of a head are merged exactly: M = max m_s, L = Σ l_s 2^(m_s − M),
- *   O = Σ O_s 2^(m_s − M) / L  (flash-decoding).
+ *   then the splits of a head and its sink are merged exactly: M = max m_s, L = Σ l_s 2^(m_s − M),
+ *   O = Σ O_s 2^(m_s − M) / L  (flash-decoding; in natural units and double precision, so that
+ *   a sink of any size takes part).
  *
  * Splitting the keys lets every thread stream its own part of one head's cache when there are
  * fewer heads than threads (batch 1, 8 key/value heads, 2 or more threads).
  *
  * Shapes: q (J, R, d) float32, row r = g·nq + i is query head g of the group at query position
  * i; key/value head j = b·hk + h's rows start at k + b·ksb + h·ksh (v likewise), consecutive rows ks and vs
- * elements apart, each row contiguous; out (J, R, dv) float32; lse (J, R) in log2 units
- * (m + log2 l; −inf for a row with no key). sinks: NULL or (J, R) logits in log2 units, each
+ * elements apart, each row contiguous; out (J, R, dv) float32; lse (J, R) float32 in natural
+ * units (−inf for a row with no key). sinks: NULL or (J, R) double logits in natural units, each
  * added to its row's denominator (a row with no key then gives 0 and lse = its sink). Masks as in tile_impl.h: key n is allowed for row
  * position i iff lo ≤ n − i ≤ hi; pad (kpad_rows rows of nk bytes; row j / heads_per_pad) or
  * NULL; klen (per pad row: keys past it are padding) or NULL. */
@@ -29,11 +30,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "vec.h"
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
+#define LN2_F64 0.6931471805599453 /* ln 2: a part's shift m (log2 units) is m·ln 2 in natural units */
 #define TK 32 /* keys per tile: the scores of 8 rows (1 KiB) stay in L1 between the softmax and V */
 
 #define T float
@@ -102,7 +105,7 @@ static inline uint16_t to_bf16(float x) {
 }
 
 /* {Σ a0, Σ a1, …, Σ a7}: eight horizontal sums at once. */
-static inline v8f hsum8(const v8f *a) {
+VEC_FN v8f hsum8(const v8f *a) {
 #if defined(__AVX__)
     const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -428,21 +431,22 @@ static int decode_part_f16(const float *q, const void *k, const void *v, int64_t
 int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, int64_t hk, int64_t ksb, int64_t ksh,
                    int64_t vsb, int64_t vsh, int64_t ks, int64_t vs, int64_t J, int64_t R, int64_t nq, int64_t nk,
                    int64_t d, int64_t dv, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad,
-                   int64_t kpad_rows, const int64_t *klen, float c, const float *sinks, int64_t splits, float *scratch,
+                   int64_t kpad_rows, const int64_t *klen, float c, const double *sinks, int64_t splits, float *scratch,
                    float *out, float *lse, int nthreads) {
+    (void)nthreads; /* read by the OpenMP pragmas alone */
     const band_t bd = {lo, hi, has_lo, has_hi};
     const size_t esz = kind == 0 ? 4 : 2;
     const int64_t part = R * (dv + 2), jobs = J * splits;
     int failed = 0, unchecked = 0;
     int64_t keys_checked = 0; /* keys read and found finite, over all heads: J·nk when all were */
-#pragma omp parallel num_threads(nthreads)
+OMP(parallel num_threads(nthreads))
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)(RG * TK + RG + R * d));
         if (!buf) {
-#pragma omp atomic write
+OMP(atomic write)
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
+OMP(for schedule(dynamic, 1))
         for (int64_t job = 0; job < jobs; job++) {
             if (!buf) continue;
             const int64_t j = job / splits, sp = job % splits, prow = kpad_rows ? j / hk : 0;
@@ -468,19 +472,23 @@ int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, int64
                 checked_keys += sa + (nk - sz);
             }
             if (finite) {
-#pragma omp atomic
+OMP(atomic)
                 keys_checked += checked_keys;
             } else {
-#pragma omp atomic write
+OMP(atomic write)
                 unchecked = 1;
             }
         }
         free(buf);
-#pragma omp for schedule(static)
-        for (int64_t jr = 0; jr < J * R; jr++) { /* merge the splits of each row */
+        /* Merge the splits of each row and its sink in natural units and double precision (a
+         * part's shift m, float in log2 units, is m·ln 2 there): a sink of any finite size joins
+         * exactly, where in float32 log2 units one above FLT_MAX·ln 2 ≈ 2.36e38 would be +inf, and
+         * the lse is rounded to float once. */
+OMP(for schedule(static))
+        for (int64_t jr = 0; jr < J * R; jr++) {
             const int64_t j = jr / R, r = jr % R;
             const float *p0 = scratch + j * splits * part + r * (dv + 2);
-            const float sink = sinks ? sinks[jr] : -INFINITY; /* one more logit in the denominator */
+            const double sink = sinks ? sinks[jr] : -INFINITY; /* one more logit in the denominator */
             float mk = -INFINITY; /* the largest shift of the parts: −inf when no key reached the row */
             int nan = 0;
             for (int64_t sp = 0; sp < splits; sp++) {
@@ -491,22 +499,22 @@ int qkv_decode_fwd(const float *q, const void *k, const void *v, int kind, int64
             float *o = out + jr * dv;
             if (nan || mk == -INFINITY) { /* NaN stays NaN; a row with no key gives 0, lse the sink */
                 for (int64_t e = 0; e < dv; e++) o[e] = nan ? NAN : 0;
-                lse[jr] = nan ? NAN : sink;
+                lse[jr] = nan ? NAN : (float)sink;
                 continue;
             }
-            const float mx = sink > mk ? sink : mk;
-            float L = sink == -INFINITY ? 0 : exp2_f32(sink - mx);
+            const double mx = fmax(sink, mk * LN2_F64);
+            double L = sink == -INFINITY ? 0 : exp(sink - mx);
             memset(o, 0, sizeof(float) * (size_t)dv);
             for (int64_t sp = 0; sp < splits; sp++) {
                 const float *ps = p0 + sp * part;
                 if (ps[dv] == -INFINITY) continue;
-                const float f = exp2_f32(ps[dv] - mx);
+                const double f = exp(ps[dv] * LN2_F64 - mx);
                 L += f * ps[dv + 1];
-                axpy_f32(o, f, ps, dv);
+                axpy_f32(o, (float)f, ps, dv);
             }
-            const float inv = 1 / L;
+            const float inv = (float)(1 / L);
             for (int64_t e = 0; e < dv; e++) o[e] *= inv;
-            lse[jr] = mx + log2f(L);
+            lse[jr] = (float)(mx + log(L));
         }
     }
     return failed ? -1 : (unchecked || keys_checked != J * nk);

@@ -44,14 +44,14 @@ static inline void row_ds_float(float *ds, const float *p, int64_t w, float delt
 }
 
 /* Lanes [0, n) of p (n ≤ 8; the rest 0), and their store back. */
-static inline v8f v_load_part(const float *p, int64_t n) {
+VEC_FN v8f v_load_part(const float *p, int64_t n) {
     if (n == LANES) return v_loadu(p);
     v8f v = v_set(0.0f);
     for (int64_t i = 0; i < n; i++) v[i] = p[i];
     return v;
 }
 
-static inline void v_store_part(float *p, v8f v, int64_t n) {
+VEC_FN void v_store_part(float *p, v8f v, int64_t n) {
     if (n == LANES) {
         v_storeu(p, v);
         return;
@@ -63,7 +63,7 @@ static inline void v_store_part(float *p, v8f v, int64_t n) {
  * cap > 0 (inv = 1/cap; *th = tanh(s/cap)), then s + rel[0 .. n) when rel is not NULL. Every
  * kernel below computes a score through this one function, so the backward recomputes exactly
  * the scores whose maximum the forward kept. */
-static inline v8f v_score(v8f raw, const float *rel, int64_t n, float scale, float cap, float inv, v8f *th) {
+VEC_FN v8f v_score(v8f raw, const float *rel, int64_t n, float scale, float cap, float inv, v8f *th) {
     v8f s = raw * v_set(scale);
     if (cap > 0) {
         *th = v_tanh(s * v_set(inv));

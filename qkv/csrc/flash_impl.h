@@ -6,6 +6,7 @@
 #define CAT(a, b) CAT2(a, b)
 #define FN(name) CAT(name, SUFFIX)
 
+#include "parallel.h"
 #include "tile_impl.h"
 
 /* p[0 .. n) = 0; nothing, not even a look at p, when n is 0 (an empty tensor's pointer may be NULL). */
@@ -17,7 +18,7 @@ static inline void FN(zero_)(T *p, int64_t n) {
 static inline T *FN(buffers_)(int64_t count, int *failed) {
     T *t = (T *)malloc(sizeof(T) * (count > 0 ? count : 1));
     if (!t) {
-#pragma omp atomic write
+OMP(atomic write)
         *failed = 1;
     }
     return t;
@@ -50,14 +51,15 @@ int FN(qkv_flash_fwd_)(const T *q, const T *k, const T *v, const int64_t *koff, 
                        int64_t G, int64_t nq, int64_t nk, int64_t d, int64_t dv, int64_t lo, int64_t hi, int has_lo, int has_hi, const uint8_t *kpad, int64_t kpad_rows,
                        int64_t heads_per_pad, const int64_t *klen, T c, int scored, T scale, T cap, const T *rel, int64_t hq,
                        T *out, T *m, T *l, int64_t br, int64_t bc, void *gemm_fn, int nthreads) {
+    (void)nthreads; /* read by the OpenMP pragmas alone */
     FN(gemm_t_) gemm = (FN(gemm_t_))gemm_fn;
     const band_t bd = {lo, hi, has_lo, has_hi};
     const int64_t row_blocks = (nq + br - 1) / br, jobs = J * G * row_blocks;
     int failed = 0;
-#pragma omp parallel num_threads(nthreads)
+OMP(parallel num_threads(nthreads))
     {
         T *t = FN(buffers_)(br * bc, &failed);
-#pragma omp for schedule(dynamic, 1)
+OMP(for schedule(dynamic, 1))
         for (int64_t job = 0; job < jobs; job++) {
             if (!t) continue;
             const int64_t jg = job / row_blocks, q0 = (job % row_blocks) * br, j = jg / G;
@@ -132,16 +134,17 @@ int FN(qkv_flash_bwd_)(const T *q, const T *k, const T *v, const int64_t *koff, 
                        int64_t heads_per_pad, const int64_t *klen, T c, int scored, T cap, const T *rel, int64_t hq,
                        T *drel, T scale, T *dq, T *dk, T *dvv, int64_t br, int64_t bc, void *gemm_fn,
                        int nthreads) {
+    (void)nthreads; /* read by the OpenMP pragmas alone */
     FN(gemm_t_) gemm = (FN(gemm_t_))gemm_fn;
     const band_t bd = {lo, hi, has_lo, has_hi};
     const int64_t jobs = J * G, width = nq + nk - 1;
     const int capped = scored && cap > 0, post = capped || (scored && drel);
     int failed = 0;
-#pragma omp parallel num_threads(nthreads)
+OMP(parallel num_threads(nthreads))
     {
         /* P̃, dS, a row's cap derivative (capped), one tile's rel gradient by diagonal (drel) */
         T *t = FN(buffers_)(2 * br * bc + (capped ? bc : 0) + (drel ? br + bc - 1 : 0), &failed);
-#pragma omp for schedule(dynamic, 1)
+OMP(for schedule(dynamic, 1))
         for (int64_t jg = 0; jg < jobs; jg++) {
             if (!t) continue;
             T *u = t + br * bc, *dcap = capped ? u + br * bc : NULL, *diag = drel ? u + br * bc + (capped ? bc : 0) : NULL;

@@ -5,6 +5,7 @@
 #define CAT(a, b) CAT2(a, b)
 #define FN(name) CAT(name, SUFFIX)
 
+#include "parallel.h"
 #include "tile_impl.h"
 
 /* Insert (value, index) into a descending list of kk entries, dropping the last (the caller has
@@ -102,7 +103,8 @@ static inline void FN(stats_row_)(T *row, int64_t w, int64_t pos, int64_t k0, in
 void FN(qkv_stats_tile_)(T *t, int64_t R, int64_t w, int64_t n, int64_t pos0, int64_t k0, int online, int masked,
                          const T *lse2, T *mx, T *tot, T *ent, T *dist, int64_t *cnt, T *kw, const int64_t *kpos, int64_t P, T *rw,
                          const int64_t *rel, int64_t Q, T *topv, int64_t *topi, int64_t kk, T *acc, int64_t dv, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+    (void)nthreads; /* read by the OpenMP pragmas alone */
+OMP(parallel for schedule(static) num_threads(nthreads))
     for (int64_t r = 0; r < R; r++)
         FN(stats_row_)(t + r * w, w, pos0 + r % n, k0, online, masked, lse2 ? lse2 + r : NULL, mx + r, tot + r, ent + r,
                        dist + r, cnt + r, kw + r * P, kpos, P, rw + r * Q, rel, Q, topv + r * kk, topi + r * kk, kk,
@@ -128,20 +130,21 @@ int FN(qkv_attention_stats_)(const T *q, const T *k, const T *v, const int64_t *
                              int64_t *cnt, T *kw, const int64_t *kpos, int64_t P, T *rw, const int64_t *rel, int64_t Q,
                              T *topv, int64_t *topi, int64_t kk, T *acc, int64_t br, int64_t bc, void *gemm_fn,
                              int nthreads) {
+    (void)nthreads; /* read by the OpenMP pragmas alone */
     FN(gemm_t_) gemm = (FN(gemm_t_))gemm_fn;
     const band_t bd = {lo, hi, has_lo, has_hi};
     const int online = lse2 == NULL;
     const int64_t row_blocks = (nq + br - 1) / br;
     const int64_t jobs = J * G * row_blocks;
     int failed = 0;
-#pragma omp parallel num_threads(nthreads)
+OMP(parallel num_threads(nthreads))
     {
         T *t = (T *)malloc(sizeof(T) * br * bc);
         if (!t) {
-#pragma omp atomic write
+OMP(atomic write)
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
+OMP(for schedule(dynamic, 1))
         for (int64_t job = 0; job < jobs; job++) {
             if (!t) continue;
             const int64_t jg = job / row_blocks, q0 = (job % row_blocks) * br, j = jg / G;

@@ -11,24 +11,44 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 #define LANES 8
 
+/* VEC_FN declares a function that takes or returns a v8f or v8i by value. Without AVX (baseline
+ * x86-64) such a vector is passed in memory, where an AVX build passes it in a register, and
+ * GCC and clang warn that the calling convention differs (-Wpsabi). There VEC_FN forces inlining,
+ * so no call passes a vector (and GCC emits no out-of-line copy, whose warning no pragma reaches);
+ * what is left are the warnings at the definitions, about calls that do not exist, silenced here.
+ * The exported kernels take only pointers and scalars. With AVX, VEC_FN leaves inlining to the
+ * compiler. */
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX__)
+#define VEC_FN static inline __attribute__((always_inline))
+#if defined(__clang__)
+#if __has_warning("-Wpsabi")
+#pragma clang diagnostic ignored "-Wpsabi"
+#endif
+#elif defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+#else
+#define VEC_FN static inline
+#endif
+
 /* unaligned 8-lane access (one vmovups on x86, not a copy through the stack) */
 typedef float v8f_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
-static inline v8f v_loadu(const float *p) { return *(const v8f_unaligned *)p; }
-static inline void v_storeu(float *p, v8f v) { *(v8f_unaligned *)p = v; }
+VEC_FN v8f v_loadu(const float *p) { return *(const v8f_unaligned *)p; }
+VEC_FN void v_storeu(float *p, v8f v) { *(v8f_unaligned *)p = v; }
 
-static inline v8f v_set(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-static inline v8f v_select(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+VEC_FN v8f v_set(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+VEC_FN v8f v_select(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
 /* Lane-wise max(x, lo) and min(x, hi); where x is NaN the bound comes out (vmaxps/vminps
  * semantics; callers put NaN back). */
-static inline v8f v_max(v8f x, v8f lo) {
+VEC_FN v8f v_max(v8f x, v8f lo) {
 #if defined(__AVX__)
     return __builtin_ia32_maxps256(x, lo);
 #else
     return v_select(x > lo, x, lo);
 #endif
 }
-static inline v8f v_min(v8f x, v8f hi) {
+VEC_FN v8f v_min(v8f x, v8f hi) {
 #if defined(__AVX__)
     return __builtin_ia32_minps256(x, hi);
 #else
@@ -44,7 +64,7 @@ static inline v8f v_min(v8f x, v8f hi) {
  * NaN propagates. Relative error at most 1.34·2^−24 over [−126, 127]: every float32 in
  * [−2, −1), whose fractions cover [−1/2, 1/2] at 2^−23 spacing, measures at most 1.337 (near
  * f = ±0.5002); tests check it. */
-static inline v8f v_exp2(v8f x) {
+VEC_FN v8f v_exp2(v8f x) {
     const v8f magic = v_set(12582912.0f);
     v8f xc = v_min(v_max(x, v_set(-127.0f)), v_set(127.0f));
     v8f t = xc + magic;
@@ -62,7 +82,7 @@ static inline v8f v_exp2(v8f x) {
 }
 
 /* Bit i set where lane i of the comparison result is true. */
-static inline unsigned lane_bits(v8i mask) {
+VEC_FN unsigned lane_bits(v8i mask) {
 #if defined(__AVX__)
     return (unsigned)__builtin_ia32_movmskps256((v8f)mask);
 #else
@@ -76,7 +96,7 @@ static inline unsigned lane_bits(v8i mask) {
  * sign(x)·(1 − 2/(2^(2|x|·log2 e) + 1)), whose subtraction leaves a result ≥ 0.63, so the
  * exponential's error passes on damped. Relative error at most 2.6·2^−24 (tests check it, on
  * every float32 in [1/4, 8)); ±inf gives ±1 (v_exp2 saturates at 2^127), NaN propagates. */
-static inline v8f v_tanh(v8f x) {
+VEC_FN v8f v_tanh(v8f x) {
     const v8i sign = (v8i)v_set(-0.0f);
     const v8f ax = (v8f)((v8i)x & ~sign), u = x * x;
     v8f p = v_set(-6.328162853606045e-04f);
@@ -96,7 +116,7 @@ static inline v8f v_tanh(v8f x) {
 
 static inline float exp2_f32(float x) { return v_exp2(v_set(x))[0]; }
 /* Lanes j..j+7 of a row of w entries; past the end: −inf (weight 0, not counted). */
-static inline v8f v_load(const float *row, int64_t j, int64_t w) {
+VEC_FN v8f v_load(const float *row, int64_t j, int64_t w) {
     v8f v;
     if (j + LANES <= w) {
         v = v_loadu(row + j);
@@ -107,12 +127,12 @@ static inline v8f v_load(const float *row, int64_t j, int64_t w) {
     return v;
 }
 
-static inline float hsum(v8f v) {
+VEC_FN float hsum(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
 /* The largest lane of mx, and (into *nans) the NaNs counted lane by lane in nn. */
-static inline float lanes_max(v8f mx, v8i nn, int64_t *nans) {
+VEC_FN float lanes_max(v8f mx, v8i nn, int64_t *nans) {
     float m = mx[0];
     int64_t cn = 0;
     for (int i = 0; i < LANES; i++) {

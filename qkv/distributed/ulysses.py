@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..call import BackendName
+from ..call import BackendName, validate
 from ..functional import attention
 from ..reference.masks import IsCausal
 
@@ -92,13 +92,19 @@ def ulysses_attention(
 
         q (B, Hq, N_local, D)   k (B, Hk, N_local, D)   v (B, Hk, N_local, Dv)   →   (B, Hq, N_local, Dv)
 
-    Hq (and Hk) must be divisible by the world size W. Differentiable (the all-to-all is its
-    own adjoint). ``is_causal`` masks by global position; the local call is
-    :func:`qkv.attention` with ``backend``. Without an initialised process group this is
-    plain attention.
+    Hq (and Hk) must be divisible by the world size W; Hq ≠ Hk needs ``enable_gqa=True``, as in
+    :func:`qkv.attention`, whose checks run on every rank's shards before any exchange and raise
+    its errors. Differentiable (the all-to-all is its own adjoint). ``is_causal`` masks by
+    global position; the local call is :func:`qkv.attention` with ``backend``. Without an
+    initialised process group this is plain attention.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, backend=backend)
+    # qkv.attention's own checks on this rank's shards, which carry the caller's head counts: its
+    # errors, with the caller's numbers, on every rank and before any exchange. After the
+    # all-to-all a rank holds Hq/W and Hk/W heads, and with Hk = W that one key/value head would
+    # broadcast to every query head — grouped-query attention without enable_gqa=True.
+    validate(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
     w = dist.get_world_size(group)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"ulysses_attention expects (B, H, N_local, D) tensors; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

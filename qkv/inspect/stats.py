@@ -41,15 +41,17 @@ tile already holds ``log2 p'`` and only ``-σ ln σ`` joins the entropy.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..backends.base import half_to_float
+from .. import overflow
+from ..backends.base import follow_rule, half_to_float
 from ..backends.tiles import LN2, LOG2E, augment, check_tile_size, head_groups, key_blocks, plan_tiles
 from ..masks import MaskTiles
-from ..nonfinite import guard, surely_finite
+from ..nonfinite import surely_finite
 from ..call import BackendName, validate, validate_qk
 from ..sinks import grouped_sinks
 from .maps import Window, check_row_sums, grouped_lse, sink_share
@@ -274,8 +276,13 @@ def attention_with_stats(
                     key_padding_mask=key_padding_mask, score_mod=score_mod, sinks=sinks)  # fmt: skip
     out, stats = _tiled_stats(call, None, False, topk, key_positions, relative_positions, block_q, block_k, with_output=True)
     assert out is not None and stats.lse is not None
+    if overflow.suspect(out, call.query, call.key, call.value, call.score_tensors()):
+        # scores beyond float32's range (qkv.overflow): the same pass in float64, rounded back
+        exact, stats = _tiled_stats(call.in_float64(), None, False, topk, key_positions, relative_positions, block_q, block_k, with_output=True)
+        assert exact is not None
+        out, stats = exact.to(out.dtype), _float_arrays_in(stats, torch.float32)  # (float32 statistics, as the pass keeps them)
     # qkv.attention's rule for non-finite inputs (qkv.nonfinite), for the statistics too
-    out, lse = guard(call.query, call.key, call.value, out, stats.lse)
+    out, lse = follow_rule(call, out, stats.lse)
     assert lse is not None
     bad = torch.isnan(lse) & ~torch.isnan(stats.lse)
     if bool(bad.any()):
@@ -283,6 +290,12 @@ def attention_with_stats(
         _nan_rows({name: getattr(stats, name) for name in names}, bad)
     stats.lse = lse
     return out, stats
+
+
+def _float_arrays_in(stats: AttentionStats, dtype: torch.dtype) -> AttentionStats:
+    """``stats`` with its float arrays (and lse, sink share) in ``dtype``; indices and counts kept."""
+    cast = {name: getattr(stats, name) for name in (*AttentionStats.ARRAYS, "lse", "sink_share")}
+    return dataclasses.replace(stats, **{n: t.to(dtype) for n, t in cast.items() if t is not None and t.is_floating_point()})
 
 
 @torch.no_grad()  # statistics are not differentiable: no graph through the tiles, sinks or score tensors

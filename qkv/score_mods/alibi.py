@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .base import ScoreMod, alignment_arg
+from .base import ScoreMod, alignment_arg, check_fits
 
 
 def alibi_slopes(heads: int) -> Tensor:
@@ -50,6 +50,9 @@ class ALiBi(ScoreMod):
                 f"ALiBi has {self.slopes.shape[0]} slopes but the call has {heads} query heads; "
                 f"build it with ALiBi(alibi_slopes({heads}))"
             )
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        check_fits("ALiBi slopes", self.slopes, dtype)
 
     def bias(self, rel: Tensor, head: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
         d = -rel.abs() if self.symmetric else rel

@@ -69,6 +69,14 @@ class ScoreMod:
     def check_heads(self, heads: int) -> None:
         """Raise ValueError if the function cannot serve ``heads`` query heads."""
 
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise ValueError if a parameter cannot be held in ``dtype``, the dtype the call's scores
+        are computed in (float32 for float32, float16 and bfloat16 inputs; float64 for float64):
+        one that becomes 0 or ±inf there would change the function, not round it. Built-ins with
+        tensors check them by default (:func:`check_fits`)."""
+        for t in self.tensors():
+            check_fits(type(self).__name__, t, dtype)
+
     def describe(self) -> str:
         """One line for logs and the glass box, e.g. ``softcap 30·tanh(s/30)``."""
         return type(self).__name__
@@ -85,7 +93,7 @@ class ScoreMod:
     def __call__(self, score: Tensor, batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         """FlexAttention's contract, with query row i at position i (top-left)."""
         if self.softcap is not None:
-            score = torch.tanh(score / self.softcap) * self.softcap
+            score = softcapped(score, self.softcap)
         b = self.bias(kv_idx - q_idx, head, score.dtype)
         return score if b is None else score + b
 
@@ -93,10 +101,59 @@ class ScoreMod:
         return f"<qkv score_mod {self.describe()}>"
 
 
+def check_fits(what: str, t: Tensor, dtype: torch.dtype) -> None:
+    """Raise ValueError if a finite entry of ``t`` (a score function's parameter) overflows
+    ``dtype`` — a float64 tensor's 1e39 is +inf in float32, and a bias of ±inf is a mask, not the
+    number given. Entries that underflow to 0 are rounding: a bias below float32's smallest
+    number changes no float32 score. Reads the tensor (a device sync) only when its dtype holds
+    numbers ``dtype`` cannot."""
+    if not t.is_floating_point() or torch.finfo(t.dtype).max <= torch.finfo(dtype).max or torch.compiler.is_compiling():
+        return
+    x = t.detach()
+    over = torch.isinf(x.to(dtype)) & torch.isfinite(x)
+    if bool(over.any()):
+        big = float(x[over].abs().max())
+        name = str(dtype).replace("torch.", "")
+        raise ValueError(
+            f"{what}: {big:.3g} becomes inf in {name}, the dtype these inputs' scores are computed in (float32 for "
+            f"float32, float16 and bfloat16 inputs); keep every entry within ±{torch.finfo(dtype).max:.3g}, or pass "
+            "float64 inputs"
+        )
+
+
+class _Softcap(torch.autograd.Function):
+    """``cap·tanh(s/cap)`` with the derivative ``1 − tanh²(s/cap)`` applied directly: autograd
+    through the two scalings would multiply the gradient by the cap and then divide it, which
+    overflows for a cap near float32's largest number and underflows for a tiny one."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(score: Tensor, cap: float) -> Tensor:
+        return torch.tanh(score / cap) * cap
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        score, cap = inputs
+        ctx.save_for_backward(score)
+        ctx.cap = cap
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (score,) = ctx.saved_tensors
+        t = torch.tanh(score / ctx.cap)
+        return grad * (1 - t * t), None
+
+
+def softcapped(score: Tensor, cap: float) -> Tensor:
+    """``cap·tanh(score/cap)``, differentiable without overflow at any cap the kernels take."""
+    return _Softcap.apply(score, cap)
+
+
 def apply_form(form: KernelForm, score: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor, nq: int) -> Tensor:
     """A kernel form on a tile: index tensors broadcast against ``score``; rows of ``nq``."""
     if form.softcap is not None:
-        score = torch.tanh(score / form.softcap) * form.softcap
+        score = softcapped(score, form.softcap)
     if form.rel is not None:
         score = score + form.rel.to(score.dtype)[head, kv_idx - q_idx + (nq - 1)]
     return score

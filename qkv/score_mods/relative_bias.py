@@ -12,12 +12,13 @@ keeps only the past. The table is trainable: gradients flow into it.
 from __future__ import annotations
 
 import math
-from typing import Optional
+import sys
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from .base import ScoreMod, alignment_arg
+from .base import ScoreMod, alignment_arg, check_fits
 
 
 def relative_buckets(rel: Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
@@ -38,6 +39,23 @@ def relative_buckets(rel: Tensor, num_buckets: int, max_distance: int, bidirecti
     return bucket + torch.where(dist < exact, dist, far)
 
 
+def _check_max_distance(max_distance: Any, exact: int) -> int:
+    """``max_distance`` as an int above the ``exact`` range and at most float64's largest number:
+    :func:`relative_buckets` takes ``log(max_distance / exact)`` in float64 (a larger int raised
+    OverflowError at the first call)."""
+    try:
+        md = int(max_distance)
+    except (TypeError, ValueError, OverflowError):  # None, NaN, ±inf
+        md = None
+    if md is None or not exact < md <= sys.float_info.max:
+        shown = repr(max_distance) if len(repr(max_distance)) <= 24 else f"(an int of {len(str(md))} digits)"
+        raise ValueError(
+            f"RelativeBias max_distance={shown} must be an int that exceeds the exact range ({exact} offsets) "
+            f"and is at most {sys.float_info.max:.3g} (its logarithm is a float64), e.g. 128"
+        )
+    return md
+
+
 class RelativeBias(ScoreMod):
     """T5-style relative position bias. ``table``: ``(num_buckets, H)`` (an ``nn.Embedding``'s
     weight), one column per query head."""
@@ -50,11 +68,9 @@ class RelativeBias(ScoreMod):
         if nb < (4 if bidirectional else 2):
             raise ValueError(f"RelativeBias needs at least {4 if bidirectional else 2} buckets, got {nb}")
         half = nb // 2 if bidirectional else nb
-        if int(max_distance) <= half // 2:
-            raise ValueError(f"RelativeBias max_distance={max_distance} must exceed the exact range ({half // 2} offsets)")
         self.table = table
         self.bidirectional = bool(bidirectional)
-        self.max_distance = int(max_distance)
+        self.max_distance = _check_max_distance(max_distance, half // 2)
         self.alignment = alignment_arg(alignment)
 
     def tensors(self) -> tuple[Tensor, ...]:
@@ -63,6 +79,9 @@ class RelativeBias(ScoreMod):
     def check_heads(self, heads: int) -> None:
         if self.table.shape[1] != heads:
             raise ValueError(f"RelativeBias table has {self.table.shape[1]} heads (columns) but the call has {heads} query heads")
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        check_fits("RelativeBias table", self.table, dtype)
 
     def bias(self, rel: Tensor, head: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
         b = relative_buckets(rel.to(self.table.device), self.table.shape[0], self.max_distance, self.bidirectional)

@@ -5,7 +5,6 @@ float16 caches, sinks, and the exact merge of key parts."""
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import subprocess
@@ -20,7 +19,7 @@ from qkv.backends import decode_cpu, native
 from qkv.call import validate
 from qkv.reference import attention_ref
 
-from ..helpers import LargestAllocation, assert_within_rule, max_err
+from ..helpers import LargestAllocation, SUBPROCESS_TIMEOUT, assert_within_rule, max_err
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native CPU kernels are not built")
 
@@ -147,7 +146,6 @@ def test_bytes_read_counts_each_distinct_row_once() -> None:
     k = torch.randn(1, 8, 1000, 64, dtype=torch.bfloat16)
     call = validate(torch.randn(1, 32, 1, 64, dtype=torch.bfloat16), k, k, enable_gqa=True)
     assert decode_cpu.bytes_read(call) == 2 * 8 * 1000 * 64 * 2
-    assert math.isclose(decode_cpu.LOG2E * decode_cpu.LN2, 1.0)
 
 
 @pytest.mark.parametrize("where", ["query", "key", "value", "padded_key", "padded_value", "before_window", "none",
@@ -226,11 +224,12 @@ def test_the_cache_is_read_where_it_lies(dtype: torch.dtype) -> None:
     assert max_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86 compiler flag")
 def test_bfloat16_caches_without_the_dot_product_instruction(tmp_path) -> None:
     """A processor without AVX-512 BF16 converts K to float32 instead (the portable path): the
     oracle cases, run against a build made without that instruction."""
     env = {**os.environ, "QKV_CACHE_DIR": str(tmp_path), "QKV_NATIVE_CFLAGS": "-mno-avx512bf16"}
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-n", "0", "-k", "oracle and bfloat16"]
-    res = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert res.returncode == 0 and "42 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

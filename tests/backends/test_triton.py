@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ..helpers import DEVICE, FLOOR, assert_within_rule, make_qkv, mask_kwargs, max_err, on_cpu, on_device
+from ..helpers import DEVICE, FLOOR, SUBPROCESS_TIMEOUT, assert_within_rule, make_qkv, mask_kwargs, max_err, on_cpu, on_device
 
 pytest.importorskip("triton")
 
@@ -354,6 +354,7 @@ def test_custom_op_opcheck_and_fake_shapes():
         assert out.shape == (2, 3, 2, 5, 48) and lse.shape == (2, 3, 2, 5) and lse.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_torch_func_transforms():
     q, k, v = _leaves(*make_qkv(1, 2, 1, 5, 7, 16, dtype=torch.float32))
     f = lambda q, k, v: qkv.attention(q, k, v, is_causal="bottom_right", enable_gqa=True, backend="triton")  # noqa: E731
@@ -416,6 +417,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_h100():
     """Lower every kernel to an sm_90 cubin with the GPU tile sizes (Triton ships ptxas), so
     code that only the interpreter accepts fails here even on a machine without a GPU."""
@@ -425,5 +427,5 @@ def test_kernels_compile_for_h100():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ..helpers import DEVICE, FLOOR, INTERPRETED, assert_within_rule, make_qkv, mask_kwargs, max_err, on_cpu, on_device
+from ..helpers import DEVICE, FLOOR, INTERPRETED, SUBPROCESS_TIMEOUT, assert_within_rule, make_qkv, mask_kwargs, max_err, on_cpu, on_device
 
 pytest.importorskip("triton")
 
@@ -352,6 +352,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_score_kernels_compile_for_h100():
     """The kernels with every score-function and sink flag on (tanh, the bias gather, the
     diagonal sums and their atomics) lower to sm_90 with the GPU tile sizes."""
@@ -361,5 +362,5 @@ def test_score_kernels_compile_for_h100():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

@@ -42,10 +42,12 @@ def _entry(fn, rank, world, port, pg_timeout_s, q, args):
                 pass
 
 
-def spawn(fn, world: int, *args, timeout: float = 60.0, pg_timeout_s: float = 30.0) -> dict:
+def spawn(fn, world: int, *args, timeout: float = 900.0, pg_timeout_s: float = 300.0) -> dict:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; returns {rank: ("ok"|"error", value)}.
 
-    Ranks that do not report within ``timeout`` seconds are killed and reported as "hung".
+    Ranks that do not report within ``timeout`` seconds are killed and reported as "hung" (the
+    limits are generous: they only keep a deadlock from hanging the suite, and a busy machine
+    may take a minute to start a rank and import torch).
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -68,7 +70,9 @@ def spawn(fn, world: int, *args, timeout: float = 60.0, pg_timeout_s: float = 30
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
-        results.setdefault(r, ("hung", f"rank {r} gave no result (exit code {p.exitcode})"))
+        results.setdefault(
+            r, ("hung", f"rank {r} of {fn.__name__} gave no result within {timeout:g} s of spawning (exit code {p.exitcode})")
+        )
     return results
 
 

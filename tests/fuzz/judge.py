@@ -22,7 +22,8 @@ Checks (each failed check is a :class:`Finding`; its ``kind`` groups failures):
   error enters the rule capped at that bound, so a broken baseline cannot excuse a
   candidate. For 16-bit inputs, backends that may run FlashAttention-style kernels (torch's
   SDPA kernels, triton) take the worse of math and :func:`.ref64.flash_like` (P and dS
-  rounded to 16 bits) as baseline, as ENGINEERING.md asks. The floor is FLOOR[dtype] ·
+  rounded to 16 bits; for the named ``sdpa`` backend also the gradient sums kept in the input
+  dtype block by block, as torch's CPU backward keeps them) as baseline, as ENGINEERING.md asks. The floor is FLOOR[dtype] ·
   max(1, max|ref|) plus the rounding of the logits (``2 · eps_c · max|score|`` times the
   output's, or the gradient's, natural scale): float32-sized, it matters only for large
   logits and for gradients that cancel to 0. Under Triton's CPU interpreter, whose float32 →
@@ -36,7 +37,6 @@ Checks (each failed check is a :class:`Finding`; its ``kind`` groups failures):
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 import traceback
@@ -52,7 +52,8 @@ from qkv.reference import attention_ref
 
 from ..device import DEVICE
 from .calls import DTYPES, Inputs, Spec, build, draw, score_mod_of
-from .ref64 import attention64, flash_like, truncate_bf16
+from ..rounding_baseline import device_truncates, truncate_bf16
+from .ref64 import attention64, flash_like, torch_cpu_blocks
 
 # Absolute error floors per dtype, on outputs of size ~1 (the values of tests/conftest.py).
 FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
@@ -323,7 +324,7 @@ def interpreter_truncates(spec: Spec) -> bool:
     flash-like baseline of such a call truncates too, and the rule's floor grows by one bf16
     ulp of the natural scale (truncating a weight just below 1 costs a whole ulp, which the
     baseline's natural-log arithmetic does not reproduce bit for bit)."""
-    return spec.backend == "triton" and spec.dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return spec.backend == "triton" and device_truncates(spec.torch_dtype)
 
 
 def ref64_grads(inputs: Inputs, flash: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -343,7 +344,9 @@ def ref64_grads(inputs: Inputs, flash: bool = False) -> tuple[torch.Tensor, torc
     keep: dict[str, Any] = {}
     truncate = flash and interpreter_truncates(spec)
     if flash:
-        out, lse = flash_like(q, k, v, spec.torch_dtype, truncate=truncate, **kw)
+        # torch's CPU kernel (the sdpa backend) also keeps its gradient sums in the input dtype
+        blocks = torch_cpu_blocks(spec.nq) if spec.backend == "sdpa" else None
+        out, lse = flash_like(q, k, v, spec.torch_dtype, truncate=truncate, blocks=blocks, **kw)
     else:
         out, lse = attention64(q, k, v, enable_gqa=spec.enable_gqa, keep=keep, **kw)
     out_shape, lse_shape = expected_shapes(spec)
@@ -375,7 +378,10 @@ def natural_scales(
     With ``|dS| ≤ P ∘ (|dO||V|ᵀ + rowsum(|dO||O|) + |dlse|)`` and ``‖·‖`` the root of the
     summed squares over what each gradient element sums::
 
-        dq: |scale|·‖dS·K‖   dk: |scale|·‖dSᵀ·Q‖   dv: ‖Pᵀ·dO‖   dmask: ‖dS‖
+        dq: |scale|·max(‖dS·K‖, (rowsum(|dO||O|) + |dlse|)·P·|K|)
+        dk: |scale|·‖dSᵀ·Q‖   dv: ‖Pᵀ·dO‖   dmask: ‖dS‖
+
+    (dq's second term: a row's δ error is one number for all its keys, see below.)
     """
     q, k, v, p = keep["q"], keep["k"], keep["v"], keep["p"]
     if spec.two_d:
@@ -400,8 +406,14 @@ def natural_scales(
         return t.sum_to_size(shape).sqrt()
 
     scale = abs(keep["scale"])
+    # an error in a row's δ = rowsum(dO∘O) (or its lse) moves every dS_ij of the row the same
+    # way, so in dq_i = scale·Σ_j dS_ij k_j it adds up over the row's keys instead of averaging
+    # out: |scale|·row·Σ_j P_ij |k_j|, which the root-sum-square above underrates by up to the
+    # square root of the keys a row spreads over (FlashAttention-style backwards compute δ so)
+    row = (do * out.abs()).sum(-1, keepdim=True) + (0.0 if dlse is None else dlse.abs()[..., None])
+    coherent = (row * torch.matmul(p, k.abs())) ** 2  # squared, as to_leaf sums squares
     scales = {
-        "q": scale * to_leaf(torch.matmul(ds2, k**2), "q"),
+        "q": scale * to_leaf(torch.maximum(torch.matmul(ds2, k**2), coherent), "q"),
         "k": scale * to_leaf(fold(torch.matmul(ds2.transpose(-1, -2), q**2)), "k"),
         "v": to_leaf(fold(torch.matmul((p**2).transpose(-1, -2), do**2)), "v"),
     }
@@ -426,6 +438,13 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def max_abs(a: np.ndarray) -> float:
     a = a[np.isfinite(a)]
     return float(np.abs(a).max()) if a.size else 0.0
+
+
+def beyond_range(got: np.ndarray, ref: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Where the exact value lies beyond ``dtype``'s largest finite number and ``got`` is the
+    infinity of its sign: overflow is the right answer there (an lse of 1e39 in float32)."""
+    big = np.isfinite(ref) & (np.abs(ref) > float(torch.finfo(dtype).max))
+    return big & np.isinf(got) & (np.sign(got) == np.sign(ref))
 
 
 def error(got: np.ndarray, ref: np.ndarray) -> float:
@@ -468,6 +487,9 @@ def error_bounds(inputs: Inputs, ref_lse: np.ndarray) -> Bounds:
     (rounding the output to nearest costs at most ``eps/2 · V``; ``eps · V`` leaves a margin).
         r = eps_c · (sqrt(D)·C + max|bias| + sqrt(Nk) + 4)
 
+    ``max|bias|`` counts a float mask's largest entry and the score function's largest bias
+    (:func:`score_bias_bound`), which ``max|s|`` below includes too.
+
     ``logit = eps_c · (max|s| + 1)`` is the unavoidable relative error of a weight
     ``exp(s - m)`` once ``s`` is rounded: with large logits (scale 10, or a mask offset of
     100) any two correct implementations differ by this much, so the rule's floor includes
@@ -495,15 +517,30 @@ def error_bounds(inputs: Inputs, ref_lse: np.ndarray) -> Bounds:
         max_bias = max_abs(b)
         if scores.size:
             scores = scores + np.where(np.isfinite(b), b, 0.0)
+    mod_bias = score_bias_bound(spec, inputs)
+    max_bias += mod_bias
     r = eps_c * (math.sqrt(spec.d) * cond + max_bias + math.sqrt(spec.nk) + 4)
     vmax = max(max_abs(_np(v)), 1e-3)
     return Bounds(
         out=vmax * (eps + MATH_ULPS * r),
         lse=MATH_ULPS * (r + _eps(lse_dtype(spec)) * max_abs(ref_lse)),
         rel=r,
-        logit=eps_c * (max_abs(scores) + 1),
+        logit=eps_c * (max_abs(scores) + mod_bias + 1),
         vmax=vmax,
     )
+
+
+def score_bias_bound(spec: Spec, inputs: Inputs) -> float:
+    """The largest bias a score function adds to a score (0 for none, and for softcapping, which
+    only shrinks scores): ALiBi ``|slope| · max offset``, a relative-bias table's largest entry,
+    the offset-bias function's table plus its cosine term."""
+    table = inputs.base.get("mod")
+    if spec.score is None or spec.score == "softcap" or table is None or not table.numel():
+        return 0.0
+    top = max_abs(_np(table))
+    if spec.score == "alibi":
+        return top * max(spec.nq, spec.nk)
+    return top + (0.25 if spec.score == "fn" else 0.0)
 
 
 # ---- the checks ---------------------------------------------------------------------------
@@ -513,8 +550,11 @@ def _check_values(res: Result, what: str, got: torch.Tensor, ref: np.ndarray, ro
     """NaN rule, non-finite values, empty rows; returns the error where both are finite.
 
     ``what`` is "out" (rows along the last dim) or "lse"; ``row_ref_lse`` is the oracle's lse
-    (``-inf`` marks an empty row, NaN a NaN row)."""
+    (``-inf`` marks an empty row, NaN a NaN row). A value beyond the dtype's range counts as
+    right when it is the infinity of its sign (:func:`beyond_range`), and leaves the error out."""
     g = _np(got)
+    overflow = beyond_range(g, ref, got.dtype)
+    ref = np.where(overflow, np.nan, ref)  # judged here, and left out of the error below
     if what == "out":
         nan_row = np.isnan(row_ref_lse)
         empty_row = np.isneginf(row_ref_lse)
@@ -525,7 +565,7 @@ def _check_values(res: Result, what: str, got: torch.Tensor, ref: np.ndarray, ro
         zero_ok = (g == 0).all(-1) if g.shape[-1] else np.ones(g.shape[:-1], bool)
         bad_empty = empty_row & ~zero_ok & np.isfinite(g).all(-1)
     else:
-        bad_nan = np.isnan(ref) & ~np.isnan(g)
+        bad_nan = np.isnan(ref) & ~np.isnan(g) & ~overflow
         empty = np.isneginf(ref)
         bad_empty = empty & ~np.isneginf(g) & ~np.isnan(g)
         fin_ref = np.isfinite(ref)
@@ -711,11 +751,12 @@ def _judge(spec: Spec, res: Result) -> None:
             res.fail(f"wrong d{name} shape/dtype", f"{tuple(g.shape)} {g.dtype}, want {tuple(leaf.shape)} {leaf.dtype}")
             continue
         gn = _np(g)
+        r = np.where(beyond_range(gn, r, leaf.dtype), np.nan, r)  # overflowing to ±inf is right there
         nonfinite = np.isfinite(r) & ~np.isfinite(gn)
         if nonfinite.any():
             res.fail(f"non-finite d{name}", f"{int(nonfinite.sum())} of {gn.size} elements")
             continue
-        err = float(np.abs(gn - r).max()) if r.size else 0.0
+        err = error(gn, r)
         # math's gradient: rounded once to the leaf's dtype, after float32 (or float64) work
         # whose relative error is about bounds.rel per score (amplified through dS)
         nat = r_grads.get(f"{name}:scale")  # absent when no key is attended at all

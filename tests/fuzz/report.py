@@ -8,7 +8,6 @@ gives its smallest case as the reproducer and the features every case of the gro
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -19,14 +18,14 @@ SEED_ENV, CASES_ENV = "QKV_FUZZ_SEED", "QKV_FUZZ_CASES"
 
 
 def base_seed() -> int:
-    """``$QKV_FUZZ_SEED``, else fresh: shared by the pytest-xdist workers of one run."""
+    """``$QKV_FUZZ_SEED``, else one derived from the tests' base seed (tests/seeds.py: fixed
+    under ``make test``, fresh in a plain run and shared by the pytest-xdist workers)."""
     env = os.environ.get(SEED_ENV)
     if env:
         return int(env)
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id:
-        return int(hashlib.sha256(run_id.encode()).hexdigest()[:8], 16)
-    return int.from_bytes(os.urandom(4), "little")
+    from .. import seeds
+
+    return seeds.derive("fuzz")
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The seeded fuzz test: thousands of random ``qkv.attention`` calls against the float64 oracle.
 
 Each chunk judges ``CHUNK`` consecutive cases of the run's base seed (see :mod:`.calls` for
-what is drawn and :mod:`.judge` for what is checked). The base seed is fresh every run and
-shared by the xdist workers; a failure prints it with one reproducer line per case:
+what is drawn and :mod:`.judge` for what is checked). The base seed follows tests/seeds.py
+(fixed under ``make test``, fresh in a plain ``pytest`` run, shared by the xdist workers); a
+failure prints it with one reproducer line per case:
 
     QKV_FUZZ_SEED=123 pytest tests/fuzz           # the same calls again
     QKV_FUZZ_CASES=20000 pytest -n 2 tests/fuzz   # more calls

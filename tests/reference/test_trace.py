@@ -12,6 +12,8 @@ import pytest
 from qkv.reference import Trace, attention_ref, trace
 from qkv.reference.render import short
 
+from .. import seeds
+
 
 def _softmax(s: np.ndarray) -> np.ndarray:
     e = np.exp(s - s.max(axis=-1, keepdims=True))
@@ -19,8 +21,8 @@ def _softmax(s: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture
-def rng() -> np.random.Generator:
-    return np.random.default_rng()  # fresh inputs every run
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    return np.random.default_rng(seeds.derive(request.node.nodeid))  # tests/seeds.py: fixed in CI, fresh locally
 
 
 def _inputs(rng, n=5, d_model=7, width_qk=3, width_v=4, out=None):

@@ -6,13 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ..helpers import bundled_model_dir
+from ..helpers import SUBPROCESS_TIMEOUT, bundled_model_dir
 
 pytest.importorskip("matplotlib", reason="qkv explain --png needs matplotlib: pip install matplotlib")
 bundled_model_dir(module_level=True)
@@ -64,7 +63,7 @@ def test_she_is_linked_to_alice(result):
 def test_python_m_qkv_explain_prints_json_only():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONIOENCODING="utf-8")
     r = subprocess.run([sys.executable, "-m", "qkv", "explain", MODEL_SENTENCE, "--focus", "she", "--json"],
-                       capture_output=True, text=True, encoding="utf-8", cwd=ROOT, env=env, timeout=120)
+                       capture_output=True, text=True, encoding="utf-8", cwd=ROOT, env=env, timeout=SUBPROCESS_TIMEOUT)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)  # nothing but the JSON on stdout
     assert d["focus"]["token"] == "she" and d["target"]["token"] == "alice"
@@ -113,11 +112,8 @@ def test_long_input_switches_to_statistics(capsys, tmp_path):
 
 
 def test_demo_writes_the_report(capsys, tmp_path):
-    start = time.perf_counter()
     assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
-    elapsed = time.perf_counter() - start
     out = capsys.readouterr().out
-    assert elapsed < 30
     assert "4. A real model" in out and str(tmp_path / "demo" / "heatmap.png") in out
     assert (tmp_path / "demo" / "heatmap.png").is_file() and (tmp_path / "demo" / "report.html").is_file()
     assert out.index("Two heads and a causal mask") < out.index("4. A real model")
@@ -130,7 +126,7 @@ def test_demo_without_the_model_does_not_import_torch():
         "print('torch' in sys.modules, 'skipped: --no-model' in f.getvalue())"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=SUBPROCESS_TIMEOUT)
     assert r.returncode == 0, r.stderr
     if "import torch" in (ROOT / "qkv" / "__init__.py").read_text():
         pytest.skip("the qkv package itself imports torch")

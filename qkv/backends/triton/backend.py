@@ -18,7 +18,9 @@ import torch
 import triton
 
 from ...call import AttentionCall
-from ..tiles import LOG2E
+from ...score_mods.softcap import check_cap
+from ..base import follow_rule
+from ..tiles import LN2, LOG2E
 from . import kernels as K
 
 # fp32 inputs: tl.dot precision on a GPU. By default it follows torch's own float32 matmul
@@ -118,16 +120,18 @@ def _batch_stride(t: torch.Tensor, varlen: bool) -> int:
     return 0 if varlen else t.stride(0)
 
 
-def _score_args(q, scale, softcap, rel, rel_base, rel_shift):
+def _score_args(q, softcap, rel, rel_base, rel_shift):
     """A built-in score function as kernel arguments: ``(Rel, stride_rh, scalars, flags)``.
 
     ``rel (Hq, L)``: the bias of query head h, row i and key j is ``rel[h, j - i + c0]`` with
     ``c0 = rel_base`` less, when ``rel_shift``, each sequence's ``Nk - Nq`` (a packed batch's
-    bottom-right alignment). The scalars are ``rel_base``, ``scale/cap`` and ``cap·log2e``."""
+    bottom-right alignment). The scalars are ``rel_base``, ``ln 2/cap`` and ``cap·log2e/2`` (see
+    :func:`kernels._tile_scores`); ``softcap`` must lie in float32's normal range
+    (:func:`run_attention` checks)."""
     has_rel = rel is not None
     rel_t = rel.float().contiguous() if has_rel else q
-    cap_in = scale / softcap if softcap is not None else 0.0
-    cap_log2 = softcap * LOG2E if softcap is not None else 0.0
+    cap_in = LN2 / softcap if softcap is not None else 0.0
+    cap_log2 = softcap * LOG2E / 2 if softcap is not None else 0.0  # halved: fits float32 for every cap that does
     flags = dict(SOFTCAP=softcap is not None, HAS_REL=has_rel, REL_SHIFT=has_rel and bool(rel_shift))
     return rel_t, (rel_t.stride(0) if has_rel else 0), (int(rel_base), float(cap_in), float(cap_log2)), flags
 
@@ -139,7 +143,7 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
     ``softcap``/``rel``: a built-in score function (:func:`_score_args`); ``sinks (Hq,)``: logits
     in every row's denominator (the lse includes them)."""
     b, hk, g, nq, nk, nq_grid, _, m, ms, kpt, kps, cuq, cuk, meta = _common(q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right)
-    rel_t, stride_rh, score_scalars, score_flags = _score_args(q, scale, softcap, rel, rel_base, rel_shift)
+    rel_t, stride_rh, score_scalars, score_flags = _score_args(q, softcap, rel, rel_base, rel_shift)
     sinks_t = sinks.float().contiguous() if sinks is not None else q
     d, dv = q.shape[-1], v.shape[-1]
     out = torch.empty(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
@@ -227,7 +231,7 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
     b, hk, g, nq, nk, nq_grid, nk_grid, m, ms, kpt, kps, cuq, cuk, meta = _common(
         q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right
     )
-    rel_t, stride_rh, score_scalars, score_flags = _score_args(q, scale, softcap, rel, rel_base, rel_shift)
+    rel_t, stride_rh, score_scalars, score_flags = _score_args(q, softcap, rel, rel_base, rel_shift)
     d, dv = q.shape[-1], v.shape[-1]
     varlen = meta["VARLEN"]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -393,7 +397,10 @@ def run_attention(
     sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The custom op on grouped tensors (see :func:`triton_fwd`); masks are never differentiated,
-    ``rel`` and ``sinks`` are (when they require grad)."""
+    ``rel`` and ``sinks`` are (when they require grad). ``softcap`` must lie in float32's normal
+    range (checked here too: :mod:`qkv.varlen`'s packed calls skip :func:`qkv.attention`'s validation)."""
+    if softcap is not None:
+        check_cap(softcap, torch.float32)
     if attn_mask is not None:
         attn_mask = attn_mask.detach()
     return _TritonAttention.apply(
@@ -420,4 +427,4 @@ class TritonBackendImpl:
             softcap=form.softcap if form is not None else None, rel=form.rel if form is not None else None,
             rel_base=call.nq - 1, sinks=call.sinks,
         )  # fmt: skip
-        return call.ungroup(out), (call.ungroup(lse) if call.return_lse else None)
+        return follow_rule(call, call.ungroup(out), call.ungroup(lse) if call.return_lse else None)

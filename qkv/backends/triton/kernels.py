@@ -24,7 +24,8 @@ What they support
   along the tile's diagonals (``REL_SHIFT``: ``c0`` less each packed sequence's ``Nk - Nq``).
   ``REL_GRAD``: the dQ kernel also sums dS along the diagonals into the bias's gradient.
 - Sinks (``HAS_SINKS``): a per-head logit in every row's denominator; it starts each row's
-  running maximum and sum, so the output is rounded once and the lse includes it. The
+  running maximum and sum, so the output is rounded once and the lse includes it (a sink
+  above FLT_MAX·ln 2 ≈ 2.36e38, +inf in base 2, joins after the loop in natural units). The
   backward needs nothing new: its weights come from that lse.
 
 What differs from the float64 reference
@@ -125,13 +126,15 @@ def _tile_scores(
     with the built-in score function f (softcap ``cap·tanh(x/cap)``, then ``+ rel[h, j - i + c0]``).
 
     Returns ``(s, t)``: ``t = tanh(x/cap)`` for the softcap's derivative (``1 - t²``) when
-    ``SOFTCAP``, else unused. The tanh takes ``x/cap = q·kᵀ·(scale/cap)`` (``cap_in``) and the
-    cap returns in base 2 (``cap_log2 = cap·log2e``), so the natural-units score is never
-    rounded on its own; without a score function the code is the plain one."""
+    ``SOFTCAP``, else unused. The tanh takes the base-2 score times ``cap_in = ln 2/cap`` and the
+    cap returns in base 2 as ``cap_log2 = cap·log2e/2`` (halved: doubled after, exactly), so the
+    natural-units score is never rounded on its own, and neither factor overflows or vanishes
+    for a cap in float32's normal range (``scale/cap`` as one factor can, and ``cap·log2e``
+    overflows above 2.36e38); without a score function the code is the plain one."""
     qk = _dot(q, tl.trans(k), FP32_DOT, UPCAST)
     if SOFTCAP:
-        t = _tanh(qk * cap_in)
-        s = t * cap_log2
+        t = _tanh((qk * qk_scale) * cap_in)
+        s = (t * cap_log2) * 2.0
     else:
         t = qk
         s = qk * qk_scale
@@ -213,7 +216,11 @@ def fwd_kernel(
     k_lo = (k_lo // BLOCK_N) * BLOCK_N
 
     if HAS_SINKS:  # the sink is a score every row has, with no value: it starts the running max and sum
-        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(Sinks + hk * G + g) * 1.44269504  # 1/ln 2
+        sink = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(Sinks + hk * G + g)
+        # ...unless it is above FLT_MAX·ln 2 ≈ 2.36e38, where base 2 overflows float32: it then exceeds
+        # every score the kernel holds, and joins after the loop, in natural units
+        far = sink * 1.44269504 == float("inf")  # 1/ln 2
+        m_i = tl.where(far, float("-inf"), sink * 1.44269504)
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)  # a -inf sink: no sink
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -241,6 +248,11 @@ def fwd_kernel(
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # ln 2: back to natural log
+    if HAS_SINKS:  # a far sink: lse' = log(e^lse + e^sink), out·e^(lse - lse') (0 unless the row holds NaN)
+        s_far = tl.where(far, sink, 0.0)  # (other rows compute a value they do not use, without inf - inf)
+        joined = tl.maximum(lse, s_far) + tl.log(1.0 + tl.exp(-tl.abs(lse - s_far)))  # NaN stays NaN
+        out = tl.where(far[:, None], out * tl.exp(lse - joined)[:, None], out)
+        lse = tl.where(far, joined, lse)
     o_base = Out + b64 * stride_ob + hk * stride_oh + g * stride_og + q_start.to(tl.int64) * stride_on
     tl.store(o_base + offs_m[:, None] * stride_on + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
              mask=(offs_m[:, None] < nq) & (offs_dv[None, :] < DV))

@@ -1,0 +1,136 @@
+"""Finite inputs whose scores leave float32's range (qkv.overflow): ``auto`` answers exactly (in
+float64, rounded back), a named backend refuses by name, and the non-finite rule's NaN rows stay
+NaN. Each case is checked against the float64 oracle on the rounded inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv.inspect import attention_with_stats
+from qkv.reference import attention_ref
+from qkv.score_mods import ALiBi
+
+from .helpers import FLOOR
+
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _inputs(dtype, nq=5, nk=7, d=8, hq=2, hk=2, sigma=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, d, generator=g, dtype=torch.float64) for h, n in ((hq, nq), (hk, nk), (hk, nk)))
+    return (q * sigma).to(dtype), (k * sigma).to(dtype), v.to(dtype)
+
+
+def _ref(q, k, v, **kw):
+    kw = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
+    out, lse = attention_ref(q.double(), k.double(), v.double(), return_lse=True, **kw)
+    return np.asarray(out), np.asarray(lse)
+
+
+def _check(out, lse, ref_out, ref_lse, dtype):
+    """Output within rounding of the oracle; lse equal where float32 holds it, ±inf beyond."""
+    got = out.double().numpy()
+    assert np.isfinite(got).all(), "NaN or inf where the exact answer is finite"
+    assert np.abs(got - ref_out).max() <= 2 * FLOOR[dtype] * max(1.0, np.abs(ref_out).max())
+    beyond = np.abs(ref_lse) > F32_MAX
+    assert np.array_equal(np.isposinf(lse.numpy()), beyond & (ref_lse > 0))
+    inside = ~beyond
+    assert np.allclose(lse.double().numpy()[inside], ref_lse[inside], rtol=1e-6, atol=0)
+
+
+CASES = {
+    "scale 3e38": dict(kw={"scale": 3e38}),
+    "scale -3e38, causal": dict(kw={"scale": -3e38, "is_causal": True}),
+    "values of 1e20": dict(sigma=1e20),
+    "a decoding call (1 row, 600 keys)": dict(kw={"scale": 3e38}, nq=1, nk=600, hq=4, hk=2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_auto_answers_exactly_where_float32_scores_overflow(case, dtype):
+    c = CASES[case]
+    if dtype == torch.float16 and "sigma" in c:
+        pytest.skip("float16 holds no value of 1e20")
+    q, k, v = _inputs(dtype, **{n: c[n] for n in ("nq", "nk", "hq", "hk", "sigma") if n in c})
+    kw = {**c.get("kw", {}), "enable_gqa": True}
+    ref_out, ref_lse = _ref(q, k, v, **kw)
+    assert np.isfinite(ref_out).all()
+    out, lse = qkv.attention(q, k, v, return_lse=True, **kw)
+    _check(out, lse, ref_out, ref_lse, dtype)
+    plain = qkv.attention(q, k, v, **kw)  # the fast path of a plain call, too
+    assert torch.equal(plain, out)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "chunked"])
+def test_a_named_backend_refuses_by_name(backend):
+    q, k, v = _inputs(torch.float32)
+    with pytest.raises(qkv.BackendError, match=r"leave float32's range.*backend='auto' recomputes"):
+        qkv.attention(q, k, v, scale=3e38, backend=backend)
+    q, k, v = _inputs(torch.float32, nq=1, nk=600)  # the decoding kernel
+    if backend != "sdpa":
+        with pytest.raises(qkv.BackendError, match="leave float32's range"):
+            qkv.attention(q, k, v, scale=3e38, backend=backend)
+
+
+def test_gradients_flow_through_the_float64_answer():
+    q, k, v = (t.requires_grad_(True) for t in _inputs(torch.float32))
+    ref = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    w = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(1))
+    (qkv.attention(q, k, v, scale=1e37) * w).sum().backward()
+    (qkv.attention(*ref, scale=1e37, backend="math") * w.double()).sum().backward()
+    for t, r in zip((q, k, v), ref):
+        assert t.grad is not None and t.grad.dtype == torch.float32
+        # a gradient beyond float32's range is ±inf; every other entry equals float64's, rounded
+        big = r.grad.abs() > F32_MAX
+        assert torch.equal(torch.isinf(t.grad), big)
+        assert torch.allclose(t.grad[~big].double(), r.grad[~big], rtol=1e-6, atol=1e-30)
+
+
+def test_under_torch_func_grad():
+    q, k, v = _inputs(torch.float32)
+    g = torch.func.grad(lambda q: qkv.attention(q, k, v, scale=3e38).sum())(q)
+    assert torch.isfinite(g).all()
+
+
+def test_nan_rows_of_the_rule_stay_nan_and_the_others_are_exact():
+    q, k, v = _inputs(torch.float32)
+    q[0, 1, 2, 3] = float("nan")  # row (head 1, query 2) is NaN by the non-finite rule
+    out, lse = qkv.attention(q, k, v, scale=3e38, return_lse=True)
+    assert torch.isnan(out[0, 1, 2]).all() and torch.isnan(lse[0, 1, 2])
+    keep = torch.ones(5, dtype=torch.bool)
+    keep[2] = False
+    ref_out, _ = _ref(q, k, v, scale=3e38)
+    assert np.isfinite(out[0, 0].numpy()).all() and np.isfinite(out[0, 1, keep].numpy()).all()
+    assert np.abs(out[0, 0].double().numpy() - ref_out[0, 0]).max() < 1e-6
+
+
+def test_a_nan_that_float64_gives_too_is_the_answer_not_a_refusal():
+    q, k, v = _inputs(torch.float32)
+    mask = torch.zeros(5, 7)
+    mask[1, 3] = float("nan")  # a float mask is part of the scores: row 1 is NaN by the formula
+    for backend in ("auto", "math", "chunked"):
+        out = qkv.attention(q, k, v, attn_mask=mask, backend=backend)
+        assert torch.isnan(out[0, :, 1]).all() and torch.isfinite(out[0, :, [0, 2, 3, 4]]).all()
+
+
+def test_alibi_slopes_whose_bias_overflows():
+    q, k, v = _inputs(torch.float32, nq=9, nk=9)
+    slopes = torch.tensor([1e36, 3e37])  # finite in float32; slope × offset is not
+    for symmetric_sign in (1.0, -1.0):
+        mod = ALiBi(slopes * symmetric_sign)
+        ref_out, ref_lse = _ref(q, k, v, score_mod=ALiBi(slopes.double() * symmetric_sign))
+        out, lse = qkv.attention(q, k, v, score_mod=mod, return_lse=True)
+        _check(out, lse, ref_out, ref_lse, torch.float32)
+
+
+def test_statistics_of_a_call_whose_scores_overflow():
+    q, k, v = _inputs(torch.float32)
+    out, stats = attention_with_stats(q, k, v, scale=3e38)
+    ref_out, ref_lse = _ref(q, k, v, scale=3e38)
+    _check(out, stats.lse, ref_out, ref_lse, torch.float32)
+    assert stats.entropy.dtype == torch.float32 and torch.isfinite(stats.entropy).all()
+    assert torch.allclose(stats.max_weight, torch.ones_like(stats.max_weight))  # one key takes each row
