@@ -187,7 +187,7 @@ def _fit(bad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     front), then expanded to ``shape`` (a view: the caller decides what to materialise)."""
     extra = bad.dim() - len(shape)
     if extra > 0:
-        bad = bad.reshape(-1, *bad.shape[extra:]).any(0)
+        bad = bad.flatten(0, extra - 1).any(0)  # (flatten, not reshape(-1, ...): sizes may be 0)
     elif extra < 0:
         bad = bad.reshape((1,) * -extra + tuple(bad.shape))
     for d, (have, want) in enumerate(zip(bad.shape, shape)):

@@ -177,12 +177,19 @@ def test_fully_masked_rows_are_zero_not_nan(backend, dtype):
     kp = torch.ones(2, 8, dtype=torch.bool)
     kp[1] = False  # sequence 1 is all padding
     lse_ok = backend != "sdpa"
+    grad = not (backend == "sdpa" and dtype in (torch.float16, torch.bfloat16))
+    if not grad:  # sdpa refuses 16-bit gradients on the CPU (torch's backward misses the rule)
+        with pytest.raises(qkv.BackendError, match="16-bit inputs on the CPU"):
+            qkv.attention(q, k, v, attn_mask=mask, key_padding_mask=kp, backend=backend)
+        q, k, v = (t.detach() for t in (q, k, v))
     res = qkv.attention(q, k, v, attn_mask=mask, key_padding_mask=kp, backend=backend, return_lse=lse_ok)
     out, lse = res if lse_ok else (res, None)
     assert not torch.isnan(out).any()
     assert (out[:, :, 3] == 0).all() and (out[1] == 0).all()
     if lse is not None:
         assert torch.isneginf(lse[:, :, 3]).all() and torch.isneginf(lse[1]).all()
+    if not grad:
+        return
     out.float().sum().backward()
     for t in (q, k, v):
         assert not torch.isnan(t.grad).any()

@@ -142,6 +142,8 @@ def documented_refusal(backend, attn_mask=None, dropout_p=0.0, return_lse=False,
         return "sdpa gives return_lse only without gradients"
     if backend == "sdpa" and grad and len(tensors) == 3 and any(t.requires_grad for t in tensors):
         q, k = tensors[0], tensors[1]
+        if q.is_cpu and q.dtype in (torch.float16, torch.bfloat16):
+            return "sdpa gives no gradients for 16-bit inputs on the CPU"
         if q.dim() > 2 and k.dim() > 2 and q.shape[-3] != k.shape[-3] and q.dtype != torch.float64:
             return "sdpa gives no gradients for shared key/value heads below float64"
     return None

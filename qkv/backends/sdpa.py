@@ -95,6 +95,13 @@ class SdpaBackend(Backend):
                 "the input dtype from weights recomputed off a rounded lse (dV errors up to 40x qkv's "
                 "accuracy rule in bfloat16, 10x in float32); use backend='auto'"
             )
+        if call.device.type == "cpu" and call.requires_grad and call.dtype in (torch.float16, torch.bfloat16):
+            reasons.append(
+                "gradients of 16-bit inputs on the CPU (float16, bfloat16): torch's backward recomputes every weight from "
+                "its forward's log-sum-exp, which for 16-bit inputs is off by up to ~5e-5 (hundreds of float32 "
+                "units), and rounds each (batch, head)'s gradient to 16 bits (float16 dQ at 1.2x qkv's accuracy "
+                "rule); use backend='auto'"
+            )
         if call.rows_may_be_empty and not empty_rows_are_zero(call.device.type):
             reasons.append(f"torch SDPA on {call.device.type} returns NaN for fully masked rows")
         return reasons

@@ -22,8 +22,7 @@ Checks (each failed check is a :class:`Finding`; its ``kind`` groups failures):
   error enters the rule capped at that bound, so a broken baseline cannot excuse a
   candidate. For 16-bit inputs, backends that may run FlashAttention-style kernels (torch's
   SDPA kernels, triton) take the worse of math and :func:`.ref64.flash_like` (P and dS
-  rounded to 16 bits; for the named ``sdpa`` backend also the gradient sums kept in the input
-  dtype block by block, as torch's CPU backward keeps them) as baseline, as ENGINEERING.md asks. The floor is FLOOR[dtype] ·
+  rounded to 16 bits) as baseline, as ENGINEERING.md asks. The floor is FLOOR[dtype] ·
   max(1, max|ref|) plus the rounding of the logits (``2 · eps_c · max|score|`` times the
   output's, or the gradient's, natural scale): float32-sized, it matters only for large
   logits and for gradients that cancel to 0. Under Triton's CPU interpreter, whose float32 →
@@ -53,7 +52,7 @@ from qkv.reference import attention_ref
 from ..device import DEVICE
 from .calls import DTYPES, Inputs, Spec, build, draw, score_mod_of
 from ..rounding_baseline import device_truncates, truncate_bf16
-from .ref64 import attention64, flash_like, torch_cpu_blocks
+from .ref64 import attention64, flash_like
 
 # Absolute error floors per dtype, on outputs of size ~1 (the values of tests/conftest.py).
 FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
@@ -344,9 +343,7 @@ def ref64_grads(inputs: Inputs, flash: bool = False) -> tuple[torch.Tensor, torc
     keep: dict[str, Any] = {}
     truncate = flash and interpreter_truncates(spec)
     if flash:
-        # torch's CPU kernel (the sdpa backend) also keeps its gradient sums in the input dtype
-        blocks = torch_cpu_blocks(spec.nq) if spec.backend == "sdpa" else None
-        out, lse = flash_like(q, k, v, spec.torch_dtype, truncate=truncate, blocks=blocks, **kw)
+        out, lse = flash_like(q, k, v, spec.torch_dtype, truncate=truncate, **kw)
     else:
         out, lse = attention64(q, k, v, enable_gqa=spec.enable_gqa, keep=keep, **kw)
     out_shape, lse_shape = expected_shapes(spec)
@@ -354,7 +351,10 @@ def ref64_grads(inputs: Inputs, flash: bool = False) -> tuple[torch.Tensor, torc
     dtype = spec.torch_dtype
     loss = (out * torch.from_numpy(w_out).to(dtype).to(work)).sum()
     if spec.return_lse:
-        loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * torch.from_numpy(w_lse).to(lse_dtype(spec)).to(work)).sum()
+        # the candidate's loss takes the lse where it is finite in its own dtype: an lse beyond
+        # float32's range is inf there (and out of the loss), so it is out of this one too
+        held = torch.isfinite(lse) & (lse.abs() <= torch.finfo(lse_dtype(spec)).max)
+        loss = loss + (torch.where(held, lse, 0) * torch.from_numpy(w_lse).to(lse_dtype(spec)).to(work)).sum()
     if loss.requires_grad:
         loss.backward()
     grads = {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) for n in spec.grad}

@@ -150,24 +150,6 @@ def attention64(
     return out, lse
 
 
-def torch_cpu_blocks(nq: int) -> tuple[int, int]:
-    """The (query rows, keys) per block of torch's CPU flash backward
-    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, ``flash_attention_backward_kernel_impl``):
-    its gradient sums for dK and dV grow by one block of query rows at a time, and those for dQ
-    by one block of keys, each partial sum stored in the input dtype."""
-    return (256 if nq >= 768 else 64 if nq >= 192 else 32), 512
-
-
-def _blockwise(rnd, a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
-    """``a @ b`` summed over the inner dim ``block`` entries at a time, each partial sum
-    rounded by ``rnd`` (a gradient accumulated in a 16-bit tensor)."""
-    acc = None
-    for i in range(0, a.shape[-1], block):
-        part = torch.matmul(a[..., i : i + block], b[..., i : i + block, :])
-        acc = rnd(part if acc is None else acc + part)
-    return acc if acc is not None else torch.matmul(a, b)
-
-
 class _FlashLike(torch.autograd.Function):
     """FlashAttention's arithmetic in float32 with P and dS rounded to the 16-bit input dtype.
 
@@ -175,14 +157,10 @@ class _FlashLike(torch.autograd.Function):
 
         δ = rowsum(dO ∘ O);  P = exp(S - lse);  dV = round(P)ᵀ dO;  dP = dO Vᵀ
         dS = P ∘ (dP - δ + dlse);  dQ = scale · round(dS) K;  dK = scale · round(dS)ᵀ Q;  dbias = dS
-
-    With ``blocks = (bq, bk)`` the gradient sums are kept in the 16-bit dtype as torch's CPU
-    kernel keeps them: dV and dK rounded after every ``bq`` query rows, dQ after every ``bk``
-    keys (:func:`torch_cpu_blocks`).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, allowed, scale, dtype, truncate=False, blocks=None):  # type: ignore[override]
+    def forward(ctx, q, k, v, bias, allowed, scale, dtype, truncate=False):  # type: ignore[override]
         rnd = rounder(dtype, truncate)
         s = torch.matmul(q, k.transpose(-1, -2)) * scale
         if bias is not None:
@@ -200,7 +178,7 @@ class _FlashLike(torch.autograd.Function):
         out = rnd(torch.matmul(rnd(p), v) / safe)
         lse = torch.where(has, torch.log(safe) + m, _NEG_INF)
         ctx.save_for_backward(q, k, v, s, lse, out, bias if bias is not None else s.new_zeros(0))
-        ctx.scale, ctx.dtype, ctx.has_bias, ctx.truncate, ctx.blocks = scale, dtype, bias is not None, truncate, blocks
+        ctx.scale, ctx.dtype, ctx.has_bias, ctx.truncate = scale, dtype, bias is not None, truncate
         return out, lse.squeeze(-1)
 
     @staticmethod
@@ -216,16 +194,10 @@ class _FlashLike(torch.autograd.Function):
         dp = torch.matmul(dout, v.transpose(-1, -2))
         ds = p * (dp - delta + dlse)
         ds16 = rnd(ds)
-        if ctx.blocks is None:
-            dv = torch.matmul(rnd(p).transpose(-1, -2), dout)
-            dq = torch.matmul(ds16, k) * scale
-            dk = torch.matmul(ds16.transpose(-1, -2), q) * scale
-        else:
-            bq, bk = ctx.blocks
-            dv = _blockwise(rnd, rnd(p).transpose(-1, -2), dout, bq)
-            dq = _blockwise(rnd, ds16 * scale, k, bk)
-            dk = _blockwise(rnd, ds16.transpose(-1, -2) * scale, q, bq)
-        return dq, dk, dv, (ds.sum_to_size(bias.shape) if ctx.has_bias else None), None, None, None, None, None
+        dv = torch.matmul(rnd(p).transpose(-1, -2), dout)
+        dq = torch.matmul(ds16, k) * scale
+        dk = torch.matmul(ds16.transpose(-1, -2), q) * scale
+        return dq, dk, dv, (ds.sum_to_size(bias.shape) if ctx.has_bias else None), None, None, None, None
 
 
 def flash_like(
@@ -241,15 +213,13 @@ def flash_like(
     window_alignment: Optional[str] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
     truncate: bool = False,
-    blocks: Optional[tuple[int, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` as a FlashAttention-style kernel computes them for 16-bit ``dtype`` inputs
     (float32 tensors holding the rounded values); differentiable, see :class:`_FlashLike`.
 
     The same-dtype baseline of ENGINEERING.md for kernels that round P or dS to 16 bits.
     ``truncate``: bfloat16 conversions round toward zero (:func:`truncate_bf16`), as the
-    triton kernels' do under Triton 3.6's CPU interpreter. ``blocks``: gradient sums kept in
-    ``dtype`` block by block, as torch's CPU flash backward keeps them (:func:`torch_cpu_blocks`)."""
+    triton kernels' do under Triton 3.6's CPU interpreter."""
     q, k, v, allowed, bias, scale, two_d = _prepare(
         q, k, v, attn_mask, is_causal, scale, window, window_alignment, key_padding_mask, torch.float32
     )
@@ -257,7 +227,7 @@ def flash_like(
     q = q.expand(*shape, *q.shape[-2:])
     k = k.expand(*shape, *k.shape[-2:])
     v = v.expand(*shape, *v.shape[-2:])
-    out, lse = _FlashLike.apply(q, k, v, bias, allowed, scale, dtype, truncate, blocks)
+    out, lse = _FlashLike.apply(q, k, v, bias, allowed, scale, dtype, truncate)
     if two_d:
         out, lse = out[0], lse[0]
     return out, lse
