@@ -316,6 +316,13 @@ def test_auto_choices():
     assert _chosen(*(t.double() for t in big), is_causal=True) == "sdpa"
     grad = make_qkv(1, 2, 2, 1024, 1024, 16, requires_grad=True)
     assert _chosen(*grad, return_lse=True) == "chunked"  # torch's lse is not differentiable
+    # the lse of 16-bit inputs: torch's kernel misses the rule on it, the tile loops run float32
+    for dtype in (torch.float16, torch.bfloat16):
+        half = make_qkv(1, 2, 2, 256, 256, 16, dtype=dtype)
+        assert _chosen(*half) == "sdpa" and _chosen(*half, return_lse=True) == "chunked"
+        assert BACKENDS["chunked"].kernel(qkv.call.validate(*half, return_lse=True)) == "tiles"
+        with pytest.raises(qkv.BackendError, match="16-bit inputs"):
+            qkv.attention(*half, return_lse=True, backend="sdpa")
 
 
 def test_named_backend_never_falls_back():
@@ -399,11 +406,13 @@ def test_auto_says_which_backend_ran_and_why(caplog):
     with caplog.at_level(logging.DEBUG, logger="qkv"):
         qkv.attention(q, k, v, is_causal=True)
         qkv.attention(q, k, v, is_causal="bottom_right", return_lse=True, window=(4, 0))
+        qkv.attention(q, k[:, :1], v[:, :1], return_lse=True, enable_gqa=True)
         qkv.attention(q.double().requires_grad_(), k.double(), v.double(), return_lse=True)
     lines = [r.getMessage() for r in caplog.records if r.name == "qkv"]
     assert "auto runs sdpa directly" in lines[0]
     assert "auto runs sdpa" in lines[1] and "window=(4, 0)" in lines[1]
-    assert "auto runs math" in lines[2] and "sdpa: return_lse=True with gradients" in lines[2], lines[2]
+    assert "auto runs math" in lines[2] and "sdpa: return_lse=True with grouped-query heads" in lines[2], lines[2]
+    assert "auto runs math" in lines[3] and "sdpa last: torch's CPU backward misses the accuracy rule" in lines[3], lines[3]
 
 
 def test_qkv_info_explains_the_order(capsys):

@@ -17,7 +17,7 @@ from ..call import AttentionCall
 from .base import Backend
 from .chunked import ChunkedBackend, causal_prefill, causal_prefill_shape
 from .decode_cpu import can_decode, decode_shape
-from .flash_cpu import can_fuse
+from .flash_cpu import can_fuse, lse_misses_rule
 from .math import MathBackend
 from .sdpa import DENSE_MASK_LIMIT, SdpaBackend, needs_dense_mask
 from .triton import TritonBackend
@@ -42,20 +42,18 @@ def get_backend(name: str) -> Backend:
 
 
 def torch_backward_misses_rule(call: AttentionCall) -> bool:
-    """Calls whose gradients from torch's CPU kernels miss qkv's accuracy rule: every dtype but
-    float64. Measured against the float64 oracle (err / bound of the rule, worst of 6 seeds):
-    float32 dV 30× where queries match their own keys (q = k, std 4: one key takes a row's
-    weight, as in real models' self-matching and sink heads) and 1.3× on plain std-3 inputs,
-    because torch recomputes the weights from a float32 lse whose rounding (an ulp of 90 is
-    8e-6) scales every weight of the row; 16-bit inputs (P and dS rounded to 16 bits: dV 3.7×);
-    shared key/value heads (gradients summed in the input dtype: dV 7× in bfloat16); float masks
-    (dV 6×). qkv's chunked backward keeps each row's maximum and sum apart (≤ 0.5×)."""
-    return dtype_misses_rule(call.dtype)
-
-
-def dtype_misses_rule(dtype: torch.dtype) -> bool:
-    """The dtype part of :func:`torch_backward_misses_rule`: every dtype but float64."""
-    return dtype != torch.float64
+    """Calls whose gradients from torch's CPU kernels miss qkv's accuracy rule: every one.
+    Measured against the float64 oracle (err / bound of the rule, worst of 6 seeds): float32 dV
+    30× where queries match their own keys (q = k, std 4: one key takes a row's weight, as in
+    real models' self-matching and sink heads) and 1.3× on plain std-3 inputs, because torch
+    recomputes the weights from a float32 lse whose rounding (an ulp of 90 is 8e-6) scales every
+    weight of the row; 16-bit inputs (a forward lse off by up to ~5e-5, each head's gradient
+    rounded to 16 bits; the sdpa backend refuses them); shared key/value heads (gradients summed
+    in the input dtype: dV 7× in bfloat16); float masks (dV 6×); float64 with logits of 1e31
+    (NaN gradients from finite inputs, a fuzz case). qkv's chunked backward keeps each row's
+    maximum and sum apart (≤ 0.5×), as fast in float64 (8 heads × 1024 × 64, one thread:
+    315 ms against torch's 355; 28 against 25 ms at 256)."""
+    return call.device.type == "cpu" and call.requires_grad
 
 
 def blocks_beat_dense(nq: int, nk: int) -> bool:
@@ -73,7 +71,7 @@ def plain_sdpa_call(
     True only for a plain 4-D CPU call: values pairing with keys, no empty size (torch's shapes
     ignore broadcasting there), ``scale > 0``, dropout in [0, 1), a mask on the query's device in
     its dtype (or bool) not combined with ``is_causal``, and none of what :func:`auto_order` sends
-    elsewhere: gradients below float64 (:func:`dtype_misses_rule`), a large bool mask
+    elsewhere: gradients (:func:`torch_backward_misses_rule`), a large bool mask
     (:func:`blocks_beat_dense`), decoding shapes (:func:`.decode_cpu.decode_shape`), causal
     self-attention that chunked's tile loops run faster (:func:`.chunked.causal_prefill_shape`). The caller checks the keyword-only features (window, padding,
     lse, score_mod, sinks). Inputs not of the plain kind (a non-tensor, an odd scale) answer False,
@@ -90,11 +88,7 @@ def plain_sdpa_call(
             and key.numel()
             and not decode_shape(query.shape[-2], key.shape[-2], query.dtype)
             and not (attn_mask is None and causal_prefill_shape(query.shape[-2], key.shape[-2], query.dtype, is_causal))
-            and (
-                not dtype_misses_rule(query.dtype)
-                or not torch.is_grad_enabled()
-                or not (query.requires_grad or key.requires_grad or value.requires_grad)
-            )
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
             and (scale is None or 0.0 < scale < math.inf)
             and (dropout_p == 0.0 or 0.0 < dropout_p < 1.0)
             and (
@@ -124,6 +118,10 @@ def auto_order(call: AttentionCall) -> list[Backend]:
         # causal self-attention up to a few thousand tokens, no gradient: chunked's tile loops stop
         # each row block's keys at the diagonal, where torch's kernel computes 512-key blocks past it
         order = [chunked, sdpa, math]
+    elif call.device.type == "cpu" and lse_misses_rule(call):
+        # an lse of 16-bit inputs: torch's fused kernel computes it to 1.8e-5, the tile loops (the
+        # upcast inputs in float32) to 6e-7 (flash_cpu.lse_misses_rule)
+        order = [chunked, sdpa, math]
     elif call.block_sparse is not None and call.device.type == "cpu" and blocks_beat_dense(call.nq, call.nk):
         # a block-sparse layout: chunked walks its blocks, forward and backward, without the
         # Nq × Nk mask SDPA would need
@@ -136,7 +134,7 @@ def auto_order(call: AttentionCall) -> list[Backend]:
         order = [chunked, sdpa, math]
     else:
         order = [sdpa, math, chunked] if scores <= MATH_MAX_SCORES else [sdpa, chunked, math]
-    if call.device.type == "cpu" and call.requires_grad and torch_backward_misses_rule(call):
+    if torch_backward_misses_rule(call):
         order.remove(sdpa)
         order.append(sdpa)
     if call.device.type == "cuda":  # never on CPU, where triton would run in its slow interpreter
@@ -157,6 +155,9 @@ def order_notes(call: AttentionCall) -> list[str]:
     elif order[0] == "chunked" and causal_prefill(call):
         notes.append("chunked first: causal self-attention without gradients runs faster on its tile loops, whose "
                      "key range stops at each row block's diagonal")
+    elif order[0] == "chunked" and call.device.type == "cpu" and lse_misses_rule(call):
+        notes.append("chunked first: its tile loops compute the lse of 16-bit inputs in float32, where torch's fused "
+                     "kernel misses the accuracy rule on it")
     elif order[0] == "chunked" and call.block_sparse is not None:
         notes.append("chunked first: it walks the block-sparse layout's blocks, forward and backward, where SDPA "
                      "would get the dense Nq × Nk mask")
@@ -168,7 +169,7 @@ def order_notes(call: AttentionCall) -> list[str]:
     elif order[0] == "chunked":
         notes.append("chunked first: SDPA would need an Nq × Nk mask built for it")
     if order[-1] == "sdpa" and call.device.type == "cpu" and call.requires_grad:
-        notes.append("sdpa last: torch's CPU backward misses the accuracy rule for gradients below float64")
+        notes.append("sdpa last: torch's CPU backward misses the accuracy rule for gradients")
     return notes
 
 
@@ -205,6 +206,6 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
 
 
 __all__ = [
-    "Backend", "BackendError", "BACKENDS", "auto_order", "blocks_beat_dense", "dtype_misses_rule", "get_backend",
+    "Backend", "BackendError", "BACKENDS", "auto_order", "blocks_beat_dense", "get_backend",
     "order_notes", "plain_sdpa_call", "reasons_by_backend", "select",
 ]  # fmt: skip

@@ -8,7 +8,8 @@ log-sum-exp is not differentiable, so it is offered only when no gradient is nee
 Its CPU backward recomputes the weights from a float32 log-sum-exp, whose rounding scales
 every weight of a row: where one key takes most of a row's weight, float32 gradients miss
 qkv's accuracy rule (dV up to 30×; see ``torch_backward_misses_rule``). Named explicitly it
-still runs such calls, as torch would; ``auto`` sends gradients below float64 to ``chunked``.
+still runs such calls, as torch would (but for 16-bit inputs and shared key/value heads, which
+it refuses); ``auto`` sends gradients on the CPU to ``chunked``.
 
 qkv defines a query row with nothing to attend to as output 0. Torch's kernels agree on
 recent versions; :func:`empty_rows_are_zero` checks this once per device type and the
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from ..call import AttentionCall
 from ..masks import additive_mask, dense_sdpa_mask
 from .base import Backend, follow_rule
+from .flash_cpu import lse_misses_rule
 from .math import MathBackend
 
 # Above this many scores, a mask that qkv has to build for SDPA costs more than it saves.
@@ -84,6 +86,12 @@ class SdpaBackend(Backend):
                 reasons.append("return_lse=True with grouped-query heads: torch's kernel would need K/V copied per head")
             if call.dv != call.d:
                 reasons.append(f"return_lse=True needs value head dim == query head dim (got {call.dv} vs {call.d})")
+            if lse_misses_rule(call):
+                reasons.append(
+                    "return_lse=True for 16-bit inputs (float16, bfloat16): torch's kernel computes that lse to about "
+                    "1.8e-5, where qkv's math path and tile loops stay within 6e-7 (beyond qkv's accuracy rule); "
+                    "use backend='auto'"
+                )
         if (
             call.device.type == "cpu"
             and call.requires_grad

@@ -712,7 +712,8 @@ def _judge(spec: Spec, res: Result) -> None:
         ef = error(_np(flash_t), ref) if flash_t is not None and tuple(flash_t.shape) == ref.shape else None
         if ef is not None:
             used = max(used, ef)
-        floor = _floor(dtype, ref) + 2 * bounds.logit * natural
+        # the lse is float32 (float64) whatever the inputs: its floor is that dtype's
+        floor = _floor(lse_dtype(spec) if what == "lse" else dtype, ref) + 2 * bounds.logit * natural
         if what != "lse" and interpreter_truncates(spec):
             floor += _eps(dtype) * natural  # the kernels' P and results may each lose an ulp
         limit = factor * used + floor
