@@ -51,7 +51,7 @@ same consequence for a row it makes NaN. ``sinks`` are checked when the call is 
 and ``+inf`` refused; ``-inf`` means no sink), so they only ever receive the rule's gradients.
 
 **Where it is applied.** Every backend ends its forward in :func:`guard` with every tensor of
-the call the rule names (``qkv.backends.math.follow_rule``), and :func:`qkv.attention`'s fast
+the call the rule names (``qkv.backends.base.follow_rule``), and :func:`qkv.attention`'s fast
 path calls it too, so the rule holds in one place whatever a kernel skipped; the CPU decoding
 kernel, which reads every key and value anyway, checks q, k and v itself (:class:`Checked`).
 

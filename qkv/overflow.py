@@ -3,18 +3,19 @@
 The kernels (torch's, qkv's C loops and decoding kernel, triton) compute the scores of float32,
 float16 and bfloat16 inputs in float32, whose largest number is 3.4e38. Finite arguments can
 carry the scores past it — ``scale=3e38``, values of 1e20, ALiBi slopes of 1e36, a relative
-bias of 3e38 added to a score of 3e38, a sink of 3e38 in a kernel's log2 units — and then
-``inf - inf`` makes NaN inside any float32 kernel, where the exact answer (the float64 oracle
-on the same rounded inputs) is finite: softmax of scores that far apart is one-hot.
+bias of 3e38 added to a score of 3e38 — and then ``inf - inf`` makes NaN inside any float32
+kernel, where the exact answer (the float64 oracle on the same rounded inputs) is finite:
+softmax of scores that far apart is one-hot.
 
 qkv notices on the way out, on the CPU: an output holding a non-finite value outside the rows
 that the non-finite rule makes NaN (:mod:`qkv.nonfinite`) is recomputed in float64 (the same
 call on float64 copies of its tensors, on the backend ``auto`` picks for them) and rounded back
-to the inputs' dtype. That answer is exact; an lse beyond float32's range rounds to ±inf, as any
-float32 overflow does; gradients flow through the float64 computation. ``backend="auto"`` returns it; a named backend
-never falls back, so it raises :class:`qkv.BackendError` saying why, when the float64 answer is
-finite where the backend's was not (a NaN that float64 gives too — a float mask holding NaN, a
-score function returning NaN — is the answer, and is returned as it is).
+to the inputs' dtype. That answer is exact; an lse beyond float32's range rounds to ±inf, as
+any float32 overflow does; gradients flow through the float64 computation. ``backend="auto"``
+returns it; a named backend never falls back, so it raises :class:`qkv.BackendError` saying
+why, when the float64 answer is finite where the backend's was not (a NaN that float64 gives
+too — a float mask holding NaN, a score function returning NaN — is the answer, and is
+returned as it is).
 
 The check costs one reduction over the output (small beside attention's work), and nothing
 more unless the output is non-finite. On CUDA, under ``torch.compile`` and under
