@@ -191,10 +191,24 @@ def attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window=window, window_alignment=window_alignment,
         key_padding_mask=key_padding_mask, return_lse=return_lse, generator=generator, score_mod=score_mod, sinks=sinks,
     )  # fmt: skip
-    result = select(call, backend).forward(call)
-    out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
-    out, lse = _exact_beyond_float32(call, out, lse, backend)
+    if call.requires_grad and overflow.scores_may_overflow(call.query, call.key, call.scale, call.bias_bound()):
+        out, lse = _in_float64(call, backend)  # a backward may overflow where the forward does not
+    else:
+        result = select(call, backend).forward(call)
+        out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
+        out, lse = _exact_beyond_float32(call, out, lse, backend)
     return (out, lse) if return_lse else out
+
+
+def _in_float64(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The call answered in float64 and rounded back, for ``auto``; a named backend refuses
+    (:mod:`qkv.overflow`)."""
+    if backend != "auto":
+        raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {overflow.explain(backend, call.dtype)}")
+    call64 = call.in_float64()
+    result = select(call64, "auto").forward(call64)
+    out64, lse64 = result if isinstance(result, Checked) else guard(call64.query, call64.key, call64.value, *result)
+    return out64.to(call.dtype), (None if lse64 is None else lse64.to(call.lse_dtype))
 
 
 def _exact_beyond_float32(
@@ -204,15 +218,12 @@ def _exact_beyond_float32(
     ``auto`` returns it, a named backend raises BackendError)."""
     if not overflow.suspect(out, call.query, call.key, call.value, call.score_tensors()):
         return out, lse
-    call64 = call.in_float64()
-    result = select(call64, "auto").forward(call64)
-    out64, lse64 = result if isinstance(result, Checked) else guard(call64.query, call64.key, call64.value, *result)
-    exact = out64.to(out.dtype)
+    exact, exact_lse = _in_float64(call, "auto")
     if backend != "auto":
         if overflow.overflowed(exact, out):
-            raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {overflow.explain(backend, call.dtype)}")
+            _in_float64(call, backend)  # raises: a named backend refuses
         return out, lse
-    return exact, (None if lse64 is None else lse64.to(call.lse_dtype))
+    return exact, exact_lse
 
 
 def attention_weights(

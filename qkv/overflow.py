@@ -17,8 +17,14 @@ why, when the float64 answer is finite where the backend's was not (a NaN that f
 too — a float mask holding NaN, a score function returning NaN — is the answer, and is
 returned as it is).
 
+A backward can overflow where its forward did not (a softcap bounds the scores it returns, not
+the raw ones its derivative reads; dQ multiplies by the scale again). So a call that needs
+gradients is checked before it runs, from a bound on its scores (:func:`scores_may_overflow`:
+``|scale| · max|q| · max|k| · D`` plus the largest bias, against float32's largest number with
+a margin for the kernels' intermediates), and answered in float64 or refused alike.
+
 The check costs one reduction over the output (small beside attention's work), and nothing
-more unless the output is non-finite. On CUDA, under ``torch.compile`` and under
+more unless the output is non-finite; with gradients, two more over q and k. On CUDA, under ``torch.compile`` and under
 ``torch.func.vmap`` qkv reads nothing back from a device, a traced graph or a batch of
 values, so there such a call gives NaN rows as the kernels computed them.
 """
@@ -68,6 +74,28 @@ def suspect(
     return bool((~torch.isfinite(out.detach()) & ~bad.unsqueeze(-1)).any())
 
 
+# The bound's margin below float32's largest number: the kernels scale scores by log2 e, add
+# biases, and their backward multiplies dS by the scale and K again.
+SCORE_LIMIT = float(torch.finfo(torch.float32).max) / 2**10
+
+
+def scores_may_overflow(query: torch.Tensor, key: torch.Tensor, scale: float, bias: float = 0.0) -> bool:
+    """Might this call's float32 scores, or its backward's products, leave float32's range?
+    ``|scale| · max|q| · max|k| · D + bias`` beyond :data:`SCORE_LIMIT` (``bias``: the largest
+    magnitude a score function adds). Float64 inputs, and calls whose values cannot be read (off
+    the CPU, under ``torch.compile`` or ``vmap``), answer False."""
+    if query.dtype == torch.float64 or not may_check(query) or query.numel() == 0 or key.numel() == 0:
+        return False
+    try:
+        q = float(torch.linalg.vector_norm(query.detach(), float("inf")))
+        k = float(torch.linalg.vector_norm(key.detach(), float("inf")))
+    except RuntimeError:  # vmap has no values to read
+        return False
+    if not (q < float("inf") and k < float("inf") and bias < float("inf")):  # non-finite inputs: the rule's NaN
+        return False
+    return abs(scale) * q * k * query.shape[-1] + bias > SCORE_LIMIT
+
+
 def overflowed(exact: torch.Tensor, got: torch.Tensor) -> bool:
     """Is ``got`` non-finite somewhere the float64 answer ``exact`` (same shape) is finite?"""
     return bool((torch.isfinite(exact) & ~torch.isfinite(got)).any())
@@ -77,10 +105,10 @@ def explain(backend: str, dtype: torch.dtype) -> str:
     """The reason a named backend gives for refusing such a call."""
     name = str(dtype).replace("torch.", "")
     return (
-        f"the scores of this call leave float32's range (beyond ±3.4e38: a huge scale, huge values, slopes or bias, "
-        f"or a sink), so backend {backend!r} computes NaN in float32 for these {name} inputs where the exact answer "
-        "is finite; backend='auto' recomputes such calls in float64 (or pass float64 inputs)"
+        f"the scores of this call, or its backward's products, leave float32's range (beyond ±3.4e38: a huge scale, "
+        f"huge values, slopes or bias), where backend {backend!r} computes NaN for these {name} inputs while the exact "
+        "answer is finite; backend='auto' answers such calls in float64 (or pass float64 inputs)"
     )
 
 
-__all__ = ["explain", "may_check", "nonfinite_result", "overflowed", "suspect"]
+__all__ = ["SCORE_LIMIT", "explain", "may_check", "nonfinite_result", "overflowed", "scores_may_overflow", "suspect"]

@@ -68,7 +68,7 @@ def test_auto_answers_exactly_where_float32_scores_overflow(case, dtype):
 @pytest.mark.parametrize("backend", ["math", "sdpa", "chunked"])
 def test_a_named_backend_refuses_by_name(backend):
     q, k, v = _inputs(torch.float32)
-    with pytest.raises(qkv.BackendError, match=r"leave float32's range.*backend='auto' recomputes"):
+    with pytest.raises(qkv.BackendError, match=r"leave float32's range.*backend='auto' answers such calls in float64"):
         qkv.attention(q, k, v, scale=3e38, backend=backend)
     q, k, v = _inputs(torch.float32, nq=1, nk=600)  # the decoding kernel
     if backend != "sdpa":
@@ -134,3 +134,28 @@ def test_statistics_of_a_call_whose_scores_overflow():
     _check(out, stats.lse, ref_out, ref_lse, torch.float32)
     assert stats.entropy.dtype == torch.float32 and torch.isfinite(stats.entropy).all()
     assert torch.allclose(stats.max_weight, torch.ones_like(stats.max_weight))  # one key takes each row
+
+
+def test_a_backward_that_would_overflow_is_answered_in_float64_before_it_runs():
+    """A softcap bounds the scores its forward returns, not the raw ones its derivative reads:
+    the forward is finite, the float32 backward would not be. With gradients the call is
+    checked before it runs (qkv.overflow.scores_may_overflow)."""
+    from qkv.score_mods import Softcap
+
+    q, k, v = _inputs(torch.float32)
+    for kw in ({"scale": -3e38, "score_mod": Softcap(0.5)}, {"scale": 1e30}):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref = [t.double().requires_grad_(True) for t in (q, k, v)]
+        qkv.attention(*leaves, **kw).sum().backward()
+        ref_kw = {**kw, "score_mod": Softcap(0.5)} if "score_mod" in kw else kw
+        qkv.attention(*ref, backend="math", **ref_kw).sum().backward()
+        for t, r in zip(leaves, ref):
+            big = r.grad.abs() > F32_MAX
+            assert torch.equal(torch.isinf(t.grad), big) and not torch.isnan(t.grad).any()
+            assert torch.allclose(t.grad[~big].double(), r.grad[~big], rtol=1e-6, atol=1e-30)
+        if "score_mod" in kw:  # (a scale of 1e30 on these values stays inside the bound: no float64 needed)
+            for backend in ("chunked", "math"):
+                with pytest.raises(qkv.BackendError, match="or its backward's products"):
+                    qkv.attention(*(t.clone().requires_grad_(True) for t in (q, k, v)), backend=backend, **kw)
+    plain = [t.clone().requires_grad_(True) for t in (q, k, v)]  # an ordinary call is not touched
+    assert not qkv.overflow.scores_may_overflow(plain[0], plain[1], 0.35)
