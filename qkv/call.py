@@ -213,14 +213,20 @@ class AttentionCall:
 
     # ---- normalised views for backends -------------------------------------------------
 
-    def grouped_qkv(self, query: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def grouped_qkv(
+        self, query: Optional[torch.Tensor] = None, upcast: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``, v ``(B, Hk, 1, Nk, Dv)``; views when possible.
 
-        ``query`` replaces the call's query (same shape), e.g. with its sign flipped."""
+        ``query`` replaces the call's query (same shape), e.g. with its sign flipped. ``upcast``:
+        16-bit tensors become float32 before they are broadcast, so the gradient a broadcast
+        tensor gets is summed over its copies in float32 and rounded to 16 bits once (16-bit
+        copies whose gradients pass 65504 would sum inf − inf to NaN)."""
         b = self.batch_size
-        q = (self.query if query is None else query).expand(*self.batch_shape, self.hq, self.nq, self.d)
-        k = self.key.expand(*self.batch_shape, self.hk, self.nk, self.d)
-        v = self.value.expand(*self.batch_shape, self.hk, self.nk, self.dv)
+        up = (lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t) if upcast else (lambda t: t)
+        q = up(self.query if query is None else query).expand(*self.batch_shape, self.hq, self.nq, self.d)
+        k = up(self.key).expand(*self.batch_shape, self.hk, self.nk, self.d)
+        v = up(self.value).expand(*self.batch_shape, self.hk, self.nk, self.dv)
         q = q.reshape(b, self.hk, self.group, self.nq, self.d)
         k = k.reshape(b, self.hk, 1, self.nk, self.d)
         v = v.reshape(b, self.hk, 1, self.nk, self.dv)

@@ -813,7 +813,9 @@ class ChunkedBackend(Backend):
     def _tiled(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(out, lse or None)`` from the tile loops (or the layout walk), before the rule."""
         query, scale = call.positive_scale()  # the row maximum of q·kᵀ must be the largest score
-        q, k, v = call.grouped_qkv(query)
+        # the tiles compute in float32 anyway; with gradients, upcast before the broadcast so that
+        # a shared tensor's gradient is summed in float32 (call.grouped_qkv)
+        q, k, v = call.grouped_qkv(query, upcast=call.requires_grad and call.device.type == "cpu")
         if _walks_layout(call):
             out, lse = _layout_attention(call, q, k, v, scale, (self.block_q, self.block_k))
         else:

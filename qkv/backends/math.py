@@ -83,7 +83,7 @@ class MathBackend(Backend):
         """``(out, lse or None)`` before the non-finite rule (:func:`follow_rule`)."""
         check_scores_fit(call, "The score matrix backend='math' holds (one score per query and key)",
                          "backend='chunked' (or 'auto') never holds them.")
-        q, k, v = call.grouped_qkv()
+        q, k, v = call.grouped_qkv(upcast=call.requires_grad)  # (gradients of broadcast inputs summed in float32)
         w, lse = grouped_softmax(call, q, k)
         if call.dropout_p > 0:
             w = dropout_weights(w, call.dropout_p, call.generator)
