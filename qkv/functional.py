@@ -191,13 +191,18 @@ def attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window=window, window_alignment=window_alignment,
         key_padding_mask=key_padding_mask, return_lse=return_lse, generator=generator, score_mod=score_mod, sinks=sinks,
     )  # fmt: skip
-    if call.requires_grad and overflow.scores_may_overflow(call.query, call.key, call.scale, call.bias_bound()):
-        out, lse = _in_float64(call, backend)  # a backward may overflow where the forward does not
-    else:
-        result = select(call, backend).forward(call)
-        out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
-        out, lse = _exact_beyond_float32(call, out, lse, backend)
+    out, lse = _run(call, backend)
     return (out, lse) if return_lse else out
+
+
+def _run(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(out, lse or None)`` of a validated call on ``backend``, after the non-finite rule, and in
+    float64 where float32 scores would overflow (:mod:`qkv.overflow`)."""
+    if call.requires_grad and overflow.scores_may_overflow(call.query, call.key, call.scale, call.bias_bound()):
+        return _in_float64(call, backend)  # a backward may overflow where the forward does not
+    result = select(call, backend).forward(call)
+    out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
+    return _exact_beyond_float32(call, out, lse, backend)
 
 
 def _in_float64(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
