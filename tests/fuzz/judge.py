@@ -365,6 +365,8 @@ def ref64_grads(inputs: Inputs, flash: bool = False) -> tuple[torch.Tensor, torc
     if loss.requires_grad:
         loss.backward()
     grads = {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) for n in spec.grad}
+    if flash:
+        grads = {n: (truncate_bf16(g) if truncate else g).to(inputs.base[n].dtype) for n, g in grads.items()}
     for n in spec.grad:
         t = logical.get(n)
         if isinstance(t, torch.Tensor) and t.grad is not None and inputs.layout(n).expand:
@@ -372,8 +374,6 @@ def ref64_grads(inputs: Inputs, flash: bool = False) -> tuple[torch.Tensor, torc
             # copy's passes that dtype's range, the sum of ±inf copies may be NaN
             big = (t.grad.abs() > torch.finfo(inputs.base[n].dtype).max).to(torch.float64)
             grads[f"{n}:copies_overflow"] = big.sum_to_size(inputs.base[n].shape) > 0
-    if flash:
-        grads = {n: (truncate_bf16(g) if truncate else g).to(inputs.base[n].dtype) for n, g in grads.items()}
     if keep:
         dout = torch.from_numpy(w_out).to(dtype).double()
         dlse = torch.from_numpy(w_lse).to(lse_dtype(spec)).double() if spec.return_lse else None
