@@ -31,7 +31,7 @@ values, so there such a call gives NaN rows as the kernels computed them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -79,21 +79,32 @@ def suspect(
 SCORE_LIMIT = float(torch.finfo(torch.float32).max) / 2**10
 
 
-def scores_may_overflow(query: torch.Tensor, key: torch.Tensor, scale: float, bias: float = 0.0) -> bool:
-    """Might this call's float32 scores, or its backward's products, leave float32's range?
-    ``|scale| · max|q| · max|k| · D + bias`` beyond :data:`SCORE_LIMIT` (``bias``: the largest
-    magnitude a score function adds). Float64 inputs, and calls whose values cannot be read (off
-    the CPU, under ``torch.compile`` or ``vmap``), answer False."""
-    if query.dtype == torch.float64 or not may_check(query) or query.numel() == 0 or key.numel() == 0:
-        return False
+def score_bound(query: torch.Tensor, key: torch.Tensor, scale: float) -> Optional[float]:
+    """``|scale| · max|q| · max|k| · D``: no score of the call is larger in magnitude. None where
+    the values cannot be read (off the CPU, under ``torch.compile`` or ``vmap``) or are not
+    finite (the non-finite rule's NaN), 0 for empty inputs."""
+    if not may_check(query):
+        return None
+    if query.numel() == 0 or key.numel() == 0:
+        return 0.0
     try:
         q = float(torch.linalg.vector_norm(query.detach(), float("inf")))
         k = float(torch.linalg.vector_norm(key.detach(), float("inf")))
     except RuntimeError:  # vmap has no values to read
+        return None
+    if not (q < float("inf") and k < float("inf")):
+        return None
+    return abs(scale) * q * k * query.shape[-1]
+
+
+def scores_may_overflow(query: torch.Tensor, key: torch.Tensor, scale: float, bias: float = 0.0) -> bool:
+    """Might this call's float32 scores, or its backward's products, leave float32's range?
+    :func:`score_bound` plus ``bias`` (the largest magnitude a score function adds) beyond
+    :data:`SCORE_LIMIT`. Float64 inputs, and calls whose values cannot be read, answer False."""
+    if query.dtype == torch.float64 or not bias < float("inf"):
         return False
-    if not (q < float("inf") and k < float("inf") and bias < float("inf")):  # non-finite inputs: the rule's NaN
-        return False
-    return abs(scale) * q * k * query.shape[-1] + bias > SCORE_LIMIT
+    bound = score_bound(query, key, scale)
+    return bound is not None and bound + bias > SCORE_LIMIT
 
 
 def overflowed(exact: torch.Tensor, got: torch.Tensor) -> bool:
@@ -111,4 +122,6 @@ def explain(backend: str, dtype: torch.dtype) -> str:
     )
 
 
-__all__ = ["SCORE_LIMIT", "explain", "may_check", "nonfinite_result", "overflowed", "scores_may_overflow", "suspect"]
+__all__ = [
+    "SCORE_LIMIT", "explain", "may_check", "nonfinite_result", "overflowed", "score_bound", "scores_may_overflow", "suspect",
+]  # fmt: skip

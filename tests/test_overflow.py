@@ -159,3 +159,29 @@ def test_a_backward_that_would_overflow_is_answered_in_float64_before_it_runs():
                     qkv.attention(*(t.clone().requires_grad_(True) for t in (q, k, v)), backend=backend, **kw)
     plain = [t.clone().requires_grad_(True) for t in (q, k, v)]  # an ordinary call is not touched
     assert not qkv.overflow.scores_may_overflow(plain[0], plain[1], 0.35)
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, 1e10), (torch.float32, 1e30), (torch.float64, 1e20)])
+def test_sdpa_refuses_gradients_whose_recomputed_weights_drift(dtype, scale):
+    """torch's CPU backward recomputes exp(score - lse) from scores rounded in another order than
+    its forward's: far below float32's range it already gives NaN gradients from finite inputs
+    (a fuzz case: seed 960800960, case 1055). The named ``sdpa`` backend refuses such calls;
+    ``auto`` and ``chunked`` answer them, here with the oracle's gradient."""
+    q, k, v = _inputs(dtype, nq=32, nk=32, d=16)
+    k = k + 2.0  # one key wins every row by a wide margin
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*leaves, scale=scale)
+    out.sum().backward()
+    assert any(torch.isnan(t.grad).any() for t in leaves)  # what torch gives, and qkv must not
+    with pytest.raises(qkv.BackendError, match="recomputes each weight"):
+        qkv.attention(*(t.clone().requires_grad_(True) for t in (q, k, v)), scale=scale, backend="sdpa")
+    ref = [t.to(torch.float64, copy=True).requires_grad_(True) for t in (q, k, v)]
+    qkv.attention(*ref, scale=scale, backend="math").sum().backward()
+    for backend in ("auto", "chunked"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        qkv.attention(*leaves, scale=scale, backend=backend).sum().backward()
+        for t, r in zip(leaves, ref):
+            assert torch.isfinite(t.grad).all()
+            assert torch.allclose(t.grad.double(), r.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # without gradients the forward alone runs, and is exact
+        qkv.attention(q, k, v, scale=scale, backend="sdpa")

@@ -8,8 +8,9 @@ log-sum-exp is not differentiable, so it is offered only when no gradient is nee
 Its CPU backward recomputes the weights from a float32 log-sum-exp, whose rounding scales
 every weight of a row: where one key takes most of a row's weight, float32 gradients miss
 qkv's accuracy rule (dV up to 30×; see ``torch_backward_misses_rule``). Named explicitly it
-still runs such calls, as torch would (but for 16-bit inputs and shared key/value heads, which
-it refuses); ``auto`` sends gradients on the CPU to ``chunked``.
+still runs such calls, as torch would (but for 16-bit inputs, shared key/value heads, and scores
+so large that the recomputed weights drift to inf, which it refuses); ``auto`` sends gradients
+on the CPU to ``chunked``.
 
 qkv defines a query row with nothing to attend to as output 0. Torch's kernels agree on
 recent versions; :func:`empty_rows_are_zero` checks this once per device type and the
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from ..call import AttentionCall
 from ..masks import additive_mask, dense_sdpa_mask
+from ..overflow import score_bound
 from .base import Backend, follow_rule
 from .flash_cpu import lse_misses_rule
 from .math import MathBackend
@@ -46,6 +48,17 @@ def empty_rows_are_zero(device_type: str) -> bool:
         known = bool((rows == 0).all()) and bool((none == 0).all())
         _EMPTY_ROWS_ZERO[device_type] = known
     return known
+
+
+def backward_recompute_drifts(call: AttentionCall) -> bool:
+    """Could torch's CPU backward recompute this call's weights wrongly? It takes each weight as
+    ``exp(score - lse)`` with the score computed again, in another order than the forward's: the
+    two roundings differ by up to about ``D · eps`` times the scores' bound (:func:`qkv.overflow.score_bound`),
+    and once that reaches 1 a weight can be e times too large, or inf where it passes ~88 (the
+    gradients then hold NaN; measured: float32 NaN from scale 1e10 on N(0,1) inputs, float64
+    from 1e20, garbage dQ from 1e6)."""
+    bound = score_bound(call.query, call.key, call.scale)
+    return bound is not None and call.d * torch.finfo(call.dtype).eps * bound >= 1.0
 
 
 def sdpa_is_causal(call: AttentionCall) -> Optional[bool]:
@@ -109,6 +122,13 @@ class SdpaBackend(Backend):
                 "its forward's log-sum-exp, which for 16-bit inputs is off by up to ~5e-5 (hundreds of float32 "
                 "units), and rounds each (batch, head)'s gradient to 16 bits (float16 dQ at 1.2x qkv's accuracy "
                 "rule); use backend='auto'"
+            )
+        if call.device.type == "cpu" and call.requires_grad and backward_recompute_drifts(call):
+            reasons.append(
+                "gradients of scores this large (|scale| * max|q| * max|k| * D with D * eps of the dtype beyond 1): "
+                "torch's CPU backward recomputes each weight as exp(score - lse) from scores it rounds in another "
+                "order, so a weight can come out e times too large or more, up to inf (NaN gradients from finite "
+                "inputs); use backend='auto'"
             )
         if call.rows_may_be_empty and not empty_rows_are_zero(call.device.type):
             reasons.append(f"torch SDPA on {call.device.type} returns NaN for fully masked rows")
