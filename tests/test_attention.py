@@ -325,6 +325,31 @@ def test_auto_choices():
             qkv.attention(*half, return_lse=True, backend="sdpa")
 
 
+def test_auto_keeps_values_of_another_head_dim_off_torchs_math_fallback(monkeypatch):
+    """With Dv ≠ D torch's CPU kernel falls back to its math formulation: from 256 × 256 float32
+    scores auto runs chunked's tile loops (faster, closer to the oracle: bench/results/
+    large_logits_cpu.md), through the fast path too; below that, and for Dv = D, it keeps SDPA."""
+    from qkv.backends import VALUE_DIM_MIN_SCORES, order_notes, plain_sdpa_call
+
+    for n, dv, want in ((256, 32, "chunked"), (128, 32, "sdpa"), (256, 64, "sdpa")):
+        q, k, _ = make_qkv(1, 4, 2, n, n, 64)
+        v = torch.randn(1, 2, n, dv)
+        assert _chosen(q, k, v, enable_gqa=True) == want, (n, dv)
+        assert plain_sdpa_call(q, k, v, None, 0.0, False, None) == (want == "sdpa")
+        if want == "chunked":
+            assert "math formulation" in order_notes(qkv.call.validate(q, k, v, enable_gqa=True))[0]
+            ran = []
+            original = BACKENDS["chunked"].forward
+            monkeypatch.setattr(BACKENDS["chunked"], "forward", lambda call: ran.append(1) or original(call))
+            ref = qkv.attention(q.double(), k.double(), v.double(), enable_gqa=True, backend="math")
+            with torch.no_grad():
+                assert max_err(qkv.attention(q, k, v, enable_gqa=True), ref) < 1e-5 and ran
+            monkeypatch.undo()
+    assert 128 * 128 < VALUE_DIM_MIN_SCORES <= 256 * 256
+    q, k, _ = make_qkv(1, 2, 2, 256, 256, 64, dtype=torch.float64)  # measured for float32 only
+    assert _chosen(q, k, torch.randn(1, 2, 256, 32, dtype=torch.float64)) == "sdpa"
+
+
 def test_named_backend_never_falls_back():
     q, k, v = make_qkv(1, 2, 2, 8, 8, 8, requires_grad=True)
     with pytest.raises(qkv.BackendError, match="return_lse=True with gradients"):

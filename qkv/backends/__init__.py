@@ -62,6 +62,21 @@ def blocks_beat_dense(nq: int, nk: int) -> bool:
     return nq * nk > MATH_MAX_SCORES
 
 
+# Values of another head dim than the keys' (Dv ≠ D) on the CPU: torch's kernel falls back to its
+# math formulation (the Nq × Nk matrix, q and k each scaled by √scale and rounded), which
+# chunked's tile loops beat from 256 × 256 scores on (float32, one thread, no gradient: 0.84×
+# its time at 256², 0.33× at 1024², 0.30× at 2048², 1.26× at 128²) while staying closer to the
+# oracle at large logits (torch's fallback at 0.66–0.85 of the strict rule, chunked ≤ 0.53;
+# bench/results/large_logits_cpu.md).
+VALUE_DIM_MIN_SCORES = 1 << 16
+
+
+def value_dim_fallback(nq: int, nk: int, d: int, dv: int, dtype: torch.dtype) -> bool:
+    """Would torch's CPU kernel run this float32 call on its slower, less exact math fallback
+    (Dv ≠ D) at a size where chunked's tile loops are faster (:data:`VALUE_DIM_MIN_SCORES`)?"""
+    return dtype == torch.float32 and dv != d and nq * nk >= VALUE_DIM_MIN_SCORES
+
+
 def plain_sdpa_call(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
     dropout_p: float, is_causal: object, scale: Optional[float],
@@ -73,8 +88,9 @@ def plain_sdpa_call(
     its dtype (or bool) not combined with ``is_causal``, and none of what :func:`auto_order` sends
     elsewhere: gradients (:func:`torch_backward_misses_rule`), a large bool mask
     (:func:`blocks_beat_dense`), decoding shapes (:func:`.decode_cpu.decode_shape`), causal
-    self-attention that chunked's tile loops run faster (:func:`.chunked.causal_prefill_shape`). The caller checks the keyword-only features (window, padding,
-    lse, score_mod, sinks). Inputs not of the plain kind (a non-tensor, an odd scale) answer False,
+    self-attention that chunked's tile loops run faster (:func:`.chunked.causal_prefill_shape`),
+    values whose head dim differs from the keys' (:func:`value_dim_fallback`). The caller checks
+    the keyword-only features (window, padding, lse, score_mod, sinks). Inputs not of the plain kind (a non-tensor, an odd scale) answer False,
     and the call is validated, which explains them."""
     try:
         return bool(
@@ -87,6 +103,7 @@ def plain_sdpa_call(
             and query.numel()
             and key.numel()
             and not decode_shape(query.shape[-2], key.shape[-2], query.dtype)
+            and not value_dim_fallback(query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1], query.dtype)
             and not (attn_mask is None and causal_prefill_shape(query.shape[-2], key.shape[-2], query.dtype, is_causal))
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
             and (scale is None or 0.0 < scale < math.inf)
@@ -121,6 +138,10 @@ def auto_order(call: AttentionCall) -> list[Backend]:
     elif call.device.type == "cpu" and lse_misses_rule(call):
         # an lse of 16-bit inputs: torch's fused kernel computes it to 1.8e-5, the tile loops (the
         # upcast inputs in float32) to 6e-7 (flash_cpu.lse_misses_rule)
+        order = [chunked, sdpa, math]
+    elif call.device.type == "cpu" and value_dim_fallback(call.nq, call.nk, call.d, call.dv, call.dtype):
+        # Dv ≠ D: torch's kernel falls back to its math formulation, slower and less exact than
+        # chunked's tile loops from 256 × 256 scores (VALUE_DIM_MIN_SCORES)
         order = [chunked, sdpa, math]
     elif call.block_sparse is not None and call.device.type == "cpu" and blocks_beat_dense(call.nq, call.nk):
         # a block-sparse layout: chunked walks its blocks, forward and backward, without the
@@ -158,6 +179,9 @@ def order_notes(call: AttentionCall) -> list[str]:
     elif order[0] == "chunked" and call.device.type == "cpu" and lse_misses_rule(call):
         notes.append("chunked first: its tile loops compute the lse of 16-bit inputs in float32, where torch's fused "
                      "kernel misses the accuracy rule on it")
+    elif order[0] == "chunked" and call.device.type == "cpu" and value_dim_fallback(call.nq, call.nk, call.d, call.dv, call.dtype):
+        notes.append("chunked first: with values of another head dim than the keys', torch's CPU kernel falls back to "
+                     "its math formulation, slower and less exact than the tile loops at this size")
     elif order[0] == "chunked" and call.block_sparse is not None:
         notes.append("chunked first: it walks the block-sparse layout's blocks, forward and backward, where SDPA "
                      "would get the dense Nq × Nk mask")
@@ -207,5 +231,5 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
 
 __all__ = [
     "Backend", "BackendError", "BACKENDS", "auto_order", "blocks_beat_dense", "get_backend",
-    "order_notes", "plain_sdpa_call", "reasons_by_backend", "select",
+    "order_notes", "plain_sdpa_call", "reasons_by_backend", "select", "value_dim_fallback", "VALUE_DIM_MIN_SCORES",
 ]  # fmt: skip
