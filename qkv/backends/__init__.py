@@ -64,9 +64,9 @@ def blocks_beat_dense(nq: int, nk: int) -> bool:
 
 # Values of another head dim than the keys' (Dv ≠ D) on the CPU: torch's kernel falls back to its
 # math formulation (the Nq × Nk matrix, q and k each scaled by √scale and rounded), which
-# chunked's tile loops beat from 256 × 256 scores on (float32, one thread, no gradient: 0.84×
-# its time at 256², 0.33× at 1024², 0.30× at 2048², 1.26× at 128²) while staying closer to the
-# oracle at large logits (torch's fallback at 0.66–0.85 of the strict rule, chunked ≤ 0.53;
+# chunked's tile loops beat from 256 × 256 scores on (float32, one thread, no gradient: 0.64×
+# its time at 256², 0.33× at 1024², 0.31× at 2048², 1.21× at 128²) while staying closer to the
+# oracle at large logits (torch's fallback at 0.45–0.85 of the strict rule, chunked ≤ 0.53;
 # bench/results/large_logits_cpu.md).
 VALUE_DIM_MIN_SCORES = 1 << 16
 
@@ -90,8 +90,9 @@ def plain_sdpa_call(
     (:func:`blocks_beat_dense`), decoding shapes (:func:`.decode_cpu.decode_shape`), causal
     self-attention that chunked's tile loops run faster (:func:`.chunked.causal_prefill_shape`),
     values whose head dim differs from the keys' (:func:`value_dim_fallback`). The caller checks
-    the keyword-only features (window, padding, lse, score_mod, sinks). Inputs not of the plain kind (a non-tensor, an odd scale) answer False,
-    and the call is validated, which explains them."""
+    the keyword-only features (window, padding, lse, score_mod, sinks). Inputs not of the plain
+    kind (a non-tensor, an odd scale) answer False, and the call is validated, which explains
+    them."""
     try:
         return bool(
             query.is_cpu
