@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import platform
 import time
 from pathlib import Path
@@ -25,6 +27,26 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def report_header(title: str, threads: int) -> list[str]:
+    """The first lines of a markdown report: its title, and where and when it was measured."""
+    import torch  # (here: the other helpers serve scripts that import it late)
+
+    return [
+        f"# {title}",
+        "",
+        f"{datetime.date.today()} · {cpu_name()} · torch {torch.__version__} · {threads} thread(s) · "
+        f"load average {os.getloadavg()[0]:.2f} at the start",
+        "",
+    ]
+
+
+def write_report(lines: list[str], out: str) -> None:
+    """End a markdown report with the load average it finished under, and write it to ``out``."""
+    lines.append(f"\nLoad average at the end: {os.getloadavg()[0]:.2f}.")
+    Path(out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:

@@ -14,10 +14,7 @@ path's largest error against the float64 oracle (on the same rounded inputs) to 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import os
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,7 +23,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.reference import attention_ref
 
-from common import cpu_name, time_cell  # noqa: E402  (the helpers beside this script)
+from common import report_header, time_cell, write_report  # noqa: E402  (the helpers beside this script)
 
 # (label, hq, hk, nq, nk, d, dv). With Dv ≠ D torch's CPU kernel falls back to its math
 # formulation (it scales q and k by √scale, each rounded); Dv = D is the control.
@@ -92,11 +89,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lines = [
-        "# Float32 forward calls with large logits on the CPU: torch's kernel against qkv's paths",
-        "",
-        f"{datetime.date.today()} · {cpu_name()} · torch {torch.__version__} · {args.threads} thread(s) · "
-        f"load average {os.getloadavg()[0]:.2f} at the start",
-        "",
+        *report_header("Float32 forward calls with large logits on the CPU: torch's kernel against qkv's paths", args.threads),
         f"One forward call, float32, no gradient, B = 1, scale {SCALE}, scores of standard deviation ~{LOGIT_STD:g}; best of "
         f"{args.rounds} interleaved rounds. `÷ rule`: the worst over {args.seeds} draws (2 above 1M scores) of the "
         "largest error against the float64 oracle divided by `2 · err(math) + 1e-6 · max|ref|`.",
@@ -115,9 +108,7 @@ def main() -> None:
             f"{w['chunked']:.2f} | {w['auto']:.2f} |"
         )
         print(lines[-1], flush=True)
-    lines.append(f"\nLoad average at the end: {os.getloadavg()[0]:.2f}.")
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,6 @@ rounds; the lse error is the largest against the float64 oracle on the same roun
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +19,7 @@ import torch
 import qkv
 from qkv.reference import attention_ref
 
-from common import cpu_name, time_cell  # noqa: E402  (the helpers beside this script)
+from common import report_header, time_cell, write_report  # noqa: E402  (the helpers beside this script)
 
 SIZES = (512, 1024, 2048)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -48,11 +45,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lines = [
-        "# The lse of 16-bit inputs on the CPU: torch's fused kernel against qkv auto",
-        "",
-        f"{datetime.date.today()} · {cpu_name()} · torch {torch.__version__} · {args.threads} thread(s) · "
-        f"load average {os.getloadavg()[0]:.2f} at the start",
-        "",
+        *report_header("The lse of 16-bit inputs on the CPU: torch's fused kernel against qkv auto", args.threads),
         "One call with `return_lse=True`, no gradient, B = 1, H = 8, D = 64, Nq = Nk = N; best of "
         f"{args.rounds} interleaved rounds. `lse err`: largest error against the float64 oracle on the rounded inputs.",
         "",
@@ -68,9 +61,7 @@ def main() -> None:
                 f"{t['qkv auto'] / t['torch']:.2f} | {e['torch']:.1e} | {e['qkv auto']:.1e} |"
             )
             print(lines[-1], flush=True)
-    lines.append(f"\nLoad average at the end: {os.getloadavg()[0]:.2f}.")
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":
