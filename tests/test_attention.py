@@ -350,6 +350,23 @@ def test_auto_keeps_values_of_another_head_dim_off_torchs_math_fallback(monkeypa
     assert _chosen(q, k, torch.randn(1, 2, 256, 32, dtype=torch.float64)) == "sdpa"
 
 
+def test_a_threshold_lives_in_one_place(monkeypatch):
+    """auto's order, its notes and the fast path's pre-check all read the same row and threshold:
+    moving VALUE_DIM_MIN_SCORES moves all three."""
+    import qkv.backends as backends
+
+    q, k, _ = make_qkv(1, 2, 2, 128, 128, 64)
+    v = torch.randn(1, 2, 128, 32)
+    call = qkv.call.validate(q, k, v)
+    assert backends.route(call) is None and backends.plain_sdpa_call(q, k, v, None, 0.0, False, None)
+    monkeypatch.setattr(backends, "VALUE_DIM_MIN_SCORES", 128 * 128)
+    row = backends.route(call)
+    assert row is not None and row in backends.ROUTES
+    assert [b.NAME for b in backends.auto_order(call)] == list(row.order)
+    assert backends.order_notes(call) == [row.why]
+    assert not backends.plain_sdpa_call(q, k, v, None, 0.0, False, None)
+
+
 def test_named_backend_never_falls_back():
     q, k, v = make_qkv(1, 2, 2, 8, 8, 8, requires_grad=True)
     with pytest.raises(qkv.BackendError, match="return_lse=True with gradients"):

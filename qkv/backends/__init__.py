@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -124,77 +125,99 @@ def plain_sdpa_call(
         return False
 
 
-def auto_order(call: AttentionCall) -> list[Backend]:
-    """Backends in the order ``auto`` tries them for this call (fastest first)."""
-    sdpa, chunked, math = BACKENDS["sdpa"], BACKENDS["chunked"], BACKENDS["math"]
-    scores = call.nq * call.nk
-    if can_decode(call):
-        # a few query rows against a long cache: chunked's decoding kernel reads each K/V row once
-        # for all the rows of its group; SDPA reads it once per query head
-        order = [chunked, sdpa, math]
-    elif causal_prefill(call):
-        # causal self-attention up to a few thousand tokens, no gradient: chunked's tile loops stop
-        # each row block's keys at the diagonal, where torch's kernel computes 512-key blocks past it
-        order = [chunked, sdpa, math]
-    elif call.device.type == "cpu" and lse_misses_rule(call):
-        # an lse of 16-bit inputs: torch's fused kernel computes it to 1.8e-5, the tile loops (the
-        # upcast inputs in float32) to 6e-7 (flash_cpu.lse_misses_rule)
-        order = [chunked, sdpa, math]
-    elif call.device.type == "cpu" and value_dim_fallback(call.nq, call.nk, call.d, call.dv, call.dtype):
-        # Dv ≠ D: torch's kernel falls back to its math formulation, slower and less exact than
-        # chunked's tile loops from 256 × 256 scores (VALUE_DIM_MIN_SCORES)
-        order = [chunked, sdpa, math]
-    elif call.block_sparse is not None and call.device.type == "cpu" and blocks_beat_dense(call.nq, call.nk):
-        # a block-sparse layout: chunked walks its blocks, forward and backward, without the
-        # Nq × Nk mask SDPA would need
-        order = [chunked, sdpa, math]
-    elif (needs_dense_mask(call) or call.bool_mask) and can_fuse(call) and blocks_beat_dense(call.nq, call.nk):
-        # no gradient: chunked runs the rules SDPA has no argument for on torch's kernel block by
-        # block, without the Nq × Nk mask SDPA would need, and skips a bool mask's empty blocks
-        order = [chunked, sdpa, math]
-    elif needs_dense_mask(call) and scores * call.hq > DENSE_MASK_LIMIT:
-        order = [chunked, sdpa, math]
-    else:
-        order = [sdpa, math, chunked] if scores <= MATH_MAX_SCORES else [sdpa, chunked, math]
+@dataclass(frozen=True)
+class Route:
+    """One row of ``auto``'s choice: the calls it applies to (validated), the backends in the
+    order ``auto`` tries them, and why, in the words ``qkv info`` and the debug log print."""
+
+    applies: Callable[[AttentionCall], bool]
+    order: tuple[str, ...]
+    why: str
+
+
+_CHUNKED_FIRST = ("chunked", "sdpa", "math")
+
+# The first row that applies decides; a call no row takes gets SDPA first (below). Each row's
+# measurement is with the rule it reads (can_decode, causal_prefill, lse_misses_rule, ...).
+ROUTES: tuple[Route, ...] = (
+    Route(
+        can_decode,
+        _CHUNKED_FIRST,  # SDPA reads each K/V row once per query head
+        "chunked first: a decoding call (few query rows, long cache) runs its kernel that reads each key/value row "
+        "once for all the query rows of its group",
+    ),
+    Route(
+        causal_prefill,
+        _CHUNKED_FIRST,  # torch's kernel computes 512-key blocks past the diagonal
+        "chunked first: causal self-attention without gradients runs faster on its tile loops, whose key range "
+        "stops at each row block's diagonal",
+    ),
+    Route(
+        lambda call: call.device.type == "cpu" and lse_misses_rule(call),
+        _CHUNKED_FIRST,  # torch's kernel: 1.8e-5, the tile loops on upcast inputs: 6e-7
+        "chunked first: its tile loops compute the lse of 16-bit inputs in float32, where torch's fused kernel "
+        "misses the accuracy rule on it",
+    ),
+    Route(
+        lambda call: call.device.type == "cpu" and value_dim_fallback(call.nq, call.nk, call.d, call.dv, call.dtype),
+        _CHUNKED_FIRST,  # VALUE_DIM_MIN_SCORES
+        "chunked first: with values of another head dim than the keys', torch's CPU kernel falls back to its math "
+        "formulation, slower and less exact than the tile loops at this size",
+    ),
+    Route(
+        lambda call: call.block_sparse is not None and call.device.type == "cpu" and blocks_beat_dense(call.nq, call.nk),
+        _CHUNKED_FIRST,
+        "chunked first: it walks the block-sparse layout's blocks, forward and backward, where SDPA would get the "
+        "dense Nq × Nk mask",
+    ),
+    Route(
+        lambda call: (needs_dense_mask(call) or call.bool_mask) and can_fuse(call) and blocks_beat_dense(call.nq, call.nk),
+        _CHUNKED_FIRST,
+        "chunked first: without gradients it runs the call on torch's fused CPU kernel block by block, skipping what "
+        "the window, padding or a bool mask's empty blocks rule out, where SDPA would get a dense mask",
+    ),
+    Route(
+        lambda call: needs_dense_mask(call) and call.nq * call.nk * call.hq > DENSE_MASK_LIMIT,
+        _CHUNKED_FIRST,
+        "chunked first: SDPA would need an Nq × Nk mask built for it",
+    ),
+)
+
+_SDPA_LAST = "sdpa last: torch's CPU backward misses the accuracy rule for gradients"
+
+
+def route(call: AttentionCall) -> Optional[Route]:
+    """The first row of :data:`ROUTES` that applies to ``call``, or None."""
+    return next((r for r in ROUTES if r.applies(call)), None)
+
+
+def _order_names(call: AttentionCall, chosen: Optional[Route]) -> list[str]:
+    if chosen is not None:
+        names = list(chosen.order)
+    else:  # below MATH_MAX_SCORES the one-shot math path beats chunked's loop
+        names = ["sdpa", "math", "chunked"] if call.nq * call.nk <= MATH_MAX_SCORES else ["sdpa", "chunked", "math"]
     if torch_backward_misses_rule(call):
-        order.remove(sdpa)
-        order.append(sdpa)
+        names.remove("sdpa")
+        names.append("sdpa")
     if call.device.type == "cuda":  # never on CPU, where triton would run in its slow interpreter
-        triton = BACKENDS["triton"]
         # SDPA has no native form for these (it would need a dense mask, or has no lse gradient)
         sdpa_lacks = needs_dense_mask(call) or (call.return_lse and call.requires_grad)
-        order.insert(0 if sdpa_lacks else order.index(sdpa) + 1, triton)
-    return order
+        names.insert(0 if sdpa_lacks else names.index("sdpa") + 1, "triton")
+    return names
+
+
+def auto_order(call: AttentionCall) -> list[Backend]:
+    """Backends in the order ``auto`` tries them for this call (fastest first)."""
+    return [BACKENDS[n] for n in _order_names(call, route(call))]
 
 
 def order_notes(call: AttentionCall) -> list[str]:
     """Why :func:`auto_order` put the backends in their order for this call (for logs and ``qkv info``)."""
-    order = [b.NAME for b in auto_order(call)]
-    notes = []
-    if order[0] == "chunked" and can_decode(call):
-        notes.append("chunked first: a decoding call (few query rows, long cache) runs its kernel that reads each "
-                     "key/value row once for all the query rows of its group")
-    elif order[0] == "chunked" and causal_prefill(call):
-        notes.append("chunked first: causal self-attention without gradients runs faster on its tile loops, whose "
-                     "key range stops at each row block's diagonal")
-    elif order[0] == "chunked" and call.device.type == "cpu" and lse_misses_rule(call):
-        notes.append("chunked first: its tile loops compute the lse of 16-bit inputs in float32, where torch's fused "
-                     "kernel misses the accuracy rule on it")
-    elif order[0] == "chunked" and call.device.type == "cpu" and value_dim_fallback(call.nq, call.nk, call.d, call.dv, call.dtype):
-        notes.append("chunked first: with values of another head dim than the keys', torch's CPU kernel falls back to "
-                     "its math formulation, slower and less exact than the tile loops at this size")
-    elif order[0] == "chunked" and call.block_sparse is not None:
-        notes.append("chunked first: it walks the block-sparse layout's blocks, forward and backward, where SDPA "
-                     "would get the dense Nq × Nk mask")
-    elif order[0] == "chunked" and can_fuse(call):
-        notes.append(
-            "chunked first: without gradients it runs the call on torch's fused CPU kernel block by block, "
-            "skipping what the window, padding or a bool mask's empty blocks rule out, where SDPA would get a dense mask"
-        )
-    elif order[0] == "chunked":
-        notes.append("chunked first: SDPA would need an Nq × Nk mask built for it")
-    if order[-1] == "sdpa" and call.device.type == "cpu" and call.requires_grad:
-        notes.append("sdpa last: torch's CPU backward misses the accuracy rule for gradients")
+    chosen = route(call)
+    names = _order_names(call, chosen)
+    notes = [chosen.why] if chosen is not None and names[0] == chosen.order[0] else []
+    if torch_backward_misses_rule(call):
+        notes.append(_SDPA_LAST)
     return notes
 
 
@@ -231,6 +254,7 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
 
 
 __all__ = [
-    "Backend", "BackendError", "BACKENDS", "auto_order", "blocks_beat_dense", "get_backend",
-    "order_notes", "plain_sdpa_call", "reasons_by_backend", "select", "value_dim_fallback", "VALUE_DIM_MIN_SCORES",
+    "Backend", "BackendError", "BACKENDS", "ROUTES", "Route", "auto_order", "blocks_beat_dense", "get_backend",
+    "order_notes", "plain_sdpa_call", "reasons_by_backend", "route", "select", "value_dim_fallback",
+    "VALUE_DIM_MIN_SCORES",
 ]  # fmt: skip
