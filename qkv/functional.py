@@ -198,7 +198,10 @@ def attention(
 def _run(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(out, lse or None)`` of a validated call on ``backend``, after the non-finite rule, and in
     float64 where float32 scores would overflow (:mod:`qkv.overflow`)."""
-    if call.requires_grad and overflow.scores_may_overflow(call.query, call.key, call.scale, call.bias_bound()):
+    # (may_check first: off the CPU the bias bound would cost a host sync, and nothing is checked)
+    if call.requires_grad and overflow.may_check(call.query) and overflow.scores_may_overflow(
+        call.query, call.key, call.scale, call.bias_bound()
+    ):
         return _in_float64(call, backend)  # a backward may overflow where the forward does not
     result = select(call, backend).forward(call)
     out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
