@@ -329,7 +329,8 @@ def test_auto_keeps_values_of_another_head_dim_off_torchs_math_fallback(monkeypa
     """With Dv ≠ D torch's CPU kernel falls back to its math formulation: from 256 × 256 float32
     scores auto runs chunked's tile loops (faster, closer to the oracle: bench/results/
     large_logits_cpu.md), through the fast path too; below that, and for Dv = D, it keeps SDPA."""
-    from qkv.backends import VALUE_DIM_MIN_SCORES, order_notes, plain_sdpa_call
+    from qkv.backends import order_notes, plain_sdpa_call
+    from qkv.backends.dispatch import VALUE_DIM_MIN_SCORES
 
     for n, dv, want in ((256, 32, "chunked"), (128, 32, "sdpa"), (256, 64, "sdpa")):
         q, k, _ = make_qkv(1, 4, 2, n, n, 64)
@@ -352,19 +353,43 @@ def test_auto_keeps_values_of_another_head_dim_off_torchs_math_fallback(monkeypa
 
 def test_a_threshold_lives_in_one_place(monkeypatch):
     """auto's order, its notes and the fast path's pre-check all read the same row and threshold:
-    moving VALUE_DIM_MIN_SCORES moves all three."""
+    moving VALUE_DIM_MIN_SCORES (one assignment in qkv.backends.dispatch) moves all three."""
     import qkv.backends as backends
+    from qkv.backends import dispatch
 
     q, k, _ = make_qkv(1, 2, 2, 128, 128, 64)
     v = torch.randn(1, 2, 128, 32)
     call = qkv.call.validate(q, k, v)
-    assert backends.route(call) is None and backends.plain_sdpa_call(q, k, v, None, 0.0, False, None)
-    monkeypatch.setattr(backends, "VALUE_DIM_MIN_SCORES", 128 * 128)
+    assert backends.route(call).order[0] == "sdpa" and backends.plain_sdpa_call(q, k, v, None, 0.0, False, None)
+    monkeypatch.setattr(dispatch, "VALUE_DIM_MIN_SCORES", 128 * 128)
     row = backends.route(call)
-    assert row is not None and row in backends.ROUTES
+    assert row in backends.ROUTES and row.order[0] == "chunked"
     assert [b.NAME for b in backends.auto_order(call)] == list(row.order)
     assert backends.order_notes(call) == [row.why]
     assert not backends.plain_sdpa_call(q, k, v, None, 0.0, False, None)
+    # every threshold is one module-level name of the table's module, and nothing else defines it
+    import pathlib
+
+    names = ("MATH_MAX_SCORES", "VALUE_DIM_MIN_SCORES", "DENSE_MASK_LIMIT", "CAUSAL_TILES_MIN_N")
+    root = pathlib.Path(qkv.__file__).parent
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        for name in names:
+            defines = [line for line in text.splitlines() if line.startswith(name) or line.startswith(f"{name},")]
+            assert bool(defines) == (path.name == "dispatch.py"), (path, name)
+
+
+def test_the_chunked_kernel_is_chosen_by_the_same_table():
+    """ChunkedBackend.kernel reads qkv.backends.dispatch.KERNELS: the first row that applies."""
+    from qkv.backends import dispatch
+
+    q, k, v = make_qkv(1, 2, 2, 1, 600, 16)
+    call = qkv.call.validate(q, k, v)
+    want = next((row.name for row in dispatch.KERNELS if row.applies(call)), "tiles")
+    assert BACKENDS["chunked"].kernel(call) == want
+    from qkv.backends.chunked import ChunkedBackend
+
+    assert ChunkedBackend(block_q=16).kernel(call) == "tiles"  # tile sizes of one's own: the tile loops
 
 
 def test_named_backend_never_falls_back():

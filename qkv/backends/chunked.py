@@ -75,8 +75,9 @@ from ..score_mods.base import BoundScore, KernelForm, captured_tensors
 from ..sinks import add_sinks, grouped_sinks
 from . import chunked_native
 from .base import Backend, follow_rule, half_to_float
-from .decode_cpu import can_decode, decode_attention
-from .flash_cpu import can_fuse, fused_attention
+from .decode_cpu import decode_attention
+from .dispatch import chunked_kernel
+from .flash_cpu import fused_attention
 from .tiles import (
     LOG2E, SparseRows, augment, check_tile_size, gather_buffer, head_groups, key_blocks, layout_groups, layout_rows, pick,
     pick_index, plan_tiles,
@@ -88,15 +89,6 @@ from .tiles import BLOCK_K, BLOCK_Q, TILE_BUDGET, band_rows  # noqa: F401
 # row's weights sum past this (a later score ≥ 24 octaves above the shift), which bounds the
 # rounding of S - m by 24 · 2^-24 relative: below a float32 softmax's own.
 LAZY_LIMIT = float(2**24)
-# Causal self-attention without gradients, up to this length, runs faster on the tile loops
-# than on torch's fused kernel: the loops' key range ends at each row block's diagonal (tiles of
-# band_rows(N) × 256), while the fused kernel's 512-key blocks compute past it. Measured
-# float32, B = 1, 8 heads, D = 64, 2-core AVX-512 EPYC, loops vs fused: N = 1024 17.0 vs
-# 19.7 ms on 1 thread, 9.1 vs 10.4 on 2; N = 2048 59.9 vs 64.4 and 31.4 vs 33.0; N = 4096
-# 230.6 vs 233.4 (1 thread); 8 query heads on 2, N = 1024: 16.9 vs 19.6 and 9.1 vs 10.0; N = 512
-# 5.4 vs 6.9 and 2.5 vs 3.6. Below 512 the loops' per-call cost wins back what they save (N = 128:
-# 0.53 vs 0.47 ms).
-CAUSAL_TILES_MIN_N, CAUSAL_TILES_MAX_N = 512, 4096
 
 _NEG_INF = float("-inf")
 
@@ -577,37 +569,6 @@ def _scored_attention(q, k, v, tiles: MaskTiles, scale: float, plan: tuple[int, 
     return out, lse
 
 
-def causal_prefill_shape(nq: int, nk: int, dtype: torch.dtype, is_causal: object) -> bool:
-    """The part of :func:`causal_prefill` that needs no validated call (for the fast path)."""
-    return (
-        is_causal is not False
-        and is_causal is not None
-        and nq == nk
-        and CAUSAL_TILES_MIN_N <= nk <= CAUSAL_TILES_MAX_N
-        and dtype == torch.float32
-    )
-
-
-def causal_prefill(call: AttentionCall) -> bool:
-    """Causal float32 self-attention, ``CAUSAL_TILES_MIN_N`` ≤ Nq = Nk ≤ ``CAUSAL_TILES_MAX_N``,
-    on a CPU with no gradient and nothing else (no mask, window, padding, score function, sinks
-    or dropout), the C tile loops built: the call those loops run faster than torch's kernel."""
-    return (
-        call.device.type == "cpu"
-        and call.causal
-        and causal_prefill_shape(call.nq, call.nk, call.dtype, True)
-        and call.window is None
-        and not call.has_attn_mask
-        and call.key_padding_mask is None
-        and call.score_mod is None
-        and call.sinks is None
-        and call.dropout_p == 0.0
-        and call.batch_size * call.hq * call.d * call.dv > 0
-        and not call.requires_grad
-        and chunked_native.available(call.dtype)
-    )
-
-
 def _row_tiles(r: SparseRows, padding: Optional[torch.Tensor], device: torch.device) -> MaskTiles:
     """The masks of one layout row block's sub-call: rows ``[q0, q1)`` against its gathered keys.
 
@@ -779,26 +740,13 @@ class ChunkedBackend(Backend):
         return []
 
     def kernel(self, call: AttentionCall) -> str:
-        """Which of chunked's kernels runs ``call``, all under the same tile rules:
-
-        - ``"decode"``: a few query rows against a longer cache, no gradient, on a CPU
-          (:func:`.decode_cpu.can_decode`): each key/value row is read once for all the rows of its
-          group, the whole call at memory speed;
-        - ``"flash_cpu"``: no gradient on a CPU, default tile sizes (:func:`.flash_cpu.can_fuse`):
-          torch's fused kernel, block by block, is the fastest exact path there;
-        - ``"tiles"``: the tile loops; also for causal self-attention without gradients up to
-          ``CAUSAL_TILES_MIN_N`` … ``CAUSAL_TILES_MAX_N`` tokens (:func:`causal_prefill`), where they
-          beat torch's fused kernel. With no score function or a built-in one they are torch
-          custom ops, run as C loops (:mod:`.chunked_native`) where those have the dtype and
-          device, else as the torch formulation here; a score function given as a Python
-          callable is applied tile by tile in torch (:func:`_scored_attention`).
-        """
-        if self.block_q is None and self.block_k is None:
-            if can_decode(call):
-                return "decode"
-            if can_fuse(call) and not causal_prefill(call):
-                return "flash_cpu"
-        return "tiles"
+        """Which of chunked's kernels runs ``call`` (:data:`.dispatch.KERNELS`), all under the same
+        tile rules: ``"decode"`` (:mod:`.decode_cpu`), ``"flash_cpu"`` (torch's fused kernel block
+        by block, :mod:`.flash_cpu`) or ``"tiles"``: the tile loops — torch custom ops run as C
+        loops (:mod:`.chunked_native`) where those have the dtype and device, else the torch
+        formulation here; a score function given as a Python callable is applied tile by tile
+        in torch (:func:`_scored_attention`). Tile sizes of one's own choosing always get the tiles."""
+        return chunked_kernel(call, default_tiles=self.block_q is None and self.block_k is None)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         kernel = self.kernel(call)

@@ -7,7 +7,8 @@ log-sum-exp is not differentiable, so it is offered only when no gradient is nee
 
 Its CPU backward recomputes the weights from a float32 log-sum-exp, whose rounding scales
 every weight of a row: where one key takes most of a row's weight, float32 gradients miss
-qkv's accuracy rule (dV up to 30×; see ``torch_backward_misses_rule``). Named explicitly it
+qkv's accuracy rule (dV up to 30×; measured beside the row that moves it last in
+:data:`.dispatch.ROUTES`). Named explicitly it
 still runs such calls, as torch would (but for 16-bit inputs, shared key/value heads, and scores
 so large that the recomputed weights drift to inf, which it refuses); ``auto`` sends gradients
 on the CPU to ``chunked``.
@@ -31,8 +32,6 @@ from .base import Backend, follow_rule
 from .flash_cpu import lse_misses_rule
 from .math import MathBackend
 
-# Above this many scores, a mask that qkv has to build for SDPA costs more than it saves.
-DENSE_MASK_LIMIT = 1 << 22
 
 _EMPTY_ROWS_ZERO: dict[str, bool] = {}
 

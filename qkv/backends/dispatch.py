@@ -1,0 +1,359 @@
+"""``auto``'s choice, written once: one table of rows, read by everything that chooses.
+
+A row is (the calls it applies to, the engines in the order ``auto`` tries them, why). The
+conditions read a :class:`Shape` — what can be told of a call from its tensors' sizes, dtypes,
+device and which arguments are there — and, where that is not enough, the validated
+:class:`~qkv.call.AttentionCall` (``also``). From this one table:
+
+- :func:`qkv.backends.auto_order` takes the first deciding row that applies (then moves the
+  engines of every applying ``last`` row to the end);
+- :func:`qkv.backends.order_notes` prints that row's reason (``qkv info``, the debug log);
+- :func:`plain_sdpa_call` — ``qkv.attention``'s fast path, before validation — asks the same rows
+  of the raw tensors' :class:`Shape` and runs torch SDPA directly only where the table certainly
+  says SDPA first;
+- :func:`chunked_kernel` picks which of chunked's CPU kernels runs a call (:data:`KERNELS`).
+
+Each threshold lives here, beside the measurement that set it; adding an engine is adding rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+import torch
+
+from ..call import AttentionCall
+from . import chunked_native
+from .decode_cpu import can_decode, decode_shape
+from .flash_cpu import can_fuse, lse_misses_rule
+from .sdpa import needs_dense_mask
+
+# Below this many scores per head the one-shot math path beats chunked's loop on a CPU, and a
+# bool mask is too small for chunked's block-sparse dispatch to beat one dense kernel call.
+MATH_MAX_SCORES = 1 << 14
+# Above this many scores (all query heads), a mask that qkv has to build for SDPA costs more than it saves.
+DENSE_MASK_LIMIT = 1 << 22
+# Values of another head dim than the keys' (Dv ≠ D) on the CPU: torch's kernel falls back to its
+# math formulation (the Nq × Nk matrix, q and k each scaled by √scale and rounded), which
+# chunked's tile loops beat from 256 × 256 scores on (float32, one thread, no gradient: 0.64×
+# its time at 256², 0.33× at 1024², 0.31× at 2048², 1.21× at 128²) while staying closer to the
+# oracle at large logits (torch's fallback at 0.45–0.85 of the strict rule, chunked ≤ 0.53;
+# bench/results/large_logits_cpu.md).
+VALUE_DIM_MIN_SCORES = 1 << 16
+# Causal self-attention without gradients, up to this length, runs faster on the tile loops
+# than on torch's fused kernel: the loops' key range ends at each row block's diagonal (tiles of
+# band_rows(N) × 256), while the fused kernel's 512-key blocks compute past it. Measured
+# float32, B = 1, 8 heads, D = 64, 2-core AVX-512 EPYC, loops vs fused: N = 1024 17.0 vs
+# 19.7 ms on 1 thread, 9.1 vs 10.4 on 2; N = 2048 59.9 vs 64.4 and 31.4 vs 33.0; N = 4096
+# 230.6 vs 233.4 (1 thread); 8 query heads on 2, N = 1024: 16.9 vs 19.6 and 9.1 vs 10.0; N = 512
+# 5.4 vs 6.9 and 2.5 vs 3.6. Below 512 the loops' per-call cost wins back what they save (N = 128:
+# 0.53 vs 0.47 ms).
+CAUSAL_TILES_MIN_N, CAUSAL_TILES_MAX_N = 512, 4096
+
+MaskKind = Optional[Literal["bool", "float"]]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the rows read first: sizes, dtype, device and which arguments a call has. Every field
+    can be read off the raw tensors too, so the fast path asks the same rows before validating;
+    there a bool mask counts as ``positional`` as well, since validation may turn it into key
+    padding (a row's ``when`` must hold for the raw call wherever it holds for the validated one)."""
+
+    device: str  # "cpu", "cuda", ...
+    dtype: torch.dtype
+    nq: int
+    nk: int
+    hq: int
+    d: int
+    dv: int
+    causal: bool
+    mask: MaskKind  # a dense attn_mask tensor's kind
+    grad: bool  # gradients will be asked for
+    lse: bool = False
+    positional: bool = False  # a window or a key padding mask
+    block_sparse: bool = False  # a block-sparse layout
+    score: Optional[Literal["builtin", "python"]] = None
+    sinks: bool = False
+    dropout: bool = False
+    bottom_right: bool = False  # the causal alignment puts the last query at the last key
+
+    @property
+    def scores(self) -> int:
+        """Scores per head: Nq · Nk."""
+        return self.nq * self.nk
+
+    @staticmethod
+    def of(call: AttentionCall) -> "Shape":
+        given = call.given_mask if call.block_sparse is None else None
+        return Shape(
+            device=call.device.type, dtype=call.dtype, nq=call.nq, nk=call.nk, hq=call.hq, d=call.d, dv=call.dv,
+            causal=call.causal, mask=None if given is None else ("bool" if given.dtype == torch.bool else "float"),
+            grad=call.requires_grad, lse=call.return_lse,
+            positional=call.window is not None or call.key_padding_mask is not None,
+            block_sparse=call.block_sparse is not None,
+            score=None if call.score_mod is None else ("builtin" if call.builtin_score else "python"),
+            sinks=call.sinks is not None, dropout=call.dropout_p > 0.0, bottom_right=call.alignment == "bottom_right",
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of ``auto``'s choice. ``when`` reads the :class:`Shape`; ``also``, where given, the
+    validated call (the fast path, which has no validated call, then leaves the call to the
+    table). A ``last`` row does not decide: it moves its engines to the end of the order."""
+
+    when: Callable[[Shape], bool]
+    order: tuple[str, ...]
+    why: str
+    also: Optional[Callable[[AttentionCall], bool]] = None
+    last: bool = False
+
+    def applies(self, call: AttentionCall, shape: Optional[Shape] = None) -> bool:
+        return self.when(shape or Shape.of(call)) and (self.also is None or self.also(call))
+
+
+def _cpu(s: Shape) -> bool:
+    return s.device == "cpu"
+
+
+def _may_need_dense_mask(s: Shape) -> bool:
+    """Could SDPA need an Nq × Nk mask built for this call (:func:`.sdpa.needs_dense_mask`)? A window
+    or padding, or causality with a mask or with rows shifted against the keys."""
+    return s.positional or s.causal and (s.mask is not None or s.block_sparse or s.bottom_right and s.nq != s.nk)
+
+
+def causal_prefill(call: AttentionCall) -> bool:
+    """Causal float32 self-attention, ``CAUSAL_TILES_MIN_N`` ≤ Nq = Nk ≤ ``CAUSAL_TILES_MAX_N``,
+    on a CPU with no gradient and nothing else (no mask, window, padding, score function, sinks
+    or dropout), the C tile loops built: the call those loops run faster than torch's kernel."""
+    return _causal_prefill_shape(Shape.of(call)) and call.batch_size * call.hq * call.d * call.dv > 0 and chunked_native.available(call.dtype)
+
+
+def _causal_prefill_shape(s: Shape) -> bool:
+    return (
+        _cpu(s) and s.causal and s.nq == s.nk and CAUSAL_TILES_MIN_N <= s.nk <= CAUSAL_TILES_MAX_N
+        and s.dtype == torch.float32 and s.mask is None and not s.grad
+        and not (s.positional or s.block_sparse or s.score or s.sinks or s.dropout)
+    )  # fmt: skip
+
+
+def _decode_shape(s: Shape) -> bool:
+    return (
+        _cpu(s) and decode_shape(s.nq, s.nk, s.dtype)
+        and not s.grad and s.mask != "float" and not s.block_sparse and s.score is None and not s.dropout
+    )  # fmt: skip
+
+
+def value_dim_fallback(s: Shape) -> bool:
+    """Would torch's CPU kernel run this float32 call on its slower, less exact math fallback
+    (Dv ≠ D) at a size where chunked's tile loops are faster (:data:`VALUE_DIM_MIN_SCORES`)?"""
+    return _cpu(s) and s.dtype == torch.float32 and s.dv != s.d and s.scores >= VALUE_DIM_MIN_SCORES
+
+
+CHUNKED_FIRST = ("chunked", "sdpa", "math")
+SDPA_FIRST = ("sdpa", "chunked", "math")
+
+# The first deciding row that applies decides; the catch-all rows at the end take the rest.
+ROUTES: tuple[Route, ...] = (
+    Route(
+        lambda s: s.device == "cuda" and (_may_need_dense_mask(s) or s.lse and s.grad),
+        ("triton", "sdpa", "chunked", "math"),
+        "triton first: SDPA has no native form for this call (it would need an Nq × Nk mask built for it, or has no "
+        "lse gradient)",
+        also=lambda call: needs_dense_mask(call) or (call.return_lse and call.requires_grad),
+    ),
+    Route(
+        _decode_shape,
+        CHUNKED_FIRST,  # SDPA reads each K/V row once per query head
+        "chunked first: a decoding call (few query rows, long cache) runs its kernel that reads each key/value row "
+        "once for all the query rows of its group",
+        also=can_decode,
+    ),
+    Route(
+        _causal_prefill_shape,
+        CHUNKED_FIRST,  # torch's kernel computes 512-key blocks past the diagonal
+        "chunked first: causal self-attention without gradients runs faster on its tile loops, whose key range "
+        "stops at each row block's diagonal",
+        also=causal_prefill,
+    ),
+    Route(
+        lambda s: _cpu(s) and s.lse and s.dtype in (torch.float16, torch.bfloat16),
+        CHUNKED_FIRST,  # torch's kernel: 1.8e-5, the tile loops on upcast inputs: 6e-7 (lse_misses_rule)
+        "chunked first: its tile loops compute the lse of 16-bit inputs in float32, where torch's fused kernel "
+        "misses the accuracy rule on it",
+        also=lse_misses_rule,
+    ),
+    Route(
+        value_dim_fallback,
+        CHUNKED_FIRST,  # VALUE_DIM_MIN_SCORES
+        "chunked first: with values of another head dim than the keys', torch's CPU kernel falls back to its math "
+        "formulation, slower and less exact than the tile loops at this size",
+    ),
+    Route(
+        lambda s: _cpu(s) and s.block_sparse and s.scores > MATH_MAX_SCORES,
+        CHUNKED_FIRST,
+        "chunked first: it walks the block-sparse layout's blocks, forward and backward, where SDPA would get the "
+        "dense Nq × Nk mask",
+    ),
+    Route(
+        lambda s: _cpu(s) and not s.grad and (_may_need_dense_mask(s) or s.mask == "bool" or s.block_sparse)
+        and s.scores > MATH_MAX_SCORES,
+        CHUNKED_FIRST,
+        "chunked first: without gradients it runs the call on torch's fused CPU kernel block by block, skipping what "
+        "the window, padding or a bool mask's empty blocks rule out, where SDPA would get a dense mask",
+        also=lambda call: (needs_dense_mask(call) or call.bool_mask) and can_fuse(call),
+    ),
+    Route(
+        lambda s: _may_need_dense_mask(s) and s.scores * s.hq > DENSE_MASK_LIMIT,
+        CHUNKED_FIRST,
+        "chunked first: SDPA would need an Nq × Nk mask built for it",
+        also=needs_dense_mask,
+    ),
+    Route(
+        lambda s: s.device == "cuda",
+        ("sdpa", "triton", "chunked", "math"),
+        "sdpa first: torch's fused kernels (cuDNN, flash, memory-efficient) run this call natively; triton next",
+    ),
+    Route(
+        lambda s: s.scores <= MATH_MAX_SCORES,
+        ("sdpa", "math", "chunked"),
+        "sdpa first: torch's fused kernel runs a plain call fastest; below this size the one-shot math path beats "
+        "chunked's loop",
+    ),
+    Route(lambda s: True, SDPA_FIRST, "sdpa first: torch's fused kernel runs a plain call fastest"),
+    # Gradients from torch's CPU kernels miss qkv's accuracy rule on every kind of call. Measured
+    # against the float64 oracle (err / bound of the rule, worst of 6 seeds): float32 dV 30× where
+    # queries match their own keys (q = k, std 4: one key takes a row's weight, as in real models'
+    # self-matching and sink heads) and 1.3× on plain std-3 inputs, because torch recomputes the
+    # weights from a float32 lse whose rounding (an ulp of 90 is 8e-6) scales every weight of the
+    # row; 16-bit inputs (a forward lse off by up to ~5e-5, each head's gradient rounded to 16
+    # bits; the sdpa backend refuses them); shared key/value heads (gradients summed in the input
+    # dtype: dV 7× in bfloat16); float masks (dV 6×); float64 with logits of 1e31 (NaN gradients
+    # from finite inputs, a fuzz case). qkv's chunked backward keeps each row's maximum and sum
+    # apart (≤ 0.5×), as fast in float64 (8 heads × 1024 × 64, one thread: 315 ms against torch's
+    # 355; 28 against 25 ms at 256).
+    Route(
+        lambda s: _cpu(s) and s.grad,
+        ("sdpa",),
+        "sdpa last: torch's CPU backward misses the accuracy rule for gradients",
+        last=True,
+    ),
+)
+
+
+def route(call: AttentionCall) -> Route:
+    """The deciding row of :data:`ROUTES` for ``call`` (the table's last deciding row takes any call)."""
+    shape = Shape.of(call)
+    return next(r for r in ROUTES if not r.last and r.applies(call, shape))
+
+
+def order_names(call: AttentionCall) -> tuple[list[str], list[str]]:
+    """``auto``'s order of backend names for ``call``, and the reasons: the deciding row's, then
+    each applying ``last`` row's."""
+    shape = Shape.of(call)
+    chosen = route(call)
+    names, notes = list(chosen.order), []
+    for row in ROUTES:
+        if row.last and row.applies(call, shape):
+            names = [n for n in names if n not in row.order] + [n for n in row.order if n in names]
+            notes.append(row.why)
+    if names[0] == chosen.order[0]:  # the deciding row's reason, where its first engine stayed first
+        notes.insert(0, chosen.why)
+    return names, notes
+
+
+def plain_sdpa_call(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+    dropout_p: float, is_causal: object, scale: Optional[float],
+) -> bool:  # fmt: skip
+    """Whether ``auto`` would run this call on torch SDPA as given, decided without validating it.
+
+    True only for a 4-D CPU call of plain tensors whose :class:`Shape` the table's rows send to
+    SDPA first with no row that needs the validated call (``also``) or moves SDPA last: values
+    pairing with keys, no empty size (torch's shapes ignore broadcasting there), ``scale > 0``,
+    dropout in [0, 1), a mask on the query's device in its dtype (or bool) not combined with
+    ``is_causal``. The caller checks the keyword-only features (window, padding, lse, score_mod,
+    sinks). Inputs not of the plain kind (a non-tensor, an odd scale) answer False, and the call
+    is validated, which explains them."""
+    try:
+        if not (
+            query.is_cpu
+            and query.dim() == 4
+            and key.dim() == 4
+            and value.dim() == 4
+            and value.shape[1] == key.shape[1]
+            and value.shape[2] == key.shape[2]
+            and query.numel()
+            and key.numel()
+            and (scale is None or 0.0 < scale < math.inf)
+            and (dropout_p == 0.0 or 0.0 < dropout_p < 1.0)
+            and (
+                attn_mask is None
+                or (
+                    not is_causal
+                    and attn_mask.__class__ is torch.Tensor
+                    and attn_mask.device == query.device
+                    and (attn_mask.dtype is torch.bool or attn_mask.dtype is query.dtype)
+                )
+            )
+        ):
+            return False
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        shape = Shape(
+            device="cpu", dtype=query.dtype, nq=query.shape[-2], nk=key.shape[-2], hq=query.shape[1],
+            d=query.shape[-1], dv=value.shape[-1], causal=bool(is_causal),
+            mask=None if attn_mask is None else ("bool" if attn_mask.dtype is torch.bool else "float"),
+            grad=grad or (attn_mask is not None and attn_mask.requires_grad), dropout=dropout_p > 0.0,
+            positional=attn_mask is not None and attn_mask.dtype is torch.bool,  # it may be key padding
+        )  # fmt: skip
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, or a scale/probability that does not compare
+        return False
+    first = next(r for r in ROUTES if not r.last and r.when(shape))
+    return (
+        first.also is None  # a row that needs the validated call leaves the call to validation
+        and first.order[0] == "sdpa"
+        and not any(r.last and r.when(shape) and "sdpa" in r.order for r in ROUTES)
+    )
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One row of chunked's own choice of CPU kernel (all under the same tile rules)."""
+
+    applies: Callable[[AttentionCall], bool]
+    name: Literal["decode", "flash_cpu", "tiles"]
+    why: str
+
+
+KERNELS: tuple[Kernel, ...] = (
+    Kernel(
+        can_decode, "decode",
+        "a few query rows against a longer cache, no gradient: each key/value row is read once for all the rows "
+        "of its group, the whole call at memory speed",
+    ),
+    Kernel(causal_prefill, "tiles", "causal self-attention the tile loops run faster than torch's fused kernel"),
+    Kernel(
+        can_fuse, "flash_cpu",
+        "no gradient on a CPU: torch's fused kernel, block by block, is the fastest exact path there",
+    ),
+)  # fmt: skip
+
+
+def chunked_kernel(call: AttentionCall, default_tiles: bool = True) -> str:
+    """Which of chunked's kernels runs ``call``: the first row of :data:`KERNELS` that applies,
+    else ``"tiles"`` (also whenever the caller chose its own tile sizes: ``default_tiles`` False)."""
+    if default_tiles:
+        for k in KERNELS:
+            if k.applies(call):
+                return k.name
+    return "tiles"
+
+
+__all__ = [
+    "CAUSAL_TILES_MAX_N", "CAUSAL_TILES_MIN_N", "CHUNKED_FIRST", "DENSE_MASK_LIMIT", "KERNELS", "Kernel",
+    "MATH_MAX_SCORES", "ROUTES", "Route", "SDPA_FIRST", "Shape", "VALUE_DIM_MIN_SCORES", "causal_prefill",
+    "chunked_kernel", "order_names", "plain_sdpa_call", "route", "value_dim_fallback",
+]  # fmt: skip
