@@ -819,7 +819,9 @@ def kernel_configs(ctx: Context, headdims) -> dict:
     except Exception:  # noqa: BLE001 — no triton: the qkv column already says why
         return {}
     item = torch.tensor([], dtype=DTYPE).element_size()
-    return {str(d): {kind: launch_config(kind, d, d, item) for kind in ("fwd", "bwd")} for d in headdims}
+    dev = torch.device(ctx.device)
+    return {str(d): {kind: launch_config(kind, d, d, item, device=dev)._asdict() for kind in ("fwd", "bwd_dkdv", "bwd_dq", "decode")}
+            for d in headdims}
 
 
 def collect_meta(args: argparse.Namespace, ctx: Context) -> dict:

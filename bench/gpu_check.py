@@ -63,6 +63,7 @@ IMPLS = "qkv,sdpa-flash,sdpa-cudnn,flex"  # the peers that matter on a Hopper GP
 KERNEL_TESTS = (
     "tests/backends/test_triton.py",
     "tests/backends/test_triton_score_mods.py",
+    "tests/backends/test_triton_tiles.py",
     "tests/inspect/test_stats_triton.py",
     "tests/inspect/test_score_mods_inspect.py",
     "tests/test_varlen.py",

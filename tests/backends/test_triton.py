@@ -383,36 +383,15 @@ def test_torch_compile_keeps_one_graph():
 # ---- GPU lowering without a GPU ------------------------------------------------------------------
 
 _COMPILE_SCRIPT = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from qkv.backends.triton import kernels as K
-from qkv.backends.triton.backend import launch_config
+from qkv.backends.triton.lowering import compile_all
 
-def compile_one(fn, dt, consts, cfg, mask_dt):
-    ptr = {"Q", "K", "V", "Out", "DOut", "DK", "DV_", "DQ"}
-    # score functions and sinks off (tests/backends/test_triton_score_mods.py compiles them on)
-    off = dict(SOFTCAP=False, HAS_REL=False, REL_SHIFT=False, HAS_SINKS=False, REL_GRAD=False, HAS_DLSE=False)
-    consts = {n: v for n, v in {**off, **consts}.items() if n in fn.arg_names}
-    sig = {}
-    for name in fn.arg_names:
-        sig[name] = ("constexpr" if name in consts else "*" + dt if name in ptr
-                     else "*fp32" if name in ("Lse", "Delta", "DLse", "Rel", "DRel", "Sinks") else "*" + mask_dt if name == "Mask"
-                     else "*u8" if name == "KP" else "*i32" if name in ("CuQ", "CuK")
-                     else "fp32" if name in ("qk_scale", "sm_scale", "cap_in", "cap_log2") else "i32")
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-    assert k.metadata.shared <= 227 * 1024, (fn.__name__, k.metadata.shared)
-
-for dt, d, varlen, mask_bool in (("fp16", 128, False, False), ("bf16", 80, True, True), ("fp32", 64, False, True)):
-    item = 4 if dt == "fp32" else 2
+# score functions and sinks off (tests/backends/test_triton_score_mods.py compiles them on)
+for dt, d, varlen, mask_bool in (("fp16", 128, False, False), ("bf16", 80, True, True), ("fp32", 64, False, True), ("bf16", 64, False, False)):
     flags = dict(BOTTOM_RIGHT=True, HAS_LO=True, HAS_HI=True, HAS_KP=not varlen, HAS_MASK=not varlen,
-                 MASK_BOOL=mask_bool, VARLEN=varlen, FP32_DOT="tf32", UPCAST=False,
-                 BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d))
-    for fn, kind in ((K.fwd_kernel, "fwd"), (K.bwd_dkdv_kernel, "bwd"), (K.bwd_dq_kernel, "bwd")):
-        cfg = launch_config(kind, d, d, item)
-        compile_one(fn, dt, dict(flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"]), cfg, "u8" if mask_bool else dt)
-    cfg = launch_config("bwd", d, d, item)
-    compile_one(K.bwd_preprocess, dt, dict(HAS_DLSE=True, VARLEN=varlen, BLOCK_M=cfg["BLOCK_M"], BLOCK_DV=flags["BLOCK_DV"]), cfg, dt)
+                 MASK_BOOL=mask_bool, VARLEN=varlen, FP32_DOT="tf32")
+    compile_all(dt, d, flags, "u8" if mask_bool else dt)
+compile_all("bf16", 128, dict(BOTTOM_RIGHT=False, HAS_LO=False, HAS_HI=False, HAS_KP=False, HAS_MASK=False, MASK_BOOL=False,
+                              VARLEN=False, WARP_SPEC=True), "u8", arch="default")
 print("ok")
 """
 

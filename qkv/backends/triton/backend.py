@@ -11,6 +11,8 @@ This module imports triton; :mod:`qkv.backends.triton` imports it lazily.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from typing import Optional
 
@@ -21,7 +23,9 @@ from ...call import AttentionCall
 from ...score_mods.softcap import check_cap
 from ..base import follow_rule
 from ..tiles import LN2, LOG2E
+from . import configs
 from . import kernels as K
+from .configs import Config
 
 # fp32 inputs: tl.dot precision on a GPU. By default it follows torch's own float32 matmul
 # setting, as SDPA's math path does: full fp32 products ("ieee") under the default
@@ -45,24 +49,50 @@ def head_tile(n: int, itemsize: int) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def launch_config(kind: str, d: int, dv: int, itemsize: int = 2) -> dict:
-    """Tile sizes per kernel, head dim and element size: 16×16 in the interpreter (each tile is
-    NumPy work, so small tiles keep tests fast), FlashAttention-like sizes on a GPU, chosen to
-    keep the staged Q/K/V tiles within an H100's shared memory (not autotuned)."""
+_OVERRIDE: dict[str, Config] = {}  # kind -> config, set by :func:`override` (the autotune's candidates)
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int) -> str:
+    """``"sm90"`` for an H100/H200 and so on: the architecture key of :data:`configs.CONFIGS`
+    (cached: asked on every launch)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def device_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (cached)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch_config(kind: str, d: int, dv: int, itemsize: int = 2, mask: str = "any", device: Optional[torch.device] = None) -> Config:
+    """The tiles, warps and stages of one kernel launch, from :data:`configs.CONFIGS` for this
+    GPU's architecture (``kind`` in :data:`configs.KINDS`; ``mask`` a :func:`configs.mask_kind`).
+    16×16 tiles in the interpreter (each tile is NumPy work, so small tiles keep tests fast);
+    :func:`override` replaces a kind's entry (the autotune's candidates)."""
+    if kind in _OVERRIDE:
+        return _OVERRIDE[kind]
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
-    width = max(d, dv) * itemsize // 2  # head dim in 16-bit units: fp32 tiles take twice the room
-    if kind == "fwd":
-        if width <= 64:
-            return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-        if width <= 128:
-            return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    if width <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-    if width <= 128:
-        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+        return configs.INTERPRETER
+    arch = "default"
+    if device is not None and device.type == "cuda":
+        arch = device_arch(device.index if device.index is not None else torch.cuda.current_device())
+    return configs.lookup(arch, d, dv, itemsize, kind, mask)
+
+
+@contextlib.contextmanager
+def override(kind: str, config: Config):
+    """Launch ``kind`` with ``config`` inside the block (the GPU check's autotune)."""
+    before = _OVERRIDE.get(kind)
+    _OVERRIDE[kind] = config
+    try:
+        yield
+    finally:
+        if before is None:
+            _OVERRIDE.pop(kind, None)
+        else:
+            _OVERRIDE[kind] = before
 
 
 def fp32_dot() -> str:
@@ -136,23 +166,113 @@ def _score_args(q, softcap, rel, rel_base, rel_shift):
     return rel_t, (rel_t.stride(0) if has_rel else 0), (int(rel_base), float(cap_in), float(cap_log2)), flags
 
 
+def _mask_kind(meta: dict) -> str:
+    return configs.mask_kind(meta["HAS_LO"] or meta["HAS_HI"], meta["HAS_KP"] or meta["HAS_MASK"])
+
+
+def _tiles(d: int, dv: int, itemsize: int) -> dict:
+    """Head-dim tile widths, and whether each fills its tile (then its loads need no column mask)."""
+    bd, bdv = head_tile(d, itemsize), head_tile(dv, itemsize)
+    return dict(BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d, EVEN_DV=bdv == dv)
+
+
+MAX_DECODE_ROWS = 8  # Nq per head that takes the split-over-keys decoding kernel
+MAX_DECODE_GROUP = 64  # G·Nq rows in one program's tile
+MIN_DECODE_PART = 256  # keys per part on a GPU: a shorter part costs more to merge than it saves
+
+
+def decode_parts(first: int, last: int, jobs: int, block_n: int, sms: int, min_part: int) -> tuple[int, int]:
+    """How to split keys ``[first, last)`` (``first`` a multiple of ``block_n``) over parts for
+    ``jobs`` = B·Hk programs: ``(parts, keys per part)``, enough parts to give every SM two
+    programs, none shorter than ``min_part`` keys, each a whole number of tiles."""
+    tiles = max(1, triton.cdiv(last - first, block_n))
+    want = max(1, triton.cdiv(2 * sms, max(jobs, 1)))
+    most = max(1, triton.cdiv(last - first, min_part))
+    per = triton.cdiv(tiles, min(want, most, tiles)) * block_n
+    return max(1, triton.cdiv(last - first, per)), per
+
+
+def use_decode(nq: int, nk: int, g: int, varlen: bool) -> bool:
+    """Does a forward take :func:`triton_decode`: a few query rows per head (``Nq <= 8``, all
+    ``G·Nq`` rows of a group in one tile) against more keys, not packed. Its ``(out, lse)`` are
+    the forward's, so the backward is the same either way. ``QKV_TRITON_DECODE=0`` turns it off
+    (the benchmark's comparison), ``=1`` forces it where it fits."""
+    fits = not varlen and 0 < nq <= MAX_DECODE_ROWS and g * nq <= MAX_DECODE_GROUP and nk > 0
+    chosen = os.environ.get("QKV_TRITON_DECODE", "")
+    if chosen in ("0", "1"):
+        return fits and chosen == "1"
+    return fits and nk > nq
+
+
+def triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, softcap_args, sinks_t, has_sinks, out, lse):
+    """Flash-decoding forward into ``out``/``lse`` (see :func:`kernels.decode_kernel`): the keys
+    the band leaves to any row, split into parts; one program per (part, key/value head) for all
+    G·Nq rows of the group; the parts merged exactly by :func:`kernels.decode_merge_kernel`."""
+    b, hk, g, nq, d = q.shape
+    nk, dv = k.shape[3], v.shape[-1]
+    rel_t, stride_rh, score_scalars, score_flags = softcap_args
+    cfg = launch_config("decode", d, dv, q.element_size(), _mask_kind(meta), q.device)
+    bn = cfg.BLOCK_N
+    rows = max(16, triton.next_power_of_2(g * nq))
+    offset = nk - nq if meta["BOTTOM_RIGHT"] else 0
+    first = 0 if lo is None else min(max(0, offset + lo), nk)  # keys no row can see are not split
+    last = nk if hi is None else max(0, min(nk, nq - 1 + offset + hi + 1))
+    first = (first // bn) * bn
+    last = max(last, first)
+    if interpreting():
+        sms, min_part = 4, 2 * bn  # several small parts, so the tests exercise the merge
+    else:
+        sms, min_part = device_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()), MIN_DECODE_PART
+    parts, per = decode_parts(first, last, b * hk, bn, sms, min_part)
+    jobs = b * hk
+    f32 = dict(dtype=torch.float32, device=q.device)
+    tiles = _tiles(d, dv, q.element_size())
+    part_o = torch.empty(jobs * parts * rows * tiles["BLOCK_DV"], **f32)
+    part_m = torch.empty(jobs * parts * rows, **f32)
+    part_l = torch.empty(jobs * parts * rows, **f32)
+    K.decode_kernel[(parts, jobs)](
+        q, k, v, part_o, part_m, part_l, m, kpt, rel_t,
+        q.stride(0), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
+        k.stride(0), k.stride(1), k.stride(3), k.stride(4),
+        v.stride(0), v.stride(1), v.stride(3), v.stride(4),
+        *ms, *kps, stride_rh,
+        hk, g, nq, nk, d, dv, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars, per, parts, first,
+        BOTTOM_RIGHT=meta["BOTTOM_RIGHT"], HAS_LO=meta["HAS_LO"], HAS_HI=meta["HAS_HI"], HAS_KP=meta["HAS_KP"],
+        HAS_MASK=meta["HAS_MASK"], MASK_BOOL=meta["MASK_BOOL"], SOFTCAP=score_flags["SOFTCAP"], HAS_REL=score_flags["HAS_REL"],
+        FP32_DOT=meta["FP32_DOT"], UPCAST=meta["UPCAST"], BLOCK_M=rows, BLOCK_N=bn, **tiles,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    K.decode_merge_kernel[(jobs,)](
+        part_o, part_m, part_l, out, lse, sinks_t,
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
+        lse.stride(0), lse.stride(1), lse.stride(2), lse.stride(3),
+        hk, g, nq, dv, parts,
+        HAS_SINKS=has_sinks, BLOCK_M=rows, BLOCK_DV=tiles["BLOCK_DV"], num_warps=4 if not interpreting() else 1,
+    )  # fmt: skip
+    return out, lse
+
+
 def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right,
                softcap=None, rel=None, rel_base=0, rel_shift=False, sinks=None):  # fmt: skip
     """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` → out ``(B, Hk, G, Nq, Dv)``, lse float32.
 
     ``softcap``/``rel``: a built-in score function (:func:`_score_args`); ``sinks (Hq,)``: logits
-    in every row's denominator (the lse includes them)."""
+    in every row's denominator (the lse includes them). A few query rows per head against a
+    longer key sequence take :func:`triton_decode` (:func:`use_decode`)."""
     b, hk, g, nq, nk, nq_grid, _, m, ms, kpt, kps, cuq, cuk, meta = _common(q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right)
-    rel_t, stride_rh, score_scalars, score_flags = _score_args(q, softcap, rel, rel_base, rel_shift)
+    score = _score_args(q, softcap, rel, rel_base, rel_shift)
+    rel_t, stride_rh, score_scalars, score_flags = score
     sinks_t = sinks.float().contiguous() if sinks is not None else q
     d, dv = q.shape[-1], v.shape[-1]
     out = torch.empty(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
-    cfg = launch_config("fwd", d, dv, q.element_size())
     varlen = meta["VARLEN"]
-    grid = (triton.cdiv(max(nq_grid, 1), cfg["BLOCK_M"]), b * hk * g)
+    if use_decode(nq, nk, g, varlen) and b * hk * g > 0:
+        return triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, score, sinks_t, sinks is not None, out, lse)
+    cfg = launch_config("fwd", d, dv, q.element_size(), _mask_kind(meta), q.device)
+    grid = (triton.cdiv(max(nq_grid, 1), cfg.BLOCK_M), b * hk * g)
     K.fwd_kernel[grid](
         q, k, v, out, lse, m, kpt, cuq, cuk, rel_t, sinks_t,
         _batch_stride(q, varlen), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
@@ -162,8 +282,8 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
         _batch_stride(lse, varlen), lse.stride(1), lse.stride(2), lse.stride(3),
         *ms, *kps, stride_rh,
         hk, g, nq, nk, d, dv, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars,
-        BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **score_flags,
-        HAS_SINKS=sinks is not None, **cfg,
+        **_tiles(d, dv, q.element_size()), **meta, **score_flags,
+        HAS_SINKS=sinks is not None, WARP_SPEC=cfg.warp_specialize, **cfg.launch(),
     )  # fmt: skip
     return out, lse
 
@@ -194,7 +314,7 @@ def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_
     top_i = torch.empty(rows, k_top, dtype=torch.int32, device=dev)
     kw, rw = torch.empty(rows, n_kpos, **f32), torch.empty(rows, n_rpos, **f32)
     if rows and nk:
-        cfg = launch_config("fwd", d, d, q.element_size())
+        cfg = launch_config("fwd", d, d, q.element_size(), _mask_kind(meta), q.device).launch()
         grid = (triton.cdiv(nq, cfg["BLOCK_M"]), b * hk * g)
         K.stats_kernel[grid](
             q, k, lse, ent, maxw, dist, nkeys, top_v, top_i, kw, rw, kpos, rpos, m, kpt,
@@ -243,19 +363,24 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
     if dq.numel() == 0 and dk.numel() == 0 and dvt.numel() == 0:
         return dq, dk, dvt, drel, dsink
     delta = torch.empty_like(lse)
-    cfg = launch_config("bwd", d, dv, q.element_size())
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    kind = _mask_kind(meta)
+    cfg_kv = launch_config("bwd_dkdv", d, dv, q.element_size(), kind, q.device)
+    cfg_q = launch_config("bwd_dq", d, dv, q.element_size(), kind, q.device).launch()
+    if rel_grad and cfg_q["BLOCK_M"] > cfg_q["BLOCK_N"]:  # the bias's diagonal sums need BLOCK_M <= BLOCK_N
+        cfg_q["BLOCK_M"] = cfg_q["BLOCK_N"]
+    bm = cfg_q["BLOCK_M"]
     lse_strides = (_batch_stride(lse, varlen), lse.stride(1), lse.stride(2), lse.stride(3))
     do_strides = (_batch_stride(dout, varlen), dout.stride(1), dout.stride(2), dout.stride(3), dout.stride(4))
     has_dlse = dlse is not None
     if has_dlse:
         dlse = dlse.float().contiguous()  # shares lse's (contiguous) strides in the kernel
+    tiles = _tiles(d, dv, q.element_size())
     if nq > 0:
         K.bwd_preprocess[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
             out, dout, dlse if has_dlse else lse, delta, cuq,
             _batch_stride(out, varlen), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
             *do_strides, *lse_strides, hk, g, nq, dv,
-            HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=bm, BLOCK_DV=head_tile(dv, q.element_size()), num_warps=cfg["num_warps"],
+            HAS_DLSE=has_dlse, VARLEN=varlen, BLOCK_M=bm, BLOCK_DV=tiles["BLOCK_DV"], num_warps=cfg_q["num_warps"],
         )  # fmt: skip
     qkv_strides = (
         _batch_stride(q, varlen), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
@@ -264,19 +389,20 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
         *do_strides, *lse_strides,
     )
     tail = (hk, g, nq, nk, d, dv, scale, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars)
-    consts = dict(BLOCK_D=head_tile(d, q.element_size()), BLOCK_DV=head_tile(dv, q.element_size()), **meta, **score_flags, **cfg)
+    consts = dict(**tiles, **meta, **score_flags)
     if nk > 0:
-        K.bwd_dkdv_kernel[(triton.cdiv(max(nk_grid, 1), bn), b * hk)](
+        K.bwd_dkdv_kernel[(triton.cdiv(max(nk_grid, 1), cfg_kv.BLOCK_N), b * hk)](
             q, k, v, dout, lse, delta, dk, dvt, m, kpt, cuq, cuk, rel_t, *qkv_strides,
             _batch_stride(dk, varlen), dk.stride(1), dk.stride(3), dk.stride(4),
             _batch_stride(dvt, varlen), dvt.stride(1), dvt.stride(3), dvt.stride(4),
-            *ms, *kps, stride_rh, *tail, **consts,
+            *ms, *kps, stride_rh, *tail, **consts, **cfg_kv.launch(),
         )  # fmt: skip
     if nq > 0:
         K.bwd_dq_kernel[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
             q, k, v, dout, lse, delta, dq, m, kpt, cuq, cuk, rel_t, drel if rel_grad else rel_t, dlse if has_dlse else lse,
             *qkv_strides, _batch_stride(dq, varlen), dq.stride(1), dq.stride(2), dq.stride(3), dq.stride(4),
-            *ms, *kps, stride_rh, *tail, rel_t.shape[1] if rel is not None else 0, **consts, REL_GRAD=rel_grad, HAS_DLSE=has_dlse,
+            *ms, *kps, stride_rh, *tail, rel_t.shape[1] if rel is not None else 0, **consts, **cfg_q, REL_GRAD=rel_grad,
+            HAS_DLSE=has_dlse,
         )  # fmt: skip
     if sinks is not None and nq > 0:
         # d sink_h = Σ_rows P_sink·(dlse − rowsum(dO∘O)) = −Σ_rows exp(sink_h − lse')·delta
