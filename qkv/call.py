@@ -22,7 +22,7 @@ import torch
 from .reference.attention import causal_bias_alignment
 from .reference.masks import Alignment, PositionalMask, parse_alignment, parse_causal, parse_window
 from .score_mods.base import BoundScore, ScoreMod, bind, captured_tensors, check_score_mod
-from .sparse import BlockSparseMask
+from .sparse import BlockSparseMask, check_mask_mod, from_block_mask, from_mask_mod
 
 # The names a caller may pass as ``backend=`` (qkv.backends registers the implementations).
 BackendName = Literal["auto", "sdpa", "chunked", "math", "triton"]
@@ -394,8 +394,8 @@ def _check_block_sparse(mask: BlockSparseMask, scores_shape: tuple[int, ...]) ->
 
 
 def _unwrap_mask(attn_mask: Any, is_causal: Any, nq: int, nk: int, device: torch.device) -> tuple[Any, Any]:
-    """(attn_mask, is_causal) with a torch ``CausalBias`` turned into its causal alignment (a
-    :class:`BlockSparseMask` is checked by :func:`_check_block_sparse`)."""
+    """(attn_mask, is_causal) with a torch ``CausalBias`` turned into its causal alignment and a
+    FlexAttention ``BlockMask`` into a :class:`BlockSparseMask` (checked by :func:`_check_block_sparse`)."""
     bias_alignment = causal_bias_alignment(attn_mask) if attn_mask is not None else None
     if bias_alignment is not None:  # torch.nn.attention.bias.causal_upper_left / causal_lower_right
         if is_causal is not False:
@@ -410,7 +410,25 @@ def _unwrap_mask(attn_mask: Any, is_causal: Any, nq: int, nk: int, device: torch
                 f"key_len = ({nq}, {nk}); build it with causal_{'lower_right' if bias_alignment == 'bottom_right' else 'upper_left'}({nq}, {nk})"
             )
         attn_mask, is_causal = None, bias_alignment
+    if type(attn_mask).__name__ == "BlockMask" and type(attn_mask).__module__.startswith("torch.nn.attention"):
+        attn_mask = from_block_mask(attn_mask)  # FlexAttention's: its blocks and mask function
     return attn_mask, is_causal
+
+
+def _with_mask_mod(
+    mask_mod: Any, attn_mask: Optional[torch.Tensor], block_sparse: Optional[BlockSparseMask], batch: tuple[int, ...],
+    hq: int, nq: int, nk: int, device: torch.device,
+) -> tuple[Optional[torch.Tensor], Optional[BlockSparseMask]]:  # fmt: skip
+    """(attn_mask, block_sparse) with FlexAttention's ``mask_mod`` joined to them: as a layout of
+    blocks (:func:`qkv.sparse.from_mask_mod`) where there is no dense mask, else folded into it."""
+    size = block_sparse.block_size if block_sparse is not None else 64
+    found = from_mask_mod(check_mask_mod(mask_mod), batch, hq, nq, nk, block_size=size, device=device)
+    if attn_mask is None:
+        return None, found if block_sparse is None else block_sparse & found
+    allowed = found.to_dense(device)  # the caller's mask is Nq × Nk already
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & allowed, None
+    return attn_mask.masked_fill(~allowed, float("-inf")), None
 
 
 def _check_scale(scale: Optional[float], d: int) -> float:
@@ -511,6 +529,7 @@ def validate(
     generator: Optional[torch.Generator] = None,
     score_mod: Any = None,
     sinks: Any = None,
+    mask_mod: Any = None,
 ) -> AttentionCall:
     """Check every argument of :func:`qkv.attention` and raise errors that say how to fix them."""
     q, k, v = _check_qkv(query, key, value)
@@ -532,6 +551,8 @@ def validate(
     if key_padding_mask is not None:
         _check_key_padding(key_padding_mask, q, (*batch, nk))
     attn_mask, key_padding_mask = _padding_from_mask(attn_mask, key_padding_mask, q, nk)
+    if mask_mod is not None:
+        attn_mask, block_sparse = _with_mask_mod(mask_mod, attn_mask, block_sparse, batch, hq, nq, nk, q.device)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     score_mod = check_score_mod(score_mod)

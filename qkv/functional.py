@@ -15,6 +15,7 @@ from .call import AttentionCall, BackendName, validate, validate_qk
 from .nonfinite import Checked, guard
 from .reference.masks import Alignment, IsCausal
 from .score_mods.base import ScoreFn, ScoreMod
+from .sparse import MaskMod
 
 _log = logging.getLogger("qkv")
 _sdpa = F.scaled_dot_product_attention
@@ -68,6 +69,7 @@ def attention(
     generator: Optional[torch.Generator] = None,
     score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
     sinks: Optional[torch.Tensor] = None,
+    mask_mod: Optional[MaskMod] = None,
 ) -> torch.Tensor: ...
 
 
@@ -90,6 +92,7 @@ def attention(
     generator: Optional[torch.Generator] = None,
     score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
     sinks: Optional[torch.Tensor] = None,
+    mask_mod: Optional[MaskMod] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -112,6 +115,7 @@ def attention(
     generator: Optional[torch.Generator] = None,
     score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
     sinks: Optional[torch.Tensor] = None,
+    mask_mod: Optional[MaskMod] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
 
 
@@ -133,6 +137,7 @@ def attention(
     generator: Optional[torch.Generator] = None,
     score_mod: Optional[Union[ScoreMod, ScoreFn]] = None,
     sinks: Optional[torch.Tensor] = None,
+    mask_mod: Optional[MaskMod] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact scaled dot-product attention: ``softmax(query · keyᵀ · scale + mask) · value``.
 
@@ -177,10 +182,15 @@ def attention(
       flow through it and into the tensors it reads (slopes, a bias table).
     - ``sinks``: ``(Hq,)`` logits, one per query head, that join each row's softmax
       denominator without a value (GPT-OSS); the lse includes them (see :mod:`qkv.sinks`).
+    - ``mask_mod``: FlexAttention's mask function ``fn(batch, head, q_idx, kv_idx) -> bool``
+      (True = may attend), combined with every other mask; kept as blocks
+      (:func:`qkv.sparse.from_mask_mod`), so no ``Nq × Nk`` mask is built on the CPU. A Flex
+      ``BlockMask`` may be passed as ``attn_mask``. Score and mask functions mean what they
+      compute per element, as in Flex (:mod:`qkv.elementwise`).
     """
     # Fast path: a plain SDPA call that auto would send to SDPA goes straight to torch's kernel
     # with almost no Python, so small shapes pay little.
-    if backend == "auto" and window is None and key_padding_mask is None and not return_lse:
+    if backend == "auto" and window is None and key_padding_mask is None and not return_lse and mask_mod is None:
         out = _fast_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, generator, score_mod, sinks)
         if out is not None:
             mask = attn_mask if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point() else None
@@ -190,6 +200,7 @@ def attention(
     call = validate(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window=window, window_alignment=window_alignment,
         key_padding_mask=key_padding_mask, return_lse=return_lse, generator=generator, score_mod=score_mod, sinks=sinks,
+        mask_mod=mask_mod,
     )  # fmt: skip
     out, lse = _run(call, backend)
     return (out, lse) if return_lse else out

@@ -20,17 +20,27 @@ Constructors for the published patterns::
     bigbird(n, block_size, ...)              window + global + random blocks (Zaheer et al., 2020)
     strided(n, block_size, stride)           local + strided blocks (Child et al., 2019)
     from_dense(mask, block_size)             any bool mask, with its empty blocks found
+    from_mask_mod(mask_mod, batch, heads, nq, nk)  FlexAttention's mask function (b, h, q_idx, kv_idx) -> bool
+    from_block_mask(block_mask)              FlexAttention's BlockMask (its layout and mask function)
+
+``a & b`` is the mask of both (same shape and block size). ``qkv.attention(..., mask_mod=fn)``
+builds ``from_mask_mod`` for the call; build it once yourself (as Flex's ``create_block_mask``)
+and pass it as ``attn_mask`` to reuse it over a loop of calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+import inspect
+import math
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["BlockSparseMask", "longformer", "bigbird", "strided", "from_dense"]
+from .elementwise import call_elementwise
+
+__all__ = ["BlockSparseMask", "longformer", "bigbird", "strided", "from_dense", "from_mask_mod", "from_block_mask"]
 
 Rule = Callable[[Tensor, Tensor], Tensor]  # (rows (R, 1), cols (1, C)) -> allowed (..., R, C)
 
@@ -117,6 +127,26 @@ class BlockSparseMask:
                 f"density {self.density:.1%}" + (f" (one character = {step}×{step} blocks)" if step > 1 else ""))
         rows = ["".join("█" if x else "·" for x in row) for row in lay.tolist()]
         return "\n".join([head] + rows)
+
+    def __and__(self, other: "BlockSparseMask") -> "BlockSparseMask":
+        """The pairs both masks allow: the layouts' common blocks, and both rules inside them."""
+        if not isinstance(other, BlockSparseMask):
+            return NotImplemented
+        if other.shape != self.shape or other.block_size != self.block_size:
+            raise ValueError(
+                f"cannot combine a BlockSparseMask of shape {self.shape} in blocks of {self.block_size} with one of "
+                f"{other.shape} in blocks of {other.block_size}; build both for the same shape and block_size"
+            )
+        rules = [r for r in (self.rule, other.rule) if r is not None]
+        rule: Optional[Rule] = rules[0] if len(rules) == 1 else None
+        if len(rules) == 2:
+            first, second = rules
+
+            def rule(rows: Tensor, cols: Tensor) -> Tensor:
+                return first(rows, cols) & second(rows, cols)
+
+        lay = torch.logical_and(self.layout, other.layout.to(self.layout.device))
+        return BlockSparseMask(lay, self.block_size, self.shape, rule, f"{self.name} & {other.name}")
 
     def __repr__(self) -> str:
         return (f"BlockSparseMask({self.name}, shape={self.shape}, block_size={self.block_size}, "
@@ -226,3 +256,121 @@ def from_dense(mask: Tensor, block_size: Union[int, tuple[int, int]] = 64) -> Bl
         return mask.to(rows.device)[..., rows[:, 0], :][..., cols[0]]
 
     return BlockSparseMask(layout, (bq, bk), (nq, nk), rule, "from_dense")
+
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (batch, head, q_idx, kv_idx) -> allowed
+
+# Pairs evaluated at once while a mask function's layout is found (bounds the memory it takes).
+_LAYOUT_CHUNK = 1 << 22
+
+
+def check_mask_mod(mask_mod: Any) -> MaskMod:
+    """``mask_mod`` if it is callable with FlexAttention's four arguments, else a TypeError saying so."""
+    if not callable(mask_mod):
+        raise TypeError(
+            f"mask_mod must be callable as mask_mod(batch, head, q_idx, kv_idx) -> bool tensor, got "
+            f"{type(mask_mod).__name__}"
+        )
+    try:
+        sig = inspect.signature(mask_mod)
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return mask_mod
+    try:
+        sig.bind(*range(4))
+    except TypeError:
+        raise TypeError(
+            f"mask_mod {getattr(mask_mod, '__name__', mask_mod)!r} takes ({', '.join(sig.parameters)}); it must accept "
+            "four positional arguments (batch, head, q_idx, kv_idx), FlexAttention's contract"
+        ) from None
+    return mask_mod
+
+
+def _allowed(mask_mod: MaskMod, b: Tensor, h: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """The mask function on broadcasting index tensors ``(B|1, H|1, R|1, C|1)``, as a bool tensor."""
+    shape = torch.broadcast_shapes(b.shape, h.shape, rows.shape, cols.shape)
+    out = call_elementwise(mask_mod, shape, b, h, rows, cols)
+    if out.dtype != torch.bool:
+        raise TypeError(f"mask_mod returned {out.dtype} values; it must return bool (True = may attend)")
+    return out
+
+
+def from_mask_mod(
+    mask_mod: MaskMod,
+    batch: Union[int, Sequence[int], None],
+    heads: Optional[int],
+    nq: int,
+    nk: Optional[int] = None,
+    *,
+    block_size: Union[int, tuple[int, int]] = 64,
+    device: Union[str, torch.device, None] = None,
+) -> BlockSparseMask:
+    """FlexAttention's ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` as a layout of blocks (the
+    ones holding an allowed pair) and the function itself as the rule inside them — what Flex's
+    ``create_block_mask`` builds. ``batch`` (an int or the batch dims; ``batch`` is then the
+    flattened index) and ``heads`` may be None where the function reads neither. The function is
+    evaluated over every pair once, a few million at a time: no ``Nq × Nk`` mask is kept."""
+    mask_mod = check_mask_mod(mask_mod)
+    nk = nq if nk is None else nk
+    bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
+    for name, value in (("nq", nq), ("nk", nk)):
+        _positive_int(name, value, 0)
+    _positive_int("block_size", bq)
+    _positive_int("block_size", bk)
+    batch_shape = () if batch is None else (batch,) if isinstance(batch, int) else tuple(batch)
+    nb, nh = math.prod(batch_shape), 1 if heads is None else _positive_int("heads", heads)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    b = torch.arange(nb, device=dev).view(nb, 1, 1, 1)
+    h = torch.arange(nh, device=dev).view(1, nh, 1, 1)
+    rq, rk = -(-nq // bq), -(-nk // bk)
+    cols_per = max(bk, _LAYOUT_CHUNK // max(1, nb * nh * bq) // bk * bk)  # keys per evaluation, whole blocks
+    rows_out = []
+    for i in range(rq):
+        rows = torch.arange(i * bq, min(nq, (i + 1) * bq), device=dev).view(1, 1, -1, 1)
+        parts = []
+        for k0 in range(0, nk, cols_per):
+            cols = torch.arange(k0, min(nk, k0 + cols_per), device=dev).view(1, 1, 1, -1)
+            ok = _allowed(mask_mod, b, h, rows, cols).expand(-1, -1, rows.shape[2], cols.shape[3])
+            pad = -ok.shape[-1] % bk
+            ok = torch.nn.functional.pad(ok, (0, pad)) if pad else ok
+            parts.append(ok.any(-2).reshape(*ok.shape[:2], -1, bk).any(-1))  # (B|1, H|1, key blocks)
+        rows_out.append(torch.cat(parts, -1) if parts else torch.zeros(1, 1, rk, dtype=torch.bool, device=dev))
+    lead = torch.broadcast_shapes(*(r.shape[:2] for r in rows_out)) if rows_out else (1, 1)
+    layout = torch.stack([r.expand(*lead, rk) for r in rows_out], -2) if rows_out else torch.zeros(1, 1, 0, rk, dtype=torch.bool, device=dev)
+    layout = _with_batch_dims(layout, batch_shape)
+
+    def rule(r: Tensor, c: Tensor) -> Tensor:  # rows (R, 1), cols (1, C) -> (..., H|1, R, C)
+        bb, hh = b.to(r.device), h.to(r.device)
+        return _with_batch_dims(_allowed(mask_mod, bb, hh, r.view(1, 1, -1, 1), c.view(1, 1, 1, -1)), batch_shape)
+
+    name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
+    return BlockSparseMask(layout, (bq, bk), (nq, nk), rule, f"mask_mod {name if name != '<lambda>' else ''}".strip())
+
+
+def _with_batch_dims(t: Tensor, batch_shape: tuple[int, ...]) -> Tensor:
+    """``(B|1, H|1, ...)`` with the flattened batch unflattened to ``batch_shape`` (ones where it broadcasts)."""
+    if t.shape[0] == 1:
+        return t.reshape(*((1,) * len(batch_shape)), *t.shape[1:])
+    return t.reshape(*batch_shape, *t.shape[1:])
+
+
+def from_block_mask(block_mask: Any) -> BlockSparseMask:
+    """FlexAttention's ``BlockMask`` as qkv's layout: its blocks and its ``mask_mod`` as the rule
+    inside them (``qkv.attention`` takes a BlockMask as ``attn_mask`` through this)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"from_block_mask needs a torch.nn.attention.flex_attention.BlockMask, got {type(block_mask).__name__}")
+    nq, nk = block_mask.seq_lengths
+    bq, bk = block_mask.BLOCK_SIZE
+    layout = block_mask.to_dense().to(torch.bool)  # (B|1, H|1, Q blocks, KV blocks)
+    layout = layout[..., : -(-nq // bq), : -(-nk // bk)]
+    mask_mod = block_mask.mask_mod
+    dev = layout.device
+
+    def rule(r: Tensor, c: Tensor) -> Tensor:
+        nb, nh = layout.shape[0], layout.shape[1]
+        b = torch.arange(nb, device=r.device).view(nb, 1, 1, 1)
+        h = torch.arange(nh, device=r.device).view(1, nh, 1, 1)
+        return _allowed(mask_mod, b, h, r.view(1, 1, -1, 1), c.view(1, 1, 1, -1))
+
+    return BlockSparseMask(layout.to(dev), (bq, bk), (nq, nk), rule, "flex BlockMask")

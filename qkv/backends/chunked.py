@@ -68,7 +68,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..call import AttentionCall
+from ..call import AttentionCall, accumulate_dtype
 from ..masks import MaskTiles
 from ..reference.masks import PositionalMask
 from ..score_mods.base import BoundScore, KernelForm, captured_tensors
@@ -552,15 +552,17 @@ class _ScoredAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor], _dm: Any, _dl: Any):
         # detached: under torch.func, buffers made from tracked inputs would be tracked leaves
         q, k, v, out, m, l, *params = (t.detach() for t in ctx.saved_tensors)
+        params = [p.requires_grad_() for p in params]  # what a Python function's gradients are taken against
         tiles = replace(ctx.tiles, score=ctx.tiles.score.with_tensors(params))
         qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)
         cd = qc.dtype
         dout = torch.zeros_like(out) if dout is None else dout.detach().to(cd)
         dlse = None if dlse is None else dlse.detach().to(cd)
-        dparams = [torch.zeros_like(p) for p in params]
+        # the tensors' gradients summed over tiles in float32 (16-bit tables included), rounded once
+        dparams = [torch.zeros_like(p, dtype=accumulate_dtype(p.dtype)) for p in params]
         with torch.no_grad():
             dq, dk, dv = chunked_backward(qc, kc, vc, out, m, l, dout, dlse, tiles, ctx.scale, ctx.plan, dparams)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, *dparams
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, *(d.to(p.dtype) for d, p in zip(dparams, params))
 
 
 @torch.compiler.disable  # a Python callable runs in eager mode: torch.compile breaks the graph here

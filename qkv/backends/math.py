@@ -28,8 +28,8 @@ def grouped_scores(call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> tor
     """
     s = half_to_float(q) @ half_to_float(k).transpose(-1, -2) * call.scale
     score = call.bound_score()
-    if score is not None:
-        s = score.apply(s, 0, 0)
+    if score is not None:  # a Python function reads its 16-bit tensors upcast: their gradients sum in float32
+        s = score.with_tensors(score.tensors).apply(s, 0, 0)
     allowed, bias = MaskTiles.from_call(call).tile(0, call.nq, 0, call.nk)
     return apply_tile(s, allowed, bias)
 

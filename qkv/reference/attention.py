@@ -154,13 +154,16 @@ def attention_ref(
     return_lse: bool = False,
     score_mod: Any = None,
     sinks: Any = None,
+    mask_mod: Any = None,
 ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """Exact attention in float64: ``softmax(score_mod(q kᵀ · scale) + mask) v``.
 
     Accepts NumPy arrays or torch tensors and returns float64 NumPy arrays:
     ``out (..., Hq, Nq, Dv)`` and, with ``return_lse=True``, ``lse (..., Hq, Nq)``.
     ``score_mod`` (a torch callable, see :mod:`qkv.score_mods`) is evaluated in float64 on the
-    whole score matrix; ``sinks`` ``(Hq,)`` join each row's denominator (:mod:`qkv.sinks`).
+    whole score matrix; ``sinks`` ``(Hq,)`` join each row's denominator (:mod:`qkv.sinks`);
+    ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (FlexAttention's) is evaluated on every pair
+    and joins the other masks.
     """
     q, k, v = as_float64(q, "q"), as_float64(k, "k"), as_float64(v, "v")
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
@@ -199,6 +202,9 @@ def attention_ref(
             scores = score_mod64(score_mod, scores, causal_bias_alignment(attn_mask) or parse_causal(is_causal)[1])
         if bias is not None:
             scores = scores + bias
+    if mask_mod is not None:
+        more = mask_mod64(mask_mod, scores.shape)
+        allowed = more if allowed is None else allowed & more
     if allowed is not None:
         scores = np.where(allowed, scores, -np.inf)
     weights, lse = softmax_rows(scores)
@@ -214,9 +220,11 @@ def attention_ref(
 
 def score_mod64(score_mod: Any, scores: np.ndarray, alignment: str) -> np.ndarray:
     """``score_mod`` on float64 scores ``(..., H, Nq, Nk)``: batch = the flattened batch index,
-    head, query row (a built-in sees it at its aligned position) and key, broadcast."""
+    head, query row (a built-in sees it at its aligned position) and key; a function meaning what
+    it computes per element, as FlexAttention calls it (:func:`qkv.elementwise.call_elementwise`)."""
     import torch
 
+    from ..elementwise import call_elementwise
     from ..score_mods.base import ScoreMod
 
     nq, nk = scores.shape[-2:]
@@ -229,8 +237,20 @@ def score_mod64(score_mod: Any, scores: np.ndarray, alignment: str) -> np.ndarra
     if isinstance(score_mod, ScoreMod):
         qi = qi + (nk - nq if (score_mod.alignment or alignment) == "bottom_right" else 0)
     with torch.no_grad():
-        out = torch.as_tensor(score_mod(s, batch, head, qi, kj)).to(torch.float64).expand(s.shape)
+        found = score_mod(s, batch, head, qi, kj) if isinstance(score_mod, ScoreMod) else call_elementwise(score_mod, s.shape, s, batch, head, qi, kj)
+        out = torch.as_tensor(found).to(torch.float64).expand(s.shape)
     return out.reshape(scores.shape).numpy()
+
+
+def mask_mod64(mask_mod: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """``mask_mod`` on every pair of scores ``(..., H, Nq, Nk)`` (batch = the flattened batch index)."""
+    import torch
+
+    from ..sparse import check_mask_mod, from_mask_mod
+
+    *batch, h, nq, nk = (1, *shape) if len(shape) == 2 else shape
+    dense = from_mask_mod(check_mask_mod(mask_mod), tuple(batch), h, nq, nk).to_dense()
+    return np.broadcast_to(dense.numpy(), shape)
 
 
 def with_sinks(weights: np.ndarray, lse: np.ndarray, sinks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

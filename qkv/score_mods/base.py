@@ -5,10 +5,14 @@ Contract (FlexAttention's ``score_mod``)::
     score_mod(score, batch, head, q_idx, kv_idx) -> new score
 
 ``score`` holds scaled scores ``q·kᵀ·scale`` in the compute dtype (float32 for 16-bit inputs,
-float64 for float64); ``batch``, ``head``, ``q_idx`` and ``kv_idx`` are integer tensors that
-broadcast against it: the flattened batch index, the *query* head, the query row and the key
-index. qkv calls the function on whole tiles at once (broadcasting), never per element, so
-write it with tensor operations: ``score + bias[head, q_idx - kv_idx]``, ``torch.where(...)``.
+float64 for float64); ``batch``, ``head``, ``q_idx`` and ``kv_idx`` are integer tensors: the
+flattened batch index, the *query* head, the query row and the key index. As in FlexAttention
+the function means what it computes for one element (0-d tensors), so code written per element
+(``score + bias[batch][q_idx]``) works unchanged. qkv runs it on whole tiles where it can: it
+first calls it with index tensors that broadcast against the tile, checks once per function that
+this gives what the per-element call gives (:func:`qkv.elementwise.call_elementwise`), and otherwise maps it over
+the elements with ``torch.vmap``, as Flex does. Like Flex's, a function may not branch in Python
+on a tensor's value (``if q_idx > kv_idx``): write ``torch.where(q_idx > kv_idx, ...)``.
 
 Order in every backend::
 
@@ -30,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..elementwise import call_elementwise, rebind
 from ..reference.masks import Alignment, parse_alignment
 
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -266,8 +271,19 @@ class BoundScore:
         return replace(self, batch0=self.batch0 + (batch.start or 0), head0=self.head0 + (heads.start or 0))
 
     def with_tensors(self, tensors: Sequence[Tensor]) -> "BoundScore":
-        """The same function reading ``tensors`` in place of its own (a built-in's ``rel``)."""
-        if self.form is None or self.form.rel is None or not tensors:
+        """The same function reading ``tensors`` in place of its own: a built-in's ``rel``; for a
+        Python function, ``tensors`` (16-bit ones upcast to float32, differentiably, so that
+        their gradients are summed in float32 as Flex sums them and rounded once) swapped into
+        its closure, defaults and globals (:func:`qkv.elementwise.rebind`), where it is a plain
+        function or a partial; :attr:`tensors` are then the upcast ones."""
+        if not tensors:
+            return self
+        if self.form is None:
+            with torch.enable_grad():  # the upcast is part of the graph, even inside a backward
+                read = tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors)
+            fn = rebind(self.fn, {id(o): r for o, r in zip(self.tensors, read)})
+            return self if fn is None else replace(self, fn=fn, tensors=read)
+        if self.form.rel is None:
             return self
         return replace(self, form=KernelForm(self.form.softcap, tensors[0]), tensors=tuple(tensors))
 
@@ -299,7 +315,7 @@ class BoundScore:
             out = apply_form(self.form, s, head, q_idx, kv_idx, self.nq)
         else:
             assert self.fn is not None
-            out = self.fn(s, batch, head, q_idx, kv_idx)
+            out = call_elementwise(self.fn, s.shape, s, batch, head, q_idx, kv_idx)
         if not isinstance(out, Tensor):
             raise TypeError(f"score_mod returned {type(out).__name__}; it must return the new scores as a tensor")
         if out.shape != s.shape:

@@ -1,0 +1,156 @@
+"""FlexAttention's per-element functions, run on whole tiles where that means the same.
+
+A score function ``(score, batch, head, q_idx, kv_idx) -> score`` or a mask function
+``(batch, head, q_idx, kv_idx) -> bool`` means, as in FlexAttention, what it computes for one
+element: each argument a 0-d tensor. Calling it once per element is slow, so qkv first calls it
+with arguments that broadcast against a whole tile (``q_idx (R, 1)``, ``kv_idx (1, C)``, ...),
+and keeps that where it gives what the per-element call gives: checked once per function on a
+corner of the tile (:func:`call_elementwise`). A function that raises on tiles (``bias[b][i]``
+indexes the wrong dim), returns another shape or disagrees (``bias[h].sum()`` sums every head)
+is mapped over the elements with ``torch.vmap`` from then on, as Flex maps it.
+
+Like Flex's, a function may not branch in Python on a tensor's value (``if q_idx > kv_idx``):
+write ``torch.where(q_idx > kv_idx, ...)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["call_elementwise", "per_element", "rebind"]
+
+# How each function was found to run: True where calling it on broadcasting tiles gives what the
+# per-element call gives, False where it must be mapped. Keyed by a plain function's code (a
+# lambda made anew for each call is checked once), else by the callable itself, held weakly.
+_RUNS_ON_TILES: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_RUNS_ON_TILES_BY_CODE: dict[Any, bool] = {}
+_MAX_CODES = 4096  # functions made by exec in a loop would otherwise grow the table without end
+_CORNER_LEAD, _CORNER_ROWS, _CORNER_COLS = 2, 4, 4  # the corner of a tile compared element by element
+_CALL_ERRORS = (IndexError, RuntimeError, TypeError, ValueError)
+
+
+def per_element(fn: Callable[..., Any], shape: torch.Size, *args: Tensor) -> Tensor:
+    """``fn`` called once per element of ``shape``, as FlexAttention calls it: every argument
+    expanded to ``shape``, flattened, and mapped over with ``torch.vmap`` (0-d tensors each)."""
+    flat = [t.expand(shape).reshape(-1) for t in args]
+    out = torch.vmap(fn)(*flat)
+    if not isinstance(out, Tensor):
+        raise TypeError(f"{getattr(fn, '__name__', 'the function')} returned {type(out).__name__}; it must return a tensor")
+    return out.reshape(shape)
+
+
+def _verdict(fn: Any) -> "bool | None":
+    if isinstance(fn, types.FunctionType):
+        return _RUNS_ON_TILES_BY_CODE.get(fn.__code__)
+    try:
+        return _RUNS_ON_TILES.get(fn)
+    except TypeError:  # not weak-referenceable: checked on each call
+        return None
+
+
+def _remember(fn: Any, runs_on_tiles: bool) -> None:
+    if isinstance(fn, types.FunctionType):
+        if len(_RUNS_ON_TILES_BY_CODE) >= _MAX_CODES:
+            _RUNS_ON_TILES_BY_CODE.clear()
+        _RUNS_ON_TILES_BY_CODE[fn.__code__] = runs_on_tiles
+        return
+    try:
+        _RUNS_ON_TILES[fn] = runs_on_tiles
+    except TypeError:
+        pass
+
+
+def _same_corner(fn: Any, out: Tensor, shape: torch.Size, args: tuple[Tensor, ...]) -> bool:
+    """Does the tile result ``out`` match the per-element call on the tile's corner? (A function
+    whose per-element call fails cannot be compared: its tile result stands.)"""
+    lead = len(shape) - 2
+    corner = tuple(slice(0, _CORNER_LEAD) for _ in range(lead)) + (slice(0, _CORNER_ROWS), slice(0, _CORNER_COLS))
+    sub = [t.detach().expand(shape)[corner] for t in args]
+    try:
+        with torch.no_grad():
+            want = per_element(fn, sub[0].shape, *sub)
+    except _CALL_ERRORS:
+        return True
+    got = out.detach().expand(shape)[corner]
+    if want.dtype == torch.bool or got.dtype == torch.bool:
+        return bool(torch.equal(got.to(torch.bool), want.to(torch.bool)))
+    return bool(torch.allclose(got.to(want.dtype), want, rtol=1e-5, atol=1e-6, equal_nan=True))
+
+
+def _broadcasts(got: torch.Size, shape: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(got, shape) == shape
+    except RuntimeError:
+        return False
+
+
+def call_elementwise(fn: Callable[..., Any], shape: torch.Size, *args: Tensor) -> Tensor:
+    """``fn(*args)`` for arguments that broadcast to ``shape`` (a tile of scores, or of mask
+    pairs), meaning what its per-element call means (see the module docstring). On a function's
+    first call the tile result is compared with :func:`per_element` on the tile's corner. The
+    result broadcasts to ``shape`` (its dtype the function's), except where the function fails
+    per element too: then what it returned on the tile comes back for the caller to refuse, or
+    the per-element call's error is raised."""
+    verdict = _verdict(fn)
+    if verdict is False:
+        return per_element(fn, shape, *args)
+    try:
+        out = fn(*args)
+    except _CALL_ERRORS:
+        out = None
+    fits = isinstance(out, Tensor) and _broadcasts(out.shape, shape)
+    if fits and (verdict or _same_corner(fn, out, shape, args)):
+        if verdict is None:
+            _remember(fn, True)
+        return out  # type: ignore[return-value]
+    try:
+        mapped = per_element(fn, shape, *args)
+    except _CALL_ERRORS:
+        if out is not None:
+            return out  # wrong on tiles and per element: the caller says what is wrong with this result
+        raise
+    if verdict is None:
+        _remember(fn, False)
+    return mapped
+
+
+def rebind(fn: Any, swap: dict[int, Tensor]) -> Any:
+    """A copy of ``fn`` that reads ``swap[id(t)]`` wherever it read tensor ``t`` — in its closure,
+    default arguments and the globals it names, a ``functools.partial``'s arguments, and nested
+    plain functions it captured — or None where ``fn`` is another kind of callable (a module, a
+    bound method, an object with ``__call__``), whose tensors cannot be swapped from outside."""
+    if isinstance(fn, functools.partial):
+        inner = rebind(fn.func, swap)
+        if inner is None:
+            return None
+        args = [swap.get(id(a), a) for a in fn.args]
+        return functools.partial(inner, *args, **{k: swap.get(id(a), a) for k, a in fn.keywords.items()})
+    if not isinstance(fn, types.FunctionType):
+        return None
+
+    def swapped(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return swap.get(id(x), x)
+        if isinstance(x, (types.FunctionType, functools.partial)):
+            return rebind(x, swap) or x
+        return x
+
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(types.CellType(swapped(cell.cell_contents)))
+        except ValueError:  # an empty cell (a name assigned after the function was made)
+            cells.append(cell)
+    names = [n for n in fn.__code__.co_names if isinstance(fn.__globals__.get(n), Tensor) and id(fn.__globals__[n]) in swap]
+    glob = fn.__globals__ if not names else {**fn.__globals__, **{n: swap[id(fn.__globals__[n])] for n in names}}
+    defaults = None if fn.__defaults__ is None else tuple(swapped(d) for d in fn.__defaults__)
+    out = types.FunctionType(fn.__code__, glob, fn.__name__, defaults, tuple(cells) if fn.__closure__ else None)
+    out.__kwdefaults__ = None if fn.__kwdefaults__ is None else {k: swapped(d) for k, d in fn.__kwdefaults__.items()}
+    out.__qualname__ = fn.__qualname__
+    return out
