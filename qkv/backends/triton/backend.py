@@ -358,8 +358,9 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dvt = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     rel_grad = bool(rel_grad) and rel is not None
-    drel = torch.zeros(rel.shape if rel_grad else (0,), dtype=torch.float32, device=q.device)  # atomics add into it
-    dsink = torch.zeros(0 if sinks is None else sinks.shape[0], dtype=torch.float32, device=q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    drel = torch.zeros(rel.shape, **f32) if rel_grad else torch.empty(0, **f32)  # atomics add into it
+    dsink = torch.zeros(sinks.shape[0], **f32) if sinks is not None else torch.empty(0, **f32)
     if dq.numel() == 0 and dk.numel() == 0 and dvt.numel() == 0:
         return dq, dk, dvt, drel, dsink
     delta = torch.empty_like(lse)
@@ -488,6 +489,7 @@ class _TritonAttention(torch.autograd.Function):
         out, lse = output
         rel, sinks = inputs[_REL], inputs[_SINKS]
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k, rel, sinks)
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient (a launch, and loads in the kernels)
         ctx.scalars = scalars[:6]  # max_q, max_k, scale, lo, hi, bottom_right
         ctx.score = (scalars[6], scalars[8], scalars[9])  # softcap, rel_base, rel_shift
 
