@@ -83,7 +83,8 @@ DTYPE_NAME = str(DTYPE).replace("torch.", "")
 MODES = ("fwd", "bwd", "fwd+bwd")
 MODE_TITLES = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backward"}
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # backward does 2.5× the forward's matmul work
-KINDS = ("dense", "window", "gqa")
+KINDS = ("dense", "window", "gqa", "score", "decode")
+SCORES = ("softcap", "alibi", "t5", "sinks")
 
 # The correctness rule of ENGINEERING.md: err(candidate) <= 2·err(plain SDPA, same dtype) + floor.
 TOL_FACTOR = 2.0
@@ -116,14 +117,16 @@ def attention_flops(batch: int, heads: int, n: int, d: int, causal: bool = False
 
 @dataclass(frozen=True)
 class Case:
-    kind: str  # "dense" | "window" | "gqa"
+    kind: str  # one of KINDS
     batch: int
     hq: int
     hkv: int
-    n: int
+    n: int  # sequence length (keys; queries too, except decode)
     d: int
     causal: bool
     window: Optional[int] = None  # keys to the left each query sees besides itself (causal band)
+    score: Optional[str] = None  # "score": one of SCORES
+    nq: int = 0  # "decode": query rows per head (against n cached keys)
 
     @property
     def id(self) -> str:
@@ -132,10 +135,30 @@ class Case:
         tag = "causal" if self.causal else "full"
         if self.kind == "gqa":
             return f"gqa{self.hq}x{self.hkv}-d{self.d}-n{self.n}-{tag}"
+        if self.kind == "score":
+            return f"{self.score}-d{self.d}-n{self.n}-{tag}"
+        if self.kind == "decode":
+            return f"decode-q{self.nq}-kv{self.n}-{self.hq}x{self.hkv}-d{self.d}"
         return f"dense-d{self.d}-n{self.n}-{tag}"
 
+    @property
+    def queries(self) -> int:
+        return self.nq or self.n
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """Decoding has no gradient: forward only."""
+        return ("fwd",) if self.kind == "decode" else MODES
+
     def flops(self) -> dict[str, float]:
+        if self.kind == "decode":  # every query row sees every cached key
+            fwd = 4.0 * self.batch * self.hq * self.d * self.nq * self.n
+            return {mode: FLOP_FACTOR[mode] * fwd for mode in MODES}
         return attention_flops(self.batch, self.hq, self.n, self.d, self.causal, self.window)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V (bf16) a decoding call must read: its roofline is this over the copy rate."""
+        return 2 * self.batch * self.hkv * self.n * self.d * 2
 
 
 @dataclass(frozen=True)
@@ -148,19 +171,25 @@ class Grid:
     extra_seqlens: tuple[int, ...] = (4096, 16384)
     windows: tuple[int, ...] = (256, 1024)
     gqa: tuple[tuple[int, int], ...] = ((32, 8), (32, 4))  # (query heads, key/value heads)
+    scores: tuple[str, ...] = SCORES  # causal, head dim extra_d, at extra_seqlens
+    decode: tuple[tuple[int, int], ...] = ((1, 8192), (8, 32768))  # (query rows, cached keys): Nq <= 8, KV >= 8k
+    decode_batch: int = 8
+    decode_heads: tuple[int, int] = (32, 8)  # (query heads, key/value heads)
     math_max_n: int = 4096  # SDPA math materialises B·H·N² scores (and their gradient)
 
 
 GRIDS = {
     "full": Grid(),
-    "quick": Grid(seqlens=(1024, 4096, 16384), headdims=(64, 128), extra_seqlens=(8192,), windows=(1024,), gqa=((32, 8),)),
-    "dry": Grid(tokens=128, hidden=128, seqlens=(32, 64), headdims=(64, 128), extra_d=64, extra_seqlens=(64,), windows=(16,), gqa=((4, 2),), math_max_n=32),
+    "quick": Grid(seqlens=(1024, 4096, 16384), headdims=(64, 128), extra_seqlens=(4096,), windows=(1024,), gqa=((32, 8),)),
+    "dry": Grid(tokens=128, hidden=128, seqlens=(32, 64), headdims=(64, 128), extra_d=64, extra_seqlens=(64,), windows=(16,), gqa=((4, 2),),
+                decode=((1, 64), (4, 128)), decode_batch=2, decode_heads=(4, 2), math_max_n=32),
 }  # fmt: skip
 
 
 def build_cases(grid: Grid, headdims=None, seqlens=None, kinds=KINDS, only: Optional[str] = None) -> list[Case]:
-    """The grid's cases, filtered: ``headdims``/``seqlens`` replace the grid's lists (extras too),
-    ``kinds`` picks dense/window/gqa, ``only`` is a regex searched in each case id."""
+    """The grid's cases, filtered: ``headdims``/``seqlens`` replace the grid's lists (extras too;
+    decoding keeps its own lengths), ``kinds`` picks among :data:`KINDS`, ``only`` is a regex
+    searched in each case id."""
     dims = tuple(headdims or grid.headdims)
     dense_ns = tuple(seqlens or grid.seqlens)
     extra_ns = tuple(seqlens or grid.extra_seqlens)
@@ -177,6 +206,11 @@ def build_cases(grid: Grid, headdims=None, seqlens=None, kinds=KINDS, only: Opti
             cases += [Case("window", max(1, grid.tokens // n), h, h, n, d, True, w) for w in grid.windows for n in extra_ns]
         if "gqa" in kinds:
             cases += [Case("gqa", max(1, grid.tokens // n), hq, hk, n, d, True) for hq, hk in grid.gqa for n in extra_ns]
+        if "score" in kinds:
+            cases += [Case("score", max(1, grid.tokens // n), h, h, n, d, True, score=sc) for sc in grid.scores for n in extra_ns]
+        if "decode" in kinds:
+            hq, hk = grid.decode_heads
+            cases += [Case("decode", grid.decode_batch, hq, hk, kv, d, False, nq=nq) for nq, kv in grid.decode]
     if only:
         cases = [c for c in cases if re.search(only, c.id)]
     return cases
@@ -186,8 +220,9 @@ ORDERS = ("grid", "size")
 
 
 def order_cases(cases: list[Case], order: str) -> list[Case]:
-    """``grid``: as built; ``size``: by sequence length, then grid order (a stable sort)."""
-    return sorted(cases, key=lambda c: c.n) if order == "size" else list(cases)
+    """``grid``: as built; ``size``: by sequence length (a decoding call by its query rows, the
+    cheapest cells), then grid order (a stable sort)."""
+    return sorted(cases, key=lambda c: c.queries) if order == "size" else list(cases)
 
 
 # ---- implementations ----------------------------------------------------------------------
@@ -208,12 +243,38 @@ class Context:
 Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build_qkv(case: Case, ctx: Context) -> Run:
-    kw = {"enable_gqa": case.hq != case.hkv, "backend": ctx.qkv_backend}
+@lru_cache(maxsize=None)
+def score_parts(case: Case, device: str) -> dict:
+    """qkv's arguments for a score-function case (the same tensors for every implementation and
+    the reference: drawn once per case from a fixed seed)."""
+    from qkv.score_mods import ALiBi, RelativeBias, Softcap, alibi_slopes
+
+    g = torch.Generator().manual_seed(0)
+    if case.score == "softcap":
+        return {"score_mod": Softcap(30.0)}
+    if case.score == "alibi":
+        return {"score_mod": ALiBi(alibi_slopes(case.hq).to(device))}
+    if case.score == "t5":
+        return {"score_mod": RelativeBias((torch.randn(32, case.hq, generator=g) * 0.5).to(device), bidirectional=False)}
+    if case.score == "sinks":
+        return {"sinks": torch.randn(case.hq, generator=g).to(device)}
+    return {}
+
+
+def qkv_kwargs(case: Case, ctx: Context, plain: bool = False) -> dict:
+    """qkv.attention's keywords for a case; ``plain``: without its score function or sinks."""
+    kw: dict = {"enable_gqa": case.hq != case.hkv}
     if case.window is not None:
         kw["window"] = (case.window, 0)  # query p sees keys p−w … p: causal by construction
     else:
         kw["is_causal"] = case.causal
+    if case.kind == "score" and not plain:
+        kw.update(score_parts(case, ctx.device))
+    return kw
+
+
+def build_qkv(case: Case, ctx: Context, backend: Optional[str] = None, plain: bool = False) -> Run:
+    kw = dict(qkv_kwargs(case, ctx, plain), backend=backend or ctx.qkv_backend)
     return lambda q, k, v: qkv.attention(q, k, v, **kw)
 
 
@@ -258,14 +319,30 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def flex_score(case: Case, ctx: Context) -> Optional[Callable]:
+    """FlexAttention's score_mod for a score case (qkv's built-ins follow Flex's contract);
+    raises for sinks, which Flex has no argument for."""
+    if case.kind != "score":
+        return None
+    if case.score == "sinks":
+        raise Unsupported("FlexAttention has no attention sinks")
+    mod = score_parts(case, ctx.device)["score_mod"]
+    if case.score == "t5":  # Flex traces the function: give it a gather it can compile
+        n = case.n
+        rel = mod.kernel_form(case.hq, n, n, "top_left", torch.float32).rel  # (H, 2N-1)
+        return lambda score, b, h, q_idx, kv_idx: score + rel[h, kv_idx - q_idx + (n - 1)]
+    return mod
+
+
 def build_flex(case: Case, ctx: Context) -> Run:
     from torch.nn.attention.flex_attention import create_block_mask
 
+    score_mod = flex_score(case, ctx)
     mask_mod = flex_mask_mod(case)
-    block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, case.n, case.n, device=ctx.device)
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, case.queries, case.n, device=ctx.device)
     flex = compiled_flex()
     gqa = case.hq != case.hkv
-    return lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask, score_mod=score_mod, enable_gqa=gqa)
 
 
 @dataclass(frozen=True)
@@ -275,15 +352,22 @@ class Peer:
     cuda_only: bool = False
 
 
-# name -> how to build its call for a case. SDPA has no sliding window, so it sits out "window".
+# name -> how to build its call for a case. SDPA has no sliding window or score function, so it
+# sits out "window" and "score". "qkv" is the backend under test (--qkv-backend, triton by
+# default), "auto" qkv.attention's own choice, "qkv-plain" the backend under test on the same
+# call without its score function or sinks (what a score function or sinks cost).
 PEERS: dict[str, Peer] = {
     "qkv": Peer(build_qkv, KINDS),
-    "sdpa-flash": Peer(partial(build_sdpa, "FLASH_ATTENTION"), ("dense", "gqa")),
-    "sdpa-cudnn": Peer(partial(build_sdpa, "CUDNN_ATTENTION"), ("dense", "gqa"), cuda_only=True),
-    "sdpa-efficient": Peer(partial(build_sdpa, "EFFICIENT_ATTENTION"), ("dense", "gqa"), cuda_only=True),
-    "sdpa-math": Peer(partial(build_sdpa, "MATH"), ("dense", "gqa")),
+    "auto": Peer(partial(build_qkv, backend="auto"), KINDS),
+    "qkv-plain": Peer(partial(build_qkv, plain=True), ("score",)),
+    "sdpa-flash": Peer(partial(build_sdpa, "FLASH_ATTENTION"), ("dense", "gqa", "decode")),
+    "sdpa-cudnn": Peer(partial(build_sdpa, "CUDNN_ATTENTION"), ("dense", "gqa", "decode"), cuda_only=True),
+    "sdpa-efficient": Peer(partial(build_sdpa, "EFFICIENT_ATTENTION"), ("dense", "gqa", "decode"), cuda_only=True),
+    "sdpa-math": Peer(partial(build_sdpa, "MATH"), ("dense", "gqa", "decode")),
     "flex": Peer(build_flex, KINDS, cuda_only=True),
 }
+# implementations that are qkv itself (the rest are peers)
+OURS = ("qkv", "auto", "qkv-plain")
 
 
 # ---- inputs and the correctness guard -----------------------------------------------------
@@ -292,10 +376,11 @@ PEERS: dict[str, Peer] = {
 def make_inputs(case: Case, ctx: Context, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device=ctx.device).manual_seed(seed)
 
-    def randn(h):  # (B, H, N, D)
-        return torch.randn(case.batch, h, case.n, case.d, device=ctx.device, dtype=DTYPE, generator=g).requires_grad_()
+    def randn(h, n):  # (B, H, N, D)
+        t = torch.randn(case.batch, h, n, case.d, device=ctx.device, dtype=DTYPE, generator=g)
+        return t if case.kind == "decode" else t.requires_grad_()
 
-    return randn(case.hq), randn(case.hkv), randn(case.hkv)
+    return randn(case.hq, case.queries), randn(case.hkv, case.n), randn(case.hkv, case.n)
 
 
 def check_slice(case: Case) -> tuple[int, int]:
@@ -313,16 +398,27 @@ def dense_mask(case: Case, device) -> Optional[torch.Tensor]:
     return (diff >= 0) & (diff <= case.window)
 
 
-def reference(case: Case, q, k, v) -> dict:
-    """fp32 SDPA on the check slice, and how far plain SDPA in the benchmark dtype lands from it."""
+REF_ROWS = 256  # a score case is checked on its first query rows (its relative positions stay the same)
+
+
+def reference(case: Case, q, k, v, ctx: Optional[Context] = None) -> dict:
+    """fp32 reference on the check slice, and how far the plain bf16 computation lands from it:
+    SDPA for plain cases, qkv's ``math`` backend on the first :data:`REF_ROWS` query rows (all
+    heads) for score functions and sinks."""
     hq, hkv = check_slice(case)
     with torch.no_grad():
-        qs, ks, vs = q[:1, :hq], k[:1, :hkv], v[:1, :hkv]
-        ks, vs = (t.repeat_interleave(case.hq // case.hkv, dim=1) for t in (ks, vs))  # (1, hq, N, D)
-        mask = dense_mask(case, q.device)
-        kw = {"attn_mask": mask, "is_causal": case.causal and mask is None}
-        ref = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float(), **kw)
-        base = F.scaled_dot_product_attention(qs, ks, vs, **kw)
+        if case.kind == "score":
+            kw = qkv_kwargs(case, ctx or Context(str(q.device.type), "math", 0, False))
+            qs, ks, vs = q[:1, :, :REF_ROWS], k[:1], v[:1]
+            ref = qkv.attention(qs.float(), ks.float(), vs.float(), backend="math", **kw)
+            base = qkv.attention(qs, ks, vs, backend="math", **kw)
+        else:
+            qs, ks, vs = q[:1, :hq], k[:1, :hkv], v[:1, :hkv]
+            ks, vs = (t.repeat_interleave(case.hq // case.hkv, dim=1) for t in (ks, vs))  # (1, hq, N, D)
+            mask = dense_mask(case, q.device)
+            kw = {"attn_mask": mask, "is_causal": case.causal and mask is None}
+            ref = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float(), **kw)
+            base = F.scaled_dot_product_attention(qs, ks, vs, **kw)
         base_err = (base.float() - ref).abs().max().item()
         bound = TOL_FACTOR * base_err + FLOOR[DTYPE] * max(1.0, ref.abs().max().item())
     return {"ref": ref, "base_err": base_err, "bound": bound}
@@ -330,7 +426,8 @@ def reference(case: Case, q, k, v) -> dict:
 
 def check_output(case: Case, out: torch.Tensor, ref: dict) -> dict:
     hq, _ = check_slice(case)
-    err = (out[:1, :hq].detach().float() - ref["ref"]).abs().max().item()
+    got = out[:1, :, :REF_ROWS] if case.kind == "score" else out[:1, :hq]
+    err = (got.detach().float() - ref["ref"]).abs().max().item()
     return {"err": err, "bound": ref["bound"], "base_err": ref["base_err"], "ok": err <= ref["bound"]}
 
 
@@ -393,6 +490,50 @@ def measure_ceilings(ctx: Context, time_ms) -> dict:
     return out
 
 
+def wall_us(fn, device: str, iters: int) -> float:
+    """Wall-clock µs per call of ``fn`` over ``iters`` calls after one warm-up: for a call whose
+    kernel is tiny this is the host's cost (Python, validation, launches)."""
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def measure_overhead(ctx: Context, time_ms, grid: "Grid") -> dict:
+    """The per-call cost outside the kernels, two ways: a tiny call's wall time through
+    ``qkv.attention`` against a bare launch of the same kernel, and a forward at N = 1024,
+    causal against full (2·causal − full: the part that does not halve with the work)."""
+    n = grid.seqlens[0] if ctx.dry_run else 1024
+    d = 64
+    heads, batch = grid.hidden // d, max(1, grid.tokens // n)
+    iters = 5 if ctx.dry_run else 200
+    ov: dict = {"backend": ctx.qkv_backend, "n": n, "batch": batch, "heads": heads, "tiny_n": 16 if ctx.dry_run else 128,
+                "iters": iters}  # fmt: skip
+    try:
+        g = torch.Generator(device=ctx.device).manual_seed(0)
+        tiny = [torch.randn(1, 1, ov["tiny_n"], d, device=ctx.device, dtype=DTYPE, generator=g) for _ in range(3)]
+        ov["wrapper_us"] = wall_us(lambda: qkv.attention(*tiny, is_causal=True, backend=ctx.qkv_backend), ctx.device, iters)
+        ov["auto_us"] = wall_us(lambda: qkv.attention(*tiny, is_causal=True), ctx.device, iters)
+        if ctx.qkv_backend == "triton" and ctx.device == "cuda":
+            from qkv.backends.triton.backend import bare_forward
+
+            ov["bare_us"] = wall_us(bare_forward(*tiny, d**-0.5, causal=True), ctx.device, iters)
+            ov["overhead_us"] = ov["wrapper_us"] - ov["bare_us"]
+        else:
+            ov["error"] = "the bare launch needs the triton backend on CUDA"
+        big = [torch.randn(batch, heads, n, d, device=ctx.device, dtype=DTYPE, generator=g) for _ in range(3)]
+        ov["full_us"] = 1e3 * time_ms(lambda: qkv.attention(*big, backend=ctx.qkv_backend))
+        ov["causal_us"] = 1e3 * time_ms(lambda: qkv.attention(*big, is_causal=True, backend=ctx.qkv_backend))
+        ov["fixed_us"] = 2 * ov["causal_us"] - ov["full_us"]
+    except Exception as exc:  # noqa: BLE001 — reported, the run goes on
+        ov["error"] = failure(exc, [])["reason"]
+    free_memory(ctx.device)
+    return ov
+
+
 # ---- one cell: a case × an implementation -------------------------------------------------
 
 
@@ -449,10 +590,15 @@ def run_cell(name: str, case: Case, ctx: Context, inputs, ref: dict, time_ms) ->
         if not torch.isfinite(out).all():
             rec.update(status="nan", reason="NaN or inf in the output")
         else:
-            rec["check"] = check_output(case, out, ref)
-            dout = torch.randn_like(out)
+            # qkv-plain answers another call (no score function): its time is what it is for
+            rec["check"] = check_output(case, out, ref) if name != "qkv-plain" else {"ok": True, "err": math.nan, "bound": math.nan,
+                                                                                      "base_err": math.nan}  # fmt: skip
+            dout = torch.randn_like(out) if out.requires_grad else None
             flops = case.flops()
-            rec["modes"] = {m: run_mode(m, fn, q, k, v, out, dout, time_ms, flops[m]) for m in MODES}
+            rec["modes"] = {m: run_mode(m, fn, q, k, v, out, dout, time_ms, flops[m]) for m in case.modes}
+            fwd = rec["modes"]["fwd"]
+            if case.kind == "decode" and fwd["status"] == "ok":
+                fwd["gbps"] = case.kv_bytes() / fwd["ms"] / 1e6  # K and V read once: the decoding roofline
             if any(t.grad is not None and not torch.isfinite(t.grad).all() for t in (q, k, v)):
                 rec.update(status="nan", reason="NaN or inf in the gradients")
     except Exception as exc:  # noqa: BLE001 — one failing cell must not stop the run
@@ -537,7 +683,7 @@ def run_cases(cases: list[Case], impls: list[str], ctx: Context, rec: Recorder, 
         crec = rec.start_case(case, seed)
         inputs = make_inputs(case, ctx, seed)
         try:
-            ref = reference(case, *inputs)
+            ref = reference(case, *inputs, ctx=ctx)
         except Exception as exc:  # noqa: BLE001
             crec["error"] = failure(exc, [])["reason"]
             ref = {"ref": None, "base_err": math.nan, "bound": math.nan}
@@ -555,8 +701,8 @@ def run_cases(cases: list[Case], impls: list[str], ctx: Context, rec: Recorder, 
             budget.record(time.monotonic() - t0)
             crec["results"][name] = cell
             progress(budget, case, name, cell)
-            if name == "qkv":
-                qkv_guard(case, cell, rec)
+            if name in OURS:
+                qkv_guard(case, cell, rec, name)
             rec.save()
         del inputs, ref
         free_memory(ctx.device)
@@ -564,13 +710,14 @@ def run_cases(cases: list[Case], impls: list[str], ctx: Context, rec: Recorder, 
         rec.save()
 
 
-def qkv_guard(case: Case, cell: dict, rec: Recorder) -> None:
+def qkv_guard(case: Case, cell: dict, rec: Recorder, name: str = "qkv") -> None:
+    tag = "" if name == "qkv" else f" ({name})"
     if cell["status"] == "nan":
-        rec.qkv_failures.append(f"{case.id}: {cell['reason']}")
-        loud(f"qkv produced NaN on {case.id}: {cell['reason']}")
+        rec.qkv_failures.append(f"{case.id}{tag}: {cell['reason']}")
+        loud(f"qkv{tag} produced NaN on {case.id}: {cell['reason']}")
     elif cell["status"] == "ok" and not cell["check"]["ok"]:
         c = cell["check"]
-        loud(f"qkv disagrees with the fp32 reference on {case.id}: max error {c['err']:.3e} > bound {c['bound']:.3e}")
+        loud(f"qkv{tag} disagrees with the fp32 reference on {case.id}: max error {c['err']:.3e} > bound {c['bound']:.3e}")
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -604,6 +751,8 @@ def cell_text(res: Optional[dict], mode: str, ceiling: float, impl: str, reasons
     if res["status"] == "ok":
         wrong = "" if res["check"]["ok"] else " ✗"  # any implementation's output that fails the guard
         res = res["modes"][mode]
+        if res["status"] == "ok" and "gbps" in res:  # decoding: bytes of K and V per second
+            return f"{fmt_num(res['gbps'])} GB/s{wrong}"
         if res["status"] == "ok":
             return f"{fmt_num(res['tflops'])} ({res['tflops'] / ceiling:.0%}){wrong}"
     if res["status"] == "oom":
@@ -626,7 +775,7 @@ def check_text(res: Optional[dict]) -> str:
 
 def cell_tflops(res: Optional[dict], mode: str) -> Optional[float]:
     """TFLOP/s of one implementation's result in ``mode``, or None when it has no time."""
-    if res and res["status"] == "ok" and res["modes"][mode]["status"] == "ok":
+    if res and res["status"] == "ok" and mode in res["modes"] and res["modes"][mode]["status"] == "ok":
         return res["modes"][mode]["tflops"]
     return None
 
@@ -637,6 +786,9 @@ ROW_COLUMNS = {
     "window": [("N", lambda c: c["n"]), ("batch", lambda c: c["batch"]), ("window", lambda c: c["window"])],
     "gqa": [("N", lambda c: c["n"]), ("batch", lambda c: c["batch"]), ("kv heads", lambda c: c["hkv"]),
             ("causal", lambda c: "yes" if c["causal"] else "no")],
+    "score": [("N", lambda c: c["n"]), ("batch", lambda c: c["batch"]), ("score", lambda c: c["score"])],
+    "decode": [("N", lambda c: c["nq"]), ("batch", lambda c: c["batch"]), ("KV", lambda c: c["n"]),
+               ("heads", lambda c: f"{c['hq']}/{c['hkv']}")],
 }  # fmt: skip
 
 
@@ -645,13 +797,17 @@ def section_title(kind: str, d: int, hq: int, tokens: int) -> str:
         return f"Head dim {d} · {hq} heads · hidden {hq * d} · {tokens} tokens per batch"
     if kind == "window":
         return f"Sliding window (causal; each query sees itself and `window` keys before it) · head dim {d} · {hq} heads"
+    if kind == "score":
+        return f"Score functions and sinks (causal; softcap 30, ALiBi, T5 bias with 32 buckets, sinks) · head dim {d} · {hq} heads"
+    if kind == "decode":
+        return f"Decoding (N query rows per head against a KV cache, no mask, no gradient; GB/s of K and V) · head dim {d} · {hq} query heads"
     return f"Grouped-query attention (causal) · head dim {d} · {hq} query heads"
 
 
 def render_section(kind: str, cases: list[dict], runs: list[dict], qkv_backend: str, reasons: Reasons) -> list[str]:
     present = {name for c in cases for name in c["results"]}
     impls = [n for n in PEERS if kind in PEERS[n].kinds and n in present]
-    others = [n for n in impls if n != "qkv"]
+    others = [n for n in impls if n not in OURS]
     baseline = [n for n in others if n.startswith("sdpa-")] or others
     ratio_head = "qkv ÷ best SDPA" if baseline and baseline[0].startswith("sdpa-") else f"qkv ÷ {' / '.join(baseline)}"
     names = [f"qkv {qkv_backend}" if n == "qkv" else n for n in impls]
@@ -659,7 +815,9 @@ def render_section(kind: str, cases: list[dict], runs: list[dict], qkv_backend: 
     lines: list[str] = []
     if kind == "window":
         lines += ["", "SDPA has no sliding-window argument (a dense N×N mask would be a different workload), so FlexAttention is the peer."]
-    for mode in MODES:
+    if kind == "score":
+        lines += ["", "`qkv-plain`: the same call without its score function or sinks; FlexAttention has no sinks."]
+    for mode in (("fwd",) if kind == "decode" else MODES):
         head = [h for h, _ in rows] + [f"GFLOP {mode}"] + names + [ratio_head]
         if mode == "fwd":
             head.append("qkv check")
@@ -671,10 +829,44 @@ def render_section(kind: str, cases: list[dict], runs: list[dict], qkv_backend: 
             cells += [cell_text(c["results"].get(n), mode, ceiling, n, reasons) for n in impls]
             ours = cell_tflops(c["results"].get("qkv"), mode)
             best = max((t for t in (cell_tflops(c["results"].get(n), mode) for n in baseline) if t is not None), default=None)
+            if kind == "decode":
+                ours, best = _gbps(c["results"].get("qkv")), max((t for t in (_gbps(c["results"].get(n)) for n in baseline) if t), default=None)
             cells.append(f"{ours / best:.2f}×" if ours is not None and best else "—")
             if mode == "fwd":
                 cells.append(check_text(c["results"].get("qkv")))
             lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _gbps(res: Optional[dict]) -> Optional[float]:
+    """GB/s of K and V of a decoding result, or None."""
+    if res and res["status"] == "ok" and res["modes"].get("fwd", {}).get("status") == "ok":
+        return res["modes"]["fwd"].get("gbps")
+    return None
+
+
+def render_overhead(ov: dict) -> list[str]:
+    """The per-call cost outside the kernels (:func:`measure_overhead`)."""
+    if not ov:
+        return []
+
+    def us(x):
+        return "unmeasured" if x is None else f"{x:.1f} µs"
+
+    lines = ["", "## Per-call cost outside the kernels", "",
+             f"Wall-clock µs per call of a tiny forward (B = 1, H = 1, N = {ov['tiny_n']}, D = 64), averaged over {ov['iters']} calls; "
+             f"and GPU time of a forward at N = {ov['n']} (B = {ov['batch']}, {ov['heads']} heads, D = 64), causal against full: "
+             "with the kernel time halved by causality, `2·causal − full` is what does not scale with the work.", "",
+             "| what | value |", "|---|---:|",
+             f"| qkv.attention (`{ov['backend']}`), tiny call | {us(ov.get('wrapper_us'))} |",
+             f"| qkv.attention (`auto`), tiny call | {us(ov.get('auto_us'))} |",
+             f"| bare kernel launch (arguments prepared once) | {us(ov.get('bare_us'))} |",
+             f"| wrapper − bare | {us(ov.get('overhead_us'))} |",
+             f"| forward full, N = {ov['n']} | {us(ov.get('full_us'))} |",
+             f"| forward causal, N = {ov['n']} | {us(ov.get('causal_us'))} |",
+             f"| 2·causal − full | {us(ov.get('fixed_us'))} |"]  # fmt: skip
+    if ov.get("error"):
+        lines += ["", f"Not measured: {ov['error']}"]
     return lines
 
 
@@ -721,9 +913,10 @@ def render_report(data: dict) -> str:
         kind = KINDS[kind_i]
         lines += ["", f"## {section_title(kind, d, hq, group[0]['batch'] * group[0]['n'])}"]
         lines += render_section(kind, group, runs, meta["qkv_backend"], reasons)
+    lines += render_overhead(data.get("overhead") or {})
     configs = meta.get("kernel_configs") or {}
     if configs:
-        lines += ["", f"## Kernel configurations (qkv triton, {DTYPE_NAME}; fixed per head dim, not autotuned)", "",
+        lines += ["", f"## Kernel configurations (qkv triton, {DTYPE_NAME}; from the launch table for this GPU, mask kind `any`)", "",
                   "| head dim | kernel | BLOCK_M | BLOCK_N | warps | stages |", "|---:|---|---:|---:|---:|---:|"]  # fmt: skip
         for d, kinds in configs.items():
             for kind, c in kinds.items():
@@ -879,6 +1072,8 @@ def main(argv=None) -> int:
     try:
         rec.data["runs"][0]["ceilings"] = measure_ceilings(ctx, time_ms)
         print(f"ceilings: {json.dumps(rec.data['runs'][0]['ceilings'])}", flush=True)
+        rec.data["overhead"] = measure_overhead(ctx, time_ms, grid)
+        print(f"per-call overhead: {json.dumps(rec.data['overhead'])}", flush=True)
         rec.save()
         run_cases(cases, args.impls.split(","), ctx, rec, budget, time_ms)
     finally:

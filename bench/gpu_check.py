@@ -12,16 +12,23 @@ budget:
    :data:`KERNEL_TESTS` — the triton kernels' own tests, the statistics and varlen kernels and
    the fuzz slice of triton calls — judged by the same float64 oracle and tolerance rule as on
    the CPU (tests/device.py). They must finish.
-2. **Benchmark**: ``bench/attention_gpu.py --quick --order size`` (head dim 64 and 128, N 1k–16k,
-   causal and not, forward / backward / forward+backward, a sliding window and GQA; SDPA's
-   flash and cuDNN kernels and compiled FlexAttention in the same run). It flushes its report
-   after every cell, so a cut run still leaves one.
-3. **FlashAttention's ported suite on the triton backend** (:data:`PORTED_TESTS`), on what is
+2. **Autotune** (:mod:`qkv.backends.triton.autotune`): candidate launch configurations of each
+   kernel timed on the device, the winners written into the report as rows ready to paste into
+   ``qkv/backends/triton/configs.py`` (its own slice, ``--autotune-budget``; a dry run runs it
+   through the interpreter and measures nothing).
+3. **Benchmark**: ``bench/attention_gpu.py --quick --order size`` (head dim 64 and 128, N 1k–16k,
+   causal and not, forward / backward / forward+backward, a sliding window, GQA, score
+   functions and sinks, decoding, and the per-call cost outside the kernels; qkv's triton
+   kernels and ``auto`` beside SDPA's flash and cuDNN kernels and compiled FlexAttention in the
+   same run). It flushes its report after every cell, so a cut run still leaves one.
+4. **FlashAttention's ported suite on the triton backend** (:data:`PORTED_TESTS`), on what is
    left; a cut there is reported, and what ran is judged.
-4. **Report**: ``<out-dir>/attention_gpu_<device>.md/.json`` (the benchmark) and
-   ``<out-dir>/gpu_check_<device>.md`` (the summary: verdict, test counts and failures, one
-   line per benchmark case with qkv's TFLOP/s against the device's matmul ceiling and the best
-   peer, the kernel configurations), printed too. Logs and JUnit XML go to ``--log-dir``.
+5. **Report**: ``<out-dir>/attention_gpu_<device>.md/.json`` (the benchmark) and
+   ``<out-dir>/gpu_check_<device>.md`` (the summary: the correctness verdict, the goals of
+   issue 36 judged cell by cell — PASS, FAIL or "unmeasured" where a cell did not run — test
+   counts and failures, one line per benchmark case with qkv's and auto's rates against the
+   best peer, the per-call overhead, the kernel configurations and the autotune table),
+   printed too. Logs and JUnit XML go to ``--log-dir``.
 
 Exit status: 0 when no test failed and every qkv benchmark output was finite and within the
 tolerance rule; 1 when anything was wrong, or the kernels' tests ran out of time; 2 when there
@@ -53,9 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention_gpu  # noqa: E402  (the benchmark script beside this one)
 from attention_gpu import fmt_num  # noqa: E402
 
+from qkv.backends.triton import autotune  # noqa: E402  (imports no triton: the report reads its results)
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "attention_gpu.py"
-IMPLS = "qkv,sdpa-flash,sdpa-cudnn,flex"  # the peers that matter on a Hopper GPU
+IMPLS = "qkv,auto,qkv-plain,sdpa-flash,sdpa-cudnn,flex"  # qkv (triton), auto, and the peers that matter on a Hopper GPU
 # The files holding the tests marked ``device`` (tests/test_gpu_check.py checks that none is
 # missing). Only these are collected, so a test module that needs what the GPU host lacks (a
 # browser, say) cannot stop the check. The kernels' own tests must finish; FlashAttention's
@@ -72,8 +81,9 @@ KERNEL_TESTS = (
     "tests/fuzz/test_fuzz.py",
 )
 PORTED_TESTS = ("tests/test_flash_attn_port.py",)
+PORTED_NAME = "ported FlashAttention suite"
 DEVICE_TESTS = KERNEL_TESTS + PORTED_TESTS
-DRY_IMPLS = "qkv,sdpa-flash,sdpa-math"
+DRY_IMPLS = "qkv,auto,qkv-plain,sdpa-flash,sdpa-math"
 
 
 def slug(name: str) -> str:
@@ -261,11 +271,13 @@ class BenchResult:
         """qkv cells with NaN or outside the tolerance rule."""
         out = []
         for c in self.data.get("cases", []):
-            r = c["results"].get("qkv")
-            if r and r["status"] == "nan":
-                out.append(f"{c['id']}: {r['reason']}")
-            elif r and r["status"] == "ok" and not r["check"]["ok"]:
-                out.append(f"{c['id']}: max error {r['check']['err']:.3e} > bound {r['check']['bound']:.3e}")
+            for name in attention_gpu.OURS:
+                r = c["results"].get(name)
+                tag = "" if name == "qkv" else f" ({name})"
+                if r and r["status"] == "nan":
+                    out.append(f"{c['id']}{tag}: {r['reason']}")
+                elif r and r["status"] == "ok" and not r["check"]["ok"]:
+                    out.append(f"{c['id']}{tag}: max error {r['check']['err']:.3e} > bound {r['check']['bound']:.3e}")
         return out
 
     @property
@@ -293,20 +305,61 @@ def run_bench(args: argparse.Namespace, out: Path, seconds: float) -> BenchResul
     return res
 
 
+# ---- step 2b: the autotune -----------------------------------------------------------------
+
+
+@dataclass
+class TuneResult:
+    seconds: float = 0.0
+    timed_out: bool = False
+    returncode: Optional[int] = None
+    data: dict = field(default_factory=dict)
+
+
+def run_autotune(args: argparse.Namespace, seconds: float) -> TuneResult:
+    """``python -m qkv.backends.triton.autotune`` in its own process and time slice (the
+    interpreter on a dry run). A failure here is reported, not a failed check: it measures
+    speed, not correctness."""
+    out = args.log_dir / "gpu_check_autotune.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "qkv.backends.triton.autotune", "--budget", f"{max(seconds - 15, 1):.0f}", "--out", str(out)]
+    extra = {}
+    if args.dry_run:
+        cmd.append("--dry-run")
+        extra["TRITON_INTERPRET"] = "1"
+    print(f"\n== autotune: {' '.join(cmd[1:])} (≤ {seconds:.0f} s)", flush=True)
+    rc, timed_out, _, secs = run_step(cmd, step_env(extra), max(seconds, 1.0) + 20, args.log_dir / "gpu_check_autotune.log")
+    res = TuneResult(seconds=secs, timed_out=timed_out, returncode=rc)
+    if out.exists():
+        res.data = json.loads(out.read_text())
+    return res
+
+
 # ---- step 3: the summary ------------------------------------------------------------------
 
 
 def _best_peer(results: dict, mode: str) -> tuple[Optional[str], Optional[float]]:
-    timed = [(t, name) for name, r in results.items() if name != "qkv" and (t := attention_gpu.cell_tflops(r, mode)) is not None]
+    timed = [(t, name) for name, r in results.items() if name not in attention_gpu.OURS and (t := attention_gpu.cell_tflops(r, mode)) is not None]
     if not timed:
         return None, None
     t, name = max(timed)
     return name, t
 
 
+def _rate(res: Optional[dict], mode: str, decode: bool) -> Optional[float]:
+    """TFLOP/s (GB/s of K and V for decoding) of one result, or None."""
+    return attention_gpu._gbps(res) if decode else attention_gpu.cell_tflops(res, mode)
+
+
+def _best(results: dict, mode: str, decode: bool, names=None) -> tuple[Optional[str], Optional[float]]:
+    timed = [(t, n) for n, r in results.items() if n not in attention_gpu.OURS and (names is None or n in names)
+             and (t := _rate(r, mode, decode)) is not None]  # fmt: skip
+    return (max(timed)[1], max(timed)[0]) if timed else (None, None)
+
+
 def bench_lines(data: dict) -> list[str]:
-    """One row per case: qkv's forward and forward+backward TFLOP/s, % of the matmul ceiling,
-    the best peer and the ratio, and the correctness check."""
+    """One row per case: qkv's and auto's forward and forward+backward TFLOP/s (GB/s for
+    decoding), % of the matmul ceiling, the best peer and the ratios, and the correctness check."""
     if not data.get("cases"):
         return ["(no benchmark results)"]
     runs = data["runs"]
@@ -315,19 +368,29 @@ def bench_lines(data: dict) -> list[str]:
     if ce:
         lines.append(f"Ceilings: bf16 matmul {fmt_num(ce['matmul_tflops'])} TFLOP/s, copy {fmt_num(ce['copy_gbps'])} GB/s.")
         lines.append("")
-    lines += ["| case | qkv fwd | best peer fwd | qkv ÷ peer | qkv fwd+bwd | best peer fwd+bwd | qkv ÷ peer | check |",
-              "|---|---:|---|---:|---:|---|---:|---|"]  # fmt: skip
+    lines += ["| case | qkv fwd | auto fwd | best peer fwd | qkv ÷ peer | auto ÷ peer | qkv fwd+bwd | auto fwd+bwd | best peer fwd+bwd | qkv ÷ peer | auto ÷ peer | check |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---|"]  # fmt: skip
     ceiling = ce.get("matmul_tflops") or float("nan")
     for c in data["cases"]:
         res = c["results"]
         q = res.get("qkv")
+        decode = c.get("kind") == "decode"
         cells = [f"`{c['id']}`"]
         for mode in ("fwd", "fwd+bwd"):
-            ours = attention_gpu.cell_tflops(q, mode)
-            peer, theirs = _best_peer(res, mode)
-            cells.append(f"{fmt_num(ours)} ({ours / ceiling:.0%})" if ours is not None else (q or {}).get("status", "—"))
-            cells.append(f"{fmt_num(theirs)} {peer}" if theirs is not None else "—")
-            cells.append(f"{ours / theirs:.2f}×" if ours is not None and theirs else "—")
+            if decode and mode != "fwd":
+                cells += ["—"] * 5
+                continue
+            peer, theirs = _best(res, mode, decode)
+            for name in ("qkv", "auto"):
+                t = _rate(res.get(name), mode, decode)
+                if t is None:
+                    cells.append((res.get(name) or {}).get("status", "—"))
+                else:
+                    cells.append(f"{fmt_num(t)} GB/s" if decode else f"{fmt_num(t)} ({t / ceiling:.0%})")
+            cells.append((f"{fmt_num(theirs)} GB/s {peer}" if decode else f"{fmt_num(theirs)} {peer}") if theirs is not None else "—")
+            for name in ("qkv", "auto"):
+                t = _rate(res.get(name), mode, decode)
+                cells.append(f"{t / theirs:.2f}×" if t is not None and theirs else "—")
         if q and q.get("status") == "ok":
             chk = q["check"]
             cells.append(f"✓ {chk['err']:.1e}" if chk["ok"] else f"✗ {chk['err']:.1e} > {chk['bound']:.1e}")
@@ -337,6 +400,92 @@ def bench_lines(data: dict) -> list[str]:
     if data.get("not_run"):
         lines += ["", f"Not run (budget): {', '.join(data['not_run'])}"]
     return lines
+
+
+# ---- the goals of issue 36, cell by cell ----------------------------------------------------
+
+FLEX_KINDS = ("dense", "window", "gqa", "score")  # where compiled FlexAttention runs (no sinks)
+OVERHEAD_US = 50.0
+DECODE_GBPS = 1500.0
+
+
+@dataclass
+class Goal:
+    goal: str
+    cell: str
+    value: str
+    target: str
+    verdict: str  # PASS, FAIL or unmeasured
+
+
+def _judge(value: Optional[float], ok: Optional[bool], dry_run: bool) -> str:
+    if value is None or ok is None or dry_run:
+        return "unmeasured"
+    return "PASS" if ok else "FAIL"
+
+
+def goals(data: dict, ported: Optional[TestResult], dry_run: bool) -> list[Goal]:
+    """Every goal of the issue on every benchmark cell it names: PASS, FAIL, or "unmeasured"
+    (the cell did not run, a peer had no time, or a dry run, whose numbers mean nothing)."""
+    out: list[Goal] = []
+
+    def add(goal, cell, value, target, ok, shown=None):
+        text = "—" if value is None or dry_run else (shown or f"{value:.2f}×")  # a dry run's numbers are not shown as results
+        out.append(Goal(goal, cell, text, target, _judge(value, ok, dry_run)))
+
+    for c in data.get("cases", []):
+        res, cid, kind = c["results"], c["id"], c.get("kind", "dense")
+        decode = kind == "decode"
+        for mode in ("fwd",) if decode else ("fwd", "fwd+bwd"):
+            _, best = _best(res, mode, decode)
+            auto = _rate(res.get("auto"), mode, decode)
+            r = auto / best if auto is not None and best else None
+            add("auto ≥ 0.95× the best peer", f"{cid} {mode}", r, "≥ 0.95×", None if r is None else r >= 0.95)
+            if kind in FLEX_KINDS and c.get("score") != "sinks":
+                ours, flex = _rate(res.get("qkv"), mode, decode), _rate(res.get("flex"), mode, decode)
+                r = ours / flex if ours is not None and flex else None
+                add("qkv triton ≥ 1.0× compiled Flex", f"{cid} {mode}", r, "≥ 1.0×", None if r is None else r >= 1.0)
+        if kind == "dense" and c.get("n", 0) >= 4096:
+            ours, cudnn = _rate(res.get("qkv"), "fwd", False), _rate(res.get("sdpa-cudnn"), "fwd", False)
+            r = ours / cudnn if ours is not None and cudnn else None
+            add("dense forward ≥ 0.75× cuDNN (N ≥ 4096)", f"{cid} fwd", r, "≥ 0.75×", None if r is None else r >= 0.75)
+        if c.get("score") == "sinks":
+            for mode in ("fwd", "fwd+bwd"):
+                ours, plain = _rate(res.get("qkv"), mode, False), _rate(res.get("qkv-plain"), mode, False)
+                r = plain / ours if ours and plain else None  # time with sinks ÷ time without
+                add("sinks cost ≤ 1.1× the call without", f"{cid} {mode}", r, "≤ 1.10×", None if r is None else r <= 1.1)
+        if decode:
+            g = _gbps(res.get("qkv"))
+            add("decoding ≥ 1.5 TB/s", cid, g, "≥ 1500 GB/s", None if g is None else g >= DECODE_GBPS, f"{g:.0f} GB/s" if g else None)
+    for cid in data.get("not_run", []):
+        out.append(Goal("every goal of the cell", cid, "—", "—", "unmeasured"))
+    ov = data.get("overhead") or {}
+    for key, what in (("overhead_us", "wrapper − bare launch"), ("fixed_us", f"2·causal − full, N = {ov.get('n', 1024)}")):
+        v = ov.get(key)
+        add("per-call cost outside the kernels ≤ 50 µs", what, v, "≤ 50 µs", None if v is None else v <= OVERHEAD_US,
+            f"{v:.1f} µs" if v is not None else None)  # fmt: skip
+    if ported is not None:
+        ran = not ported.timed_out and not ported.wrong and bool(ported.counts.get("tests"))
+        out.append(Goal("the ported FlashAttention suite runs to the end", "tests/test_flash_attn_port.py",
+                        "—" if dry_run else ported.line(), "all pass",
+                        "unmeasured" if dry_run or ported.timed_out else ("PASS" if ran else "FAIL")))  # fmt: skip
+    return out
+
+
+def _gbps(res):
+    return attention_gpu._gbps(res)
+
+
+def goal_lines(rows: list[Goal]) -> tuple[list[str], str]:
+    """The goals table and its verdict: PASS when every cell passed, FAIL when one failed,
+    else INCOMPLETE (what is unmeasured)."""
+    fails = sum(r.verdict == "FAIL" for r in rows)
+    unmeasured = sum(r.verdict == "unmeasured" for r in rows)
+    verdict = "FAIL" if fails else "INCOMPLETE" if unmeasured or not rows else "PASS"
+    head = f"**Goals: {verdict}** — {sum(r.verdict == 'PASS' for r in rows)} pass, {fails} fail, {unmeasured} unmeasured"
+    lines = [head, "", "| goal | cell | value | target | verdict |", "|---|---|---:|---|---|"]
+    lines += [f"| {r.goal} | `{r.cell}` | {r.value} | {r.target} | {r.verdict} |" for r in rows]
+    return lines, verdict
 
 
 def config_lines(data: dict) -> list[str]:
@@ -349,11 +498,15 @@ def config_lines(data: dict) -> list[str]:
     return out
 
 
-def summary(env: Environment, tests: list[TestResult], bench: BenchResult, bench_path: Path, dry_run: bool, total: float) -> tuple[str, bool]:
+def summary(env: Environment, tests: list[TestResult], bench: BenchResult, bench_path: Path, dry_run: bool, total: float,
+            tune: Optional["TuneResult"] = None) -> tuple[str, bool]:  # fmt: skip
     """The one-screen report and the verdict: True when nothing was wrong (a step cut at its
-    budget is reported, and fails the check only when it is a required one)."""
+    budget is reported, and fails the check only when it is a required one). The goals of issue
+    36 are judged cell by cell beside it (:func:`goals`); they do not change the exit status."""
     problems = [w for t in tests if (w := t.wrong)] + bench.problems
     ok = not problems
+    ported = next((t for t in tests if t.name == PORTED_NAME), None)
+    goal_rows, _ = goal_lines(goals(bench.data, ported, dry_run))
     v = env.versions
     lines = [
         f"# GPU check — {env.device}",
@@ -363,6 +516,10 @@ def summary(env: Environment, tests: list[TestResult], bench: BenchResult, bench
         + (" · **dry run on CPU: tests collected, not run; numbers mean nothing**" if dry_run else ""),
         "",
         f"**Verdict: {'PASS' if ok else 'FAIL'}**" + ("" if ok else " — " + "; ".join(problems)),
+        "",
+        "## Goals (issue 36: H100/H200, bf16, the benchmark's cells, peers measured in the same run)",
+        "",
+        *goal_rows,
         "",
         "## Tests on the device (`pytest -m device`, the float64 oracle and the tolerance rule of the CPU suite)",
         "",
@@ -375,6 +532,11 @@ def summary(env: Environment, tests: list[TestResult], bench: BenchResult, bench
     lines += ["", f"## Benchmark ({bench.seconds:.0f} s; full tables in `{bench_path.name}`)", "",
               "TFLOP/s, bf16, median of do_bench; in parentheses the share of the measured matmul ceiling.", ""]  # fmt: skip
     lines += bench_lines(bench.data) + config_lines(bench.data)
+    lines += attention_gpu.render_overhead((bench.data or {}).get("overhead") or {})
+    lines += ["", f"## Autotune of the launch table ({tune.seconds:.0f} s)" if tune else "## Autotune of the launch table", ""]
+    lines += autotune.report(tune.data if tune else None)
+    if tune and tune.timed_out:
+        lines += ["", "(cut at its time budget)"]
     return "\n".join(lines) + "\n", ok
 
 
@@ -386,7 +548,10 @@ def main(argv=None) -> int:
     # 117 s measured at 58b1598 (65 tests), plus an estimate for the score-function tests (a
     # Triton compile per flag combination); 0.45 of the default budget allows 202 s
     ap.add_argument("--kernel-tests-budget", type=float, default=200.0, help="seconds for the kernels' tests (default 200)")
-    ap.add_argument("--bench-budget", type=float, default=140.0, help="seconds for the benchmark (default 140); the ported suite gets the rest")
+    ap.add_argument("--autotune-budget", type=float, default=40.0, help="seconds for the launch table's autotune (default 40)")
+    # the benchmark's quick grid took 99 s on an H100 before the auto, score-function, decoding and
+    # overhead cells joined it; breadth first (--order size), so a cut drops the largest cells
+    ap.add_argument("--bench-budget", type=float, default=130.0, help="seconds for the benchmark (default 130); the ported suite gets the rest")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="pytest-xdist workers (Triton compiles on the CPUs)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results", help="where the reports go")
     ap.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "qkv-gpu-check", help="the steps' logs and JUnit XML")
@@ -403,10 +568,11 @@ def main(argv=None) -> int:
     left = lambda: args.budget - (time.monotonic() - t0)  # noqa: E731
     print(f"GPU check on {env.device}: {json.dumps(env.versions)}; budget {args.budget:.0f} s", flush=True)
     tests = [run_tests(args, "kernel tests", KERNEL_TESTS, min(args.kernel_tests_budget, 0.45 * left()), required=True)]
+    tune = run_autotune(args, min(args.autotune_budget, max(left() - 200, 10)))
     bench_path = args.out_dir / f"attention_gpu_{name}.md"
     bench = run_bench(args, bench_path, min(args.bench_budget, left() - 30))
-    tests.append(run_tests(args, "ported FlashAttention suite", PORTED_TESTS, left() - 10, required=False))
-    text, ok = summary(env, tests, bench, bench_path, args.dry_run, time.monotonic() - t0)
+    tests.append(run_tests(args, PORTED_NAME, PORTED_TESTS, left() - 10, required=False))
+    text, ok = summary(env, tests, bench, bench_path, args.dry_run, time.monotonic() - t0, tune)
     (args.out_dir / f"gpu_check_{name}.md").write_text(text)
     print("\n" + text, flush=True)
     print(f"wrote {args.out_dir / f'gpu_check_{name}.md'}, {bench_path} and its .json; logs in {args.log_dir}", flush=True)

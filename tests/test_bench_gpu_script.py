@@ -80,7 +80,10 @@ def test_full_grid_is_the_flashattention_grid():
     assert {c.n for c in dense} == {512, 1024, 2048, 4096, 8192, 16384}
     assert {(c.hq, c.hkv) for c in cases if c.kind == "gqa"} == {(32, 8), (32, 4)}
     assert {c.window for c in cases if c.kind == "window"} == {256, 1024}
-    assert all(c.causal and c.d == 128 for c in cases if c.kind != "dense")
+    assert all(c.causal and c.d == 128 for c in cases if c.kind not in ("dense", "decode"))
+    assert {c.score for c in cases if c.kind == "score"} == {"softcap", "alibi", "t5", "sinks"}
+    dec = [c for c in cases if c.kind == "decode"]
+    assert dec and all(c.nq <= 8 and c.n >= 8192 and not c.causal and c.modes == ("fwd",) for c in dec)
     assert len({c.id for c in cases}) == len(cases)
 
 
@@ -94,7 +97,7 @@ def test_filters_split_the_grid():
     assert [c.id for c in bench.build_cases(grid, only="d256-n16384-causal")] == ["dense-d256-n16384-causal"]
     every = {c.id for c in bench.build_cases(grid)}  # the documented chunks cover the grid once
     chunks = [bench.build_cases(grid, headdims=[d], kinds=["dense"]) for d in (64, 128, 256)]
-    chunks.append(bench.build_cases(grid, kinds=["window", "gqa"]))
+    chunks.append(bench.build_cases(grid, kinds=["window", "gqa", "score", "decode"]))
     assert sorted(c.id for ch in chunks for c in ch) == sorted(every)
 
 
@@ -141,37 +144,48 @@ def test_dry_run_report_has_every_table_and_column(dry_run):
         section = f"Head dim {d} · {heads} heads · hidden {grid.hidden} · {grid.tokens} tokens per batch"
         assert f"## {section}" in md
     titles = [h for h, _, _ in found]
-    assert titles.count("forward") == titles.count("backward") == titles.count("forward + backward") == len(grid.headdims) + 2
-    for heading, header, rows in found:
+    # dense per head dim, window, gqa, score functions: three modes; decoding: forward only
+    assert titles.count("backward") == titles.count("forward + backward") == len(grid.headdims) + 3
+    assert titles.count("forward") == len(grid.headdims) + 4
+    for heading, header, rows in found[: -1 if "what" in found[-1][1] else None]:
+        if heading not in ("forward", "backward", "forward + backward"):
+            continue
         mode = {"forward": "fwd", "backward": "bwd", "forward + backward": "fwd+bwd"}[heading]
-        assert header[:2] == ["N", "batch"] and f"GFLOP {mode}" in header and "qkv chunked" in header
+        assert header[:2] == ["N", "batch"] and f"GFLOP {mode}" in header and "qkv chunked" in header and "auto" in header
         assert header[-2 if mode == "fwd" else -1].startswith("qkv ÷ ")
         assert ("qkv check" in header) == (mode == "fwd")
         if "window" in header:
             assert "flex" in header and not any(h.startswith("sdpa") for h in header)
+        elif "score" in header:
+            assert {"flex", "qkv-plain"} <= set(header) and not any(h.startswith("sdpa") for h in header)
         else:
             assert {"sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex"} <= set(header)
         assert rows
+    assert "## Per-call cost outside the kernels" in md and "| bare kernel launch (arguments prepared once) | unmeasured |" in md
 
 
 def test_dry_run_flops_in_report_and_json_follow_the_formula(dry_run):
     _, md, data = dry_run
-    by_key = {}
+    by_key: dict = {}
     for c in data["cases"]:
-        expect = bench.attention_flops(c["batch"], c["hq"], c["n"], c["d"], c["causal"], c["window"])
+        if c["kind"] == "decode":  # nq rows against n keys, no mask
+            expect = {m: f * 4 * c["batch"] * c["hq"] * c["d"] * c["nq"] * c["n"] for m, f in bench.FLOP_FACTOR.items()}
+        else:
+            expect = bench.attention_flops(c["batch"], c["hq"], c["n"], c["d"], c["causal"], c["window"])
         assert c["flops"] == expect
-        by_key[(c["kind"], c["n"], c["batch"], c["d"], c["hq"], c["hkv"], c["causal"], c["window"])] = expect
+        by_key.setdefault((c["nq"] or c["n"], c["batch"]), []).append(expect)
     checked = 0
     for heading, header, rows in tables(md):
+        if heading not in ("forward", "backward", "forward + backward"):
+            continue
         mode = {"forward": "fwd", "backward": "bwd", "forward + backward": "fwd+bwd"}[heading]
         col = header.index(f"GFLOP {mode}")
         for row in rows:
-            n, batch = int(row[0]), int(row[1])
-            cands = [f for k, f in by_key.items() if k[1] == n and k[2] == batch]
+            cands = by_key[(int(row[0]), int(row[1]))]
             gflop = float(row[col])
             assert any(abs(f[mode] / 1e9 - gflop) <= 1e-4 * gflop for f in cands), (heading, row)
             checked += 1
-    assert checked == 3 * len(data["cases"])
+    assert checked == sum(1 if c["kind"] == "decode" else 3 for c in data["cases"])
     # and one row computed by hand: dense, head dim 64, N = 32, causal
     h = bench.GRIDS["dry"].hidden // 64
     b = bench.GRIDS["dry"].tokens // 32
@@ -181,12 +195,19 @@ def test_dry_run_flops_in_report_and_json_follow_the_formula(dry_run):
 def test_dry_run_measures_qkv_and_peers_and_explains_skips(dry_run):
     _, md, data = dry_run
     for c in data["cases"]:
-        r = c["results"]["qkv"]
-        assert r["status"] == "ok" and r["check"]["ok"], (c["id"], r)
-        assert all(r["modes"][m]["tflops"] > 0 for m in bench.MODES)
-        assert r["modes"]["fwd"]["tflops"] == pytest.approx(c["flops"]["fwd"] / r["modes"]["fwd"]["ms"] / 1e9)
-        if c["kind"] != "window":
+        for name in ("qkv", "auto"):
+            r = c["results"][name]
+            assert r["status"] == "ok" and r["check"]["ok"], (c["id"], name, r)
+            modes = ("fwd",) if c["kind"] == "decode" else bench.MODES
+            assert set(r["modes"]) == set(modes) and all(r["modes"][m]["tflops"] > 0 for m in modes)
+            assert r["modes"]["fwd"]["tflops"] == pytest.approx(c["flops"]["fwd"] / r["modes"]["fwd"]["ms"] / 1e9)
+        if c["kind"] == "decode":
+            fwd = c["results"]["qkv"]["modes"]["fwd"]
+            assert fwd["gbps"] == pytest.approx(2 * c["batch"] * c["hkv"] * c["n"] * c["d"] * 2 / fwd["ms"] / 1e6)
+        if c["kind"] not in ("window", "score"):
             assert c["results"]["sdpa-flash"]["status"] == "ok"  # torch's CPU flash kernel
+        if c["kind"] == "score":
+            assert c["results"]["qkv-plain"]["status"] == "ok"
         assert c["results"]["flex"]["status"] == "skip"
     assert "## Reasons" in md and "`sdpa-cudnn`: needs CUDA (dry run on CPU)" in md
     assert re.search(r"`sdpa-math`: not run above N = \d+", md)

@@ -112,10 +112,13 @@ def test_dry_run_passes_and_writes_the_reports(dry_run):
     assert "ported FlashAttention suite**: tests 0 " in summary  # on a CPU its triton cases do not exist
     data = json.loads((out / "results" / "attention_gpu_cpu-dry-run.json").read_text())
     ids = [c["id"] for c in data["cases"]]
-    assert ids and [int(i.split("-n")[1].split("-")[0]) for i in ids] == sorted(int(i.split("-n")[1].split("-")[0]) for i in ids)  # --order size
+    sizes = [c["nq"] or c["n"] for c in data["cases"]]
+    assert ids and sizes == sorted(sizes)  # --order size
     for c in data["cases"]:
         assert f"`{c['id']}`" in summary
-    assert "| case | qkv fwd |" in summary and "✓" in summary and "✗" not in summary
+    assert "| case | qkv fwd | auto fwd |" in summary and "✓" in summary and "✗" not in summary
+    assert "**Goals: INCOMPLETE** — 0 pass, 0 fail" in summary  # a dry run measures nothing
+    assert "## Autotune of the launch table" in summary and "dry run on CPU: times mean nothing" in summary
     assert "--order size" in data["runs"][0]["meta"]["command"]
     assert (out / "logs" / "gpu_check_bench.log").exists() and (out / "logs" / "gpu_check_kernel-tests.log").exists()
 
@@ -159,7 +162,7 @@ def test_summary_reads_the_results():
     text, ok = check.summary(ENV, tests, check.BenchResult(returncode=0, data=_bench_data()), Path("a.md"), False, 300)
     print(text)
     assert ok and "**Verdict: PASS**" in text
-    assert "| `dense-d64-n1024-full` | 400 (50%) | 500 sdpa-flash | 0.80× |" in text
+    assert "| `dense-d64-n1024-full` | 400 (50%) | — | 500 sdpa-flash | 0.80× | — |" in text
     assert "Not run (budget): dense-d64-n16384-full" in text and "d64 fwd 128×64 w4 s3" in text
     assert "- **kernel tests**: tests 10, passed 9, skipped 1 in 50 s" in text
     assert "- **ported**: tests 10, passed 10 in 0 s — **cut at its time budget**" in text
@@ -237,3 +240,48 @@ def test_device_names_make_file_names():
     assert check.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert check.slug("NVIDIA H200") == "nvidia-h200"
     assert check.slug("???") == "device"
+
+
+def _cell(kind, cid, n=4096, score=None, **rates):
+    """A benchmark case whose implementations ran at these TFLOP/s (fwd and fwd+bwd alike);
+    a decoding cell's rates are GB/s."""
+    res = {}
+    for name, rate in rates.items():
+        mode = {"status": "ok", "ms": 1.0, "tflops": rate}
+        if kind == "decode":
+            mode["gbps"] = rate
+        modes = {"fwd": mode} if kind == "decode" else {m: dict(mode) for m in ("fwd", "bwd", "fwd+bwd")}
+        res[name.replace("_", "-")] = {"status": "ok", "check": {"ok": True, "err": 0, "bound": 1, "base_err": 0}, "modes": modes}
+    return {"id": cid, "kind": kind, "n": n, "nq": 1 if kind == "decode" else 0, "score": score, "results": res}
+
+
+def test_goals_are_judged_cell_by_cell():
+    data = {
+        "cases": [
+            _cell("dense", "dense-d128-n4096-full", qkv=600, auto=700, sdpa_cudnn=700, flex=500),
+            _cell("window", "window1024-d128-n4096", qkv=300, auto=280, flex=310),
+            _cell("score", "sinks-d128-n4096-causal", score="sinks", qkv=100, qkv_plain=105, auto=100),
+            _cell("decode", "decode-q1-kv8192-32x8-d128", qkv=1600, auto=1600, sdpa_flash=1700),
+        ],
+        "not_run": ["dense-d128-n16384-full"],
+        "overhead": {"overhead_us": 30.0, "fixed_us": 80.0, "n": 1024},
+    }
+    rows = {(g.goal, g.cell): g for g in check.goals(data, None, dry_run=False)}
+    v = lambda goal, cell: rows[goal, cell].verdict  # noqa: E731
+    assert v("auto ≥ 0.95× the best peer", "dense-d128-n4096-full fwd") == "PASS"
+    assert v("qkv triton ≥ 1.0× compiled Flex", "dense-d128-n4096-full fwd") == "PASS"  # 600 ≥ 500
+    assert v("dense forward ≥ 0.75× cuDNN (N ≥ 4096)", "dense-d128-n4096-full fwd") == "PASS"  # 0.86×
+    assert v("qkv triton ≥ 1.0× compiled Flex", "window1024-d128-n4096 fwd") == "FAIL"  # 300 < 310
+    assert v("auto ≥ 0.95× the best peer", "window1024-d128-n4096 fwd+bwd") == "FAIL"  # 280 / 310 = 0.90
+    assert v("sinks cost ≤ 1.1× the call without", "sinks-d128-n4096-causal fwd") == "PASS"  # 1.05×
+    assert v("auto ≥ 0.95× the best peer", "sinks-d128-n4096-causal fwd") == "unmeasured"  # no peer ran
+    assert v("decoding ≥ 1.5 TB/s", "decode-q1-kv8192-32x8-d128") == "PASS"
+    assert v("auto ≥ 0.95× the best peer", "decode-q1-kv8192-32x8-d128 fwd") == "FAIL"  # 1600 / 1700 GB/s = 0.94
+    assert v("every goal of the cell", "dense-d128-n16384-full") == "unmeasured"
+    assert v("per-call cost outside the kernels ≤ 50 µs", "wrapper − bare launch") == "PASS"
+    assert v("per-call cost outside the kernels ≤ 50 µs", "2·causal − full, N = 1024") == "FAIL"
+    lines, verdict = check.goal_lines(list(rows.values()))
+    assert verdict == "FAIL" and lines[0].startswith("**Goals: FAIL**")
+    assert check.goal_lines([check.Goal("g", "c", "1", "t", "PASS")])[1] == "PASS"
+    assert check.goal_lines([check.Goal("g", "c", "1", "t", "PASS"), check.Goal("g", "d", "—", "t", "unmeasured")])[1] == "INCOMPLETE"
+    assert all(g.verdict == "unmeasured" and g.value == "—" for g in check.goals(data, None, dry_run=True))

@@ -140,3 +140,15 @@ def test_full_call_syncs_only_where_the_rule_reads_cpu_values(stubbed, monkeypat
     with _Recorder() as rec:
         qkv.attention(q, k, v, is_causal=True, backend="triton")
     print("syncs on a CPU call:", rec.syncs)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors through the interpreter")
+def test_bare_launch_computes_the_same_forward():
+    """The benchmark's floor (:func:`bare_forward`) is the real kernel on prepared arguments."""
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 16)
+    launch_fn, out, lse = launch.triton_fwd(*(t.unsqueeze(2) for t in (q, k, v)), None, None, None, None, 0, 0, 0.25, None, 0, False,
+                                            prepare_only=True)  # fmt: skip
+    launch_fn()
+    want = qkv.attention(q, k, v, is_causal=True, scale=0.25, backend="math")
+    assert (out.squeeze(2) - want).abs().max() < 1e-5
+    launch.bare_forward(q, k, v, 0.25, causal=True)()  # runs

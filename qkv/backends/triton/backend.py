@@ -253,12 +253,14 @@ def triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, softcap_args, s
 
 
 def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right,
-               softcap=None, rel=None, rel_base=0, rel_shift=False, sinks=None):  # fmt: skip
+               softcap=None, rel=None, rel_base=0, rel_shift=False, sinks=None, prepare_only=False):  # fmt: skip
     """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` → out ``(B, Hk, G, Nq, Dv)``, lse float32.
 
     ``softcap``/``rel``: a built-in score function (:func:`_score_args`); ``sinks (Hq,)``: logits
     in every row's denominator (the lse includes them). A few query rows per head against a
-    longer key sequence take :func:`triton_decode` (:func:`use_decode`)."""
+    longer key sequence take :func:`triton_decode` (:func:`use_decode`). ``prepare_only``: return
+    ``(launch, out, lse)``, ``launch`` a closure that runs the tiled kernel alone into them, its
+    arguments prepared once (:func:`bare_forward`)."""
     b, hk, g, nq, nk, nq_grid, _, m, ms, kpt, kps, cuq, cuk, meta = _common(q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right)
     score = _score_args(q, softcap, rel, rel_base, rel_shift)
     rel_t, stride_rh, score_scalars, score_flags = score
@@ -269,11 +271,11 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     varlen = meta["VARLEN"]
-    if use_decode(nq, nk, g, varlen) and b * hk * g > 0:
+    if use_decode(nq, nk, g, varlen) and b * hk * g > 0 and not prepare_only:
         return triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, score, sinks_t, sinks is not None, out, lse)
     cfg = launch_config("fwd", d, dv, q.element_size(), _mask_kind(meta), q.device)
     grid = (triton.cdiv(max(nq_grid, 1), cfg.BLOCK_M), b * hk * g)
-    K.fwd_kernel[grid](
+    args = (
         q, k, v, out, lse, m, kpt, cuq, cuk, rel_t, sinks_t,
         _batch_stride(q, varlen), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
         _batch_stride(k, varlen), k.stride(1), k.stride(3), k.stride(4),
@@ -282,10 +284,22 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
         _batch_stride(lse, varlen), lse.stride(1), lse.stride(2), lse.stride(3),
         *ms, *kps, stride_rh,
         hk, g, nq, nk, d, dv, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars,
-        **_tiles(d, dv, q.element_size()), **meta, **score_flags,
-        HAS_SINKS=sinks is not None, WARP_SPEC=cfg.warp_specialize, **cfg.launch(),
     )  # fmt: skip
+    consts = dict(**_tiles(d, dv, q.element_size()), **meta, **score_flags, HAS_SINKS=sinks is not None,
+                  WARP_SPEC=cfg.warp_specialize, **cfg.launch())  # fmt: skip
+    if prepare_only:
+        return (lambda: K.fwd_kernel[grid](*args, **consts)), out, lse
+    K.fwd_kernel[grid](*args, **consts)
     return out, lse
+
+
+def bare_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = False):
+    """A closure launching the forward kernel on q ``(B, H, N, D)``, k/v ``(B, H, N, ·)`` with
+    every argument prepared once: the floor the benchmark sets the wrapper's per-call cost
+    against (nothing validated, no rule applied, outputs overwritten in place)."""
+    g = lambda t: t.unsqueeze(2)  # noqa: E731  (B, H, 1, N, D): one query head per key/value head
+    return triton_fwd(g(q), g(k), g(v), None, None, None, None, 0, 0, scale, None, 0 if causal else None, False,
+                      prepare_only=True)[0]  # fmt: skip
 
 
 def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_positions, relative_positions) -> dict:
