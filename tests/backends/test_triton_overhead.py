@@ -152,3 +152,18 @@ def test_bare_launch_computes_the_same_forward():
     want = qkv.attention(q, k, v, is_causal=True, scale=0.25, backend="math")
     assert (out.squeeze(2) - want).abs().max() < 1e-5
     launch.bare_forward(q, k, v, 0.25, causal=True)()  # runs
+
+
+def test_eager_calls_skip_the_custom_op_dispatch(stubbed, monkeypatch):
+    """Eager calls run the launch code directly (the op's dispatch costs tens of µs a call);
+    traces and ``torch.func`` transforms still see the ops (test_triton.py checks both)."""
+
+    def no(*a, **kw):
+        raise AssertionError("the custom op ran in eager mode")
+
+    monkeypatch.setattr(launch, "attention_fwd_op", no)
+    monkeypatch.setattr(launch, "attention_bwd_op", no)
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 16, requires_grad=True)
+    out, lse = launch.TritonBackendImpl.forward(None, validate(q, k, v, is_causal=True, return_lse=True))
+    (out.sum() + lse.sum()).backward()
+    assert stubbed["fwd_kernel"].calls == 1 and stubbed["bwd_dkdv_kernel"].calls == 1

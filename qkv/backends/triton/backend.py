@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ...call import AttentionCall
 from ...score_mods.softcap import check_cap
@@ -35,18 +36,27 @@ from .configs import Config
 FP32_DOT_CHOICES = ("ieee", "tf32")
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # (triton.cdiv is a jit function: slower to call from Python on every launch)
+
+
+def _pow2(n: int) -> int:
+    """The next power of two of ``n >= 1``."""
+    return 1 << (n - 1).bit_length()
+
+
 def interpreting() -> bool:
     """Is Triton running kernels through its CPU interpreter (``TRITON_INTERPRET=1``)?"""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def head_tile(n: int, itemsize: int) -> int:
+def head_tile(n: int, itemsize: int, interp: Optional[bool] = None) -> int:
     """Tile width for a head dim of ``n``: the next power of two, at least 16 (``tl.dot``'s
     minimum), and at least 32 for 16-bit tiles on a GPU — measured on an H100 with Triton 3.6,
     fp16 with head dim 24 and value dim 8 (tiles 32 and 16) came out wrong by ~1 while 32-wide
     value tiles, and fp32, were exact (bench/results/gpu_check_nvidia-h100-80gb-hbm3.md)."""
-    floor = 16 if interpreting() or itemsize >= 4 else 32
-    return max(floor, triton.next_power_of_2(n))
+    floor = 16 if (interpreting() if interp is None else interp) or itemsize >= 4 else 32
+    return max(floor, _pow2(n))
 
 
 _OVERRIDE: dict[str, Config] = {}  # kind -> config, set by :func:`override` (the autotune's candidates)
@@ -172,7 +182,8 @@ def _mask_kind(meta: dict) -> str:
 
 def _tiles(d: int, dv: int, itemsize: int) -> dict:
     """Head-dim tile widths, and whether each fills its tile (then its loads need no column mask)."""
-    bd, bdv = head_tile(d, itemsize), head_tile(dv, itemsize)
+    interp = interpreting()
+    bd, bdv = head_tile(d, itemsize, interp), head_tile(dv, itemsize, interp)
     return dict(BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d, EVEN_DV=bdv == dv)
 
 
@@ -185,11 +196,11 @@ def decode_parts(first: int, last: int, jobs: int, block_n: int, sms: int, min_p
     """How to split keys ``[first, last)`` (``first`` a multiple of ``block_n``) over parts for
     ``jobs`` = B·Hk programs: ``(parts, keys per part)``, enough parts to give every SM two
     programs, none shorter than ``min_part`` keys, each a whole number of tiles."""
-    tiles = max(1, triton.cdiv(last - first, block_n))
-    want = max(1, triton.cdiv(2 * sms, max(jobs, 1)))
-    most = max(1, triton.cdiv(last - first, min_part))
-    per = triton.cdiv(tiles, min(want, most, tiles)) * block_n
-    return max(1, triton.cdiv(last - first, per)), per
+    tiles = max(1, _cdiv(last - first, block_n))
+    want = max(1, _cdiv(2 * sms, max(jobs, 1)))
+    most = max(1, _cdiv(last - first, min_part))
+    per = _cdiv(tiles, min(want, most, tiles)) * block_n
+    return max(1, _cdiv(last - first, per)), per
 
 
 def use_decode(nq: int, nk: int, g: int, varlen: bool) -> bool:
@@ -213,7 +224,7 @@ def triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, softcap_args, s
     rel_t, stride_rh, score_scalars, score_flags = softcap_args
     cfg = launch_config("decode", d, dv, q.element_size(), _mask_kind(meta), q.device)
     bn = cfg.BLOCK_N
-    rows = max(16, triton.next_power_of_2(g * nq))
+    rows = max(16, _pow2(g * nq))
     offset = nk - nq if meta["BOTTOM_RIGHT"] else 0
     first = 0 if lo is None else min(max(0, offset + lo), nk)  # keys no row can see are not split
     last = nk if hi is None else max(0, min(nk, nq - 1 + offset + hi + 1))
@@ -274,7 +285,7 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
     if use_decode(nq, nk, g, varlen) and b * hk * g > 0 and not prepare_only:
         return triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, score, sinks_t, sinks is not None, out, lse)
     cfg = launch_config("fwd", d, dv, q.element_size(), _mask_kind(meta), q.device)
-    grid = (triton.cdiv(max(nq_grid, 1), cfg.BLOCK_M), b * hk * g)
+    grid = (_cdiv(max(nq_grid, 1), cfg.BLOCK_M), b * hk * g)
     args = (
         q, k, v, out, lse, m, kpt, cuq, cuk, rel_t, sinks_t,
         _batch_stride(q, varlen), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
@@ -315,9 +326,9 @@ def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_
     d = q.shape[-1]
     rows = b * hk * g * nq
     dev = q.device
-    k_top = triton.next_power_of_2(max(1, topk))
-    n_kpos = triton.next_power_of_2(max(1, len(key_positions)))
-    n_rpos = triton.next_power_of_2(max(1, len(relative_positions)))
+    k_top = _pow2(max(1, topk))
+    n_kpos = _pow2(max(1, len(key_positions)))
+    n_rpos = _pow2(max(1, len(relative_positions)))
     far = 1 << 30  # padding entries: a position no key has
     kpos = torch.tensor(list(key_positions) + [-far] * (n_kpos - len(key_positions)), dtype=torch.int32, device=dev)
     rpos = torch.tensor(list(relative_positions) + [far] * (n_rpos - len(relative_positions)), dtype=torch.int32, device=dev)
@@ -329,7 +340,7 @@ def triton_stats(q, k, mask, kp, scale, lo, hi, pos_offset: int, topk: int, key_
     kw, rw = torch.empty(rows, n_kpos, **f32), torch.empty(rows, n_rpos, **f32)
     if rows and nk:
         cfg = launch_config("fwd", d, d, q.element_size(), _mask_kind(meta), q.device).launch()
-        grid = (triton.cdiv(nq, cfg["BLOCK_M"]), b * hk * g)
+        grid = (_cdiv(nq, cfg["BLOCK_M"]), b * hk * g)
         K.stats_kernel[grid](
             q, k, lse, ent, maxw, dist, nkeys, top_v, top_i, kw, rw, kpos, rpos, m, kpt,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
@@ -391,7 +402,7 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
         dlse = dlse.float().contiguous()  # shares lse's (contiguous) strides in the kernel
     tiles = _tiles(d, dv, q.element_size())
     if nq > 0:
-        K.bwd_preprocess[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
+        K.bwd_preprocess[(_cdiv(max(nq_grid, 1), bm), b * hk * g)](
             out, dout, dlse if has_dlse else lse, delta, cuq,
             _batch_stride(out, varlen), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
             *do_strides, *lse_strides, hk, g, nq, dv,
@@ -406,14 +417,14 @@ def triton_bwd(dout, dlse, q, k, v, out, lse, mask, kp, cu_q, cu_k, max_q, max_k
     tail = (hk, g, nq, nk, d, dv, scale, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars)
     consts = dict(**tiles, **meta, **score_flags)
     if nk > 0:
-        K.bwd_dkdv_kernel[(triton.cdiv(max(nk_grid, 1), cfg_kv.BLOCK_N), b * hk)](
+        K.bwd_dkdv_kernel[(_cdiv(max(nk_grid, 1), cfg_kv.BLOCK_N), b * hk)](
             q, k, v, dout, lse, delta, dk, dvt, m, kpt, cuq, cuk, rel_t, *qkv_strides,
             _batch_stride(dk, varlen), dk.stride(1), dk.stride(3), dk.stride(4),
             _batch_stride(dvt, varlen), dvt.stride(1), dvt.stride(3), dvt.stride(4),
             *ms, *kps, stride_rh, *tail, **consts, **cfg_kv.launch(),
         )  # fmt: skip
     if nq > 0:
-        K.bwd_dq_kernel[(triton.cdiv(max(nq_grid, 1), bm), b * hk * g)](
+        K.bwd_dq_kernel[(_cdiv(max(nq_grid, 1), bm), b * hk * g)](
             q, k, v, dout, lse, delta, dq, m, kpt, cuq, cuk, rel_t, drel if rel_grad else rel_t, dlse if has_dlse else lse,
             *qkv_strides, _batch_stride(dq, varlen), dq.stride(1), dq.stride(2), dq.stride(3), dq.stride(4),
             *ms, *kps, stride_rh, *tail, rel_t.shape[1] if rel is not None else 0, **consts, **cfg_q, REL_GRAD=rel_grad,
@@ -481,18 +492,39 @@ def _(dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_seqlens_q, cu_se
 _REL, _SINKS = 14, 17  # positions of rel and sinks among _TritonAttention's inputs
 
 
+def _traced(t: Tensor) -> bool:
+    """Is this call traced or transformed (``torch.compile``, export, fake tensors, ``torch.func``
+    wrappers)? Then the custom ops run, which graphs and transforms see through; in plain eager
+    mode the launch code is called directly."""
+    return (torch.compiler.is_compiling() or isinstance(t, FakeTensor) or torch._C._are_functorch_transforms_active()
+            or torch._C._functorch.is_functorch_wrapped_tensor(t))  # fmt: skip
+
+
 class _TritonAttention(torch.autograd.Function):
     """Autograd over the two custom ops, in ``torch.func``'s protocol (``setup_context`` and a
     ``vmap`` rule), so ``grad``, ``jacrev`` and ``vmap`` work as well as ``torch.compile``.
     (``register_autograd`` on the op would build a Function without ``setup_context``.)
 
     A built-in score function's ``rel`` and the ``sinks`` are inputs like q, k, v: their
-    gradients (float32 from the kernels, cast back) flow on to ALiBi slopes or a bias table."""
+    gradients (float32 from the kernels, cast back) flow on to ALiBi slopes or a bias table.
+
+    Per-call cost: in eager mode the launch code is called directly; the custom ops, whose
+    dispatch costs tens of µs per call (torch wraps their bodies in a dynamo-disabled function
+    that reads ``inspect.signature`` each time), are what a trace sees (:func:`_traced`). And
+    :meth:`apply` skips ``Function.apply``'s ``inspect.signature`` binding of default arguments
+    (``forward`` has none; every caller passes all 18 positionally) outside ``torch.func``."""
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
 
     @staticmethod
     def forward(q, k, v, attn_mask, key_padding, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right,
                 softcap, rel, rel_base, rel_shift, sinks):  # fmt: skip
-        return attention_fwd_op(
+        fwd = attention_fwd_op if _traced(q) else triton_fwd
+        return fwd(
             q, k, v, attn_mask, key_padding, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right,
             softcap, rel, rel_base, rel_shift, sinks,
         )  # fmt: skip
@@ -515,7 +547,7 @@ class _TritonAttention(torch.autograd.Function):
         softcap, rel_base, rel_shift = ctx.score
         rel_grad = rel is not None and ctx.needs_input_grad[_REL]
         with torch.no_grad():  # no double backward: the op needs no autograd formula of its own
-            dq, dk, dv, drel, dsink = attention_bwd_op(
+            dq, dk, dv, drel, dsink = (attention_bwd_op if _traced(q) else triton_bwd)(
                 dout, dlse, q, k, v, out, lse, attn_mask, key_padding, cu_q, cu_k, *ctx.scalars,
                 softcap, rel, rel_base, rel_shift, sinks, rel_grad,
             )  # fmt: skip
