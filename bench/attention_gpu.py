@@ -1,6 +1,7 @@
-"""GPU benchmark: forward, backward and forward+backward TFLOP/s of qkv's Triton backend against
-torch's SDPA kernels (flash, cuDNN, memory-efficient, math) and compiled FlexAttention, measured
-in the same run and quoted against the device's own measured matmul ceiling.
+"""GPU benchmark: forward, backward and forward+backward TFLOP/s of qkv's Triton backend and of
+``qkv.attention``'s own choice (``auto``) against torch's SDPA kernels (flash, cuDNN,
+memory-efficient, math) and compiled FlexAttention, measured in the same run and quoted
+against the device's own measured matmul ceiling (decoding: GB/s of K and V against its copy rate).
 
     python bench/attention_gpu.py --out bench/results/attention_gpu.md     # full grid (stops at --max-seconds)
     python bench/attention_gpu.py --quick                                   # smaller grid, shorter timing
@@ -14,7 +15,18 @@ in the same run and quoted against the device's own measured matmul ceiling.
 Grid (FlashAttention's benchmark): hidden 2048 = heads × head dim, 16384 tokens per batch
 (batch = 16384 // N), N = 512 … 16384, head dim 64/128/256, causal and not, bfloat16, inputs in
 qkv's (B, H, N, D) layout. Extras at head dim 128: sliding window (causal, 256 and 1024 keys to
-the left) and grouped-query attention (32 query heads on 8 or 4 key/value heads, causal).
+the left), grouped-query attention (32 query heads on 8 or 4 key/value heads, causal), score
+functions and sinks (causal: softcap 30, ALiBi, a T5 bias of 32 buckets, sinks; ``qkv-plain``
+is the same call without them, so a row shows what each costs), and decoding (1 or 8 query
+rows per head against 8k or 32k cached keys, 32/8 heads, batch 8, no mask, forward only, in GB/s
+of K and V). Implementations: ``qkv`` (``--qkv-backend``, triton by default), ``auto``
+(``qkv.attention``'s choice, on every cell), ``qkv-plain``, the SDPA kernels (not on windows or
+score functions, which SDPA cannot express) and ``flex`` (no sinks).
+
+Per-call cost outside the kernels (its own section): a tiny call's wall time through
+``qkv.attention`` against a bare launch of the same Triton kernel with its arguments prepared
+once, and the forward at N = 1024 causal against full (``2·causal − full``: the time that does
+not halve with the work).
 
 FLOPs (counted in ``attention_flops`` only): forward 4·B·Hq·D·P, P = attended (query, key)
 pairs: N² for full attention, N²/2 when causal (FlashAttention's convention, diagonal ignored),

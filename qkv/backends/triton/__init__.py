@@ -1,8 +1,10 @@
-"""``triton``: fused FlashAttention-style forward and deterministic backward kernels.
+"""``triton``: fused FlashAttention-style forward, flash-decoding and deterministic backward kernels.
 
 Importing this package never imports triton; :meth:`TritonBackend.available` does, and says
 why the backend cannot run when triton is missing. The kernels live in :mod:`.kernels`, the
-launch code, autograd and torch custom ops in :mod:`.backend`.
+launch code, autograd and torch custom ops in :mod:`.backend`, the launch configurations per
+GPU architecture in :mod:`.configs` (tuned on a device by :mod:`.autotune`), and
+:mod:`.lowering` compiles every kernel for a GPU without one.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class TritonBackend(Backend):
     """
 
     NAME = "triton"
-    DESCRIPTION = "fused Triton kernels (online softmax forward, deterministic FlashAttention-2 backward; softcap, ALiBi/T5 biases, sinks); CUDA"
+    DESCRIPTION = ("fused Triton kernels (online softmax forward with unmasked interior tiles, flash-decoding for Nq <= 8, "
+                   "deterministic FlashAttention-2 backward; softcap, ALiBi/T5 biases, sinks); CUDA")
     DTYPES = (torch.float16, torch.bfloat16, torch.float32)
     SUPPORTS_DROPOUT = False
     SUPPORTS_GENERATOR = False
