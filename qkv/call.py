@@ -25,7 +25,7 @@ from .score_mods.base import BoundScore, ScoreMod, bind, captured_tensors, check
 from .sparse import BlockSparseMask, check_mask_mod, from_block_mask, from_mask_mod
 
 # The names a caller may pass as ``backend=`` (qkv.backends registers the implementations).
-BackendName = Literal["auto", "sdpa", "chunked", "math", "triton"]
+BackendName = Literal["auto", "sdpa", "chunked", "math", "triton", "flex"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

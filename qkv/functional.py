@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import overflow
-from .backends import BACKENDS, BackendError, plain_sdpa_call, select
+from .backends import BACKENDS, BackendError, plain_sdpa_call, run
 from .backends.sdpa import empty_rows_are_zero
 from .call import AttentionCall, BackendName, validate, validate_qk
 from .nonfinite import Checked, guard
@@ -172,8 +172,9 @@ def attention(
       answered in float64 by ``auto`` on the CPU, and refused by a named backend (see
       :mod:`qkv.overflow`).
     - ``backend``: ``"auto"`` (fastest that supports the call), ``"sdpa"``, ``"chunked"``
-      (never materialises ``Nq × Nk``), ``"triton"`` (fused GPU kernels) or ``"math"``; a
-      named backend never falls back.
+      (never materialises ``Nq × Nk``), ``"triton"`` (fused GPU kernels), ``"flex"``
+      (compiled FlexAttention; ``QKV_COMPILE=0`` turns it off) or ``"math"``; a named backend
+      never falls back.
     - ``generator``: makes dropout reproducible (math backend).
     - ``score_mod``: changes each scaled score before the masks, FlexAttention's contract
       ``fn(score, batch, head, q_idx, kv_idx) -> score``; built-ins in :mod:`qkv.score_mods`
@@ -214,7 +215,7 @@ def _run(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Optional[torc
         call.query, call.key, call.scale, call.bias_bound()
     ):
         return _in_float64(call, backend)  # a backward may overflow where the forward does not
-    result = select(call, backend).forward(call)
+    result = run(call, backend)
     out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
     return _exact_beyond_float32(call, out, lse, backend)
 
@@ -225,7 +226,7 @@ def _in_float64(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Option
     if backend != "auto":
         raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {overflow.explain(backend, call.dtype)}")
     call64 = call.in_float64()
-    result = select(call64, "auto").forward(call64)
+    result = run(call64, "auto")
     out64, lse64 = result if isinstance(result, Checked) else guard(call64.query, call64.key, call64.value, *result)
     return out64.to(call.dtype), (None if lse64 is None else lse64.to(call.lse_dtype))
 

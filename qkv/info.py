@@ -8,14 +8,16 @@ from __future__ import annotations
 import argparse
 import math
 import platform
-from typing import Optional
+import time
+from dataclasses import replace
+from typing import Any, Optional
 
 import torch
 
-from .backends import BACKENDS, auto_order, native, order_notes, reasons_by_backend
+from .backends import BACKENDS, auto_order, flex, native, order_notes, reasons_by_backend
 from .call import AttentionCall, validate
 
-__all__ = ["DTYPES", "parse_ints", "parse_shape", "parse_window", "call_from_args", "report"]
+__all__ = ["DTYPES", "parse_ints", "parse_shape", "parse_window", "call_from_args", "compile_flex", "report"]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -80,7 +82,44 @@ def call_from_args(args: argparse.Namespace) -> AttentionCall:
         window=window,
         key_padding_mask=fake(b, nk, dt=torch.bool) if args.padding else None,
         return_lse=args.return_lse,
+        score_mod=_score_mod(getattr(args, "score_mod", None), h),
     )
+
+
+def _score_mod(kind: Optional[str], heads: int) -> Any:
+    """The score function ``qkv info --score-mod`` describes."""
+    from .score_mods import ALiBi, Softcap, alibi_slopes
+
+    if kind == "python":
+        return lambda s, b, h, i, j: s + 0.01 * (i - j)
+    if kind == "softcap":
+        return Softcap(30.0)
+    if kind == "alibi":
+        return ALiBi(alibi_slopes(heads))
+    return None
+
+
+def compile_flex(call: AttentionCall) -> str:
+    """Run ``call``'s shapes once on compiled FlexAttention (random inputs, the call's masks and
+    score function) and say how long it took, compilation included — or why it cannot run."""
+    engine = BACKENDS["flex"]
+    reasons = engine.not_supported_reasons(call)
+    if reasons:
+        return "flex cannot run this call: " + "; ".join(reasons)
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        out = torch.randn(t.shape, dtype=t.dtype, device=t.device) if t.is_floating_point() else torch.ones(t.shape, dtype=t.dtype, device=t.device)
+        return out.requires_grad_(t.requires_grad)
+
+    live = replace(call, query=real(call.query), key=real(call.key), value=real(call.value),
+                   given_mask=None if call.given_mask is None else real(call.given_mask),
+                   key_padding_mask=None if call.key_padding_mask is None else real(call.key_padding_mask))  # fmt: skip
+    before = len(flex.compile_log())
+    t0 = time.perf_counter()
+    engine.forward(live)
+    took = time.perf_counter() - t0
+    new = flex.compile_log()[before:]
+    return f"flex ran the call in {took:.2f} s" + (" (its first of this kind: compilation included)" if new else " (already compiled)")
 
 
 def report(call: Optional[AttentionCall] = None) -> str:
@@ -96,6 +135,12 @@ def report(call: Optional[AttentionCall] = None) -> str:
     for name, b in BACKENDS.items():
         why = b.available()
         lines.append(f"  {name:<{width}}  {'available' if why is None else 'unavailable: ' + why} — {b.DESCRIPTION}")
+    compiled = flex.compile_log()
+    lines.append(
+        f"Compilation ({flex.COMPILE_ENV}): {'on' if flex.compile_enabled() else 'off'}; FlexAttention compiled for "
+        f"{len(compiled)} kind(s) of call in this process"
+        + (f", first calls (compilation included): {', '.join(f'{r.seconds:.1f} s' for r in compiled)}" if compiled else "")
+    )
     if call is not None:
         lines += ["", f"For the call: {call.describe()}"]
         reasons = reasons_by_backend(call)

@@ -57,7 +57,9 @@ class BlockSparseMask:
 
     ``layout`` bool ``(..., Bq, Bk)``; ``block_size`` ``(rows, cols)`` per block; ``shape``
     ``(Nq, Nk)``; ``rule(rows, cols)`` gives the allowed pairs for index tensors ``rows (R, 1)`` and
-    ``cols (1, C)`` (None = every pair of a computed block); ``name`` describes the pattern.
+    ``cols (1, C)`` (None = every pair of a computed block); ``name`` describes the pattern;
+    ``mask_mod``, where known, is the whole mask as FlexAttention's per-element function (layouts
+    made from one keep it, for engines that run mask functions).
     """
 
     layout: Tensor
@@ -65,6 +67,7 @@ class BlockSparseMask:
     shape: tuple[int, int]
     rule: Optional[Rule] = None
     name: str = "block-sparse"
+    mask_mod: Optional["MaskMod"] = None  # the per-element form of the whole mask, where one is known (Flex)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, Tensor) or self.layout.dtype != torch.bool or self.layout.dim() < 2:
@@ -145,8 +148,15 @@ class BlockSparseMask:
             def rule(rows: Tensor, cols: Tensor) -> Tensor:
                 return first(rows, cols) & second(rows, cols)
 
+        both: Optional[MaskMod] = None
+        if self.mask_mod is not None and other.mask_mod is not None:
+            one, two = self.mask_mod, other.mask_mod
+
+            def both(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+                return one(b, h, i, j) & two(b, h, i, j)
+
         lay = torch.logical_and(self.layout, other.layout.to(self.layout.device))
-        return BlockSparseMask(lay, self.block_size, self.shape, rule, f"{self.name} & {other.name}")
+        return BlockSparseMask(lay, self.block_size, self.shape, rule, f"{self.name} & {other.name}", both)
 
     def __repr__(self) -> str:
         return (f"BlockSparseMask({self.name}, shape={self.shape}, block_size={self.block_size}, "
@@ -343,7 +353,7 @@ def from_mask_mod(
         return _with_batch_dims(_allowed(mask_mod, bb, hh, r.view(1, 1, -1, 1), c.view(1, 1, 1, -1)), batch_shape)
 
     name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
-    return BlockSparseMask(layout, (bq, bk), (nq, nk), rule, f"mask_mod {name if name != '<lambda>' else ''}".strip())
+    return BlockSparseMask(layout, (bq, bk), (nq, nk), rule, f"mask_mod {name if name != '<lambda>' else ''}".strip(), mask_mod)
 
 
 def _with_batch_dims(t: Tensor, batch_shape: tuple[int, ...]) -> Tensor:
@@ -373,4 +383,4 @@ def from_block_mask(block_mask: Any) -> BlockSparseMask:
         h = torch.arange(nh, device=r.device).view(1, nh, 1, 1)
         return _allowed(mask_mod, b, h, r.view(1, 1, -1, 1), c.view(1, 1, 1, -1))
 
-    return BlockSparseMask(layout.to(dev), (bq, bk), (nq, nk), rule, "flex BlockMask")
+    return BlockSparseMask(layout.to(dev), (bq, bk), (nq, nk), rule, "flex BlockMask", mask_mod)

@@ -8,12 +8,14 @@ first backend with no reasons against it; a named backend either runs or raises
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
 from ..call import AttentionCall
-from .base import Backend
+from .base import Backend, EngineFailed
 from .chunked import ChunkedBackend
+from .flex import FlexBackend
 from .dispatch import ROUTES, Route, order_names, plain_sdpa_call, route
 from .math import MathBackend
 from .sdpa import SdpaBackend
@@ -21,7 +23,9 @@ from .triton import TritonBackend
 
 _log = logging.getLogger("qkv")
 
-BACKENDS: dict[str, Backend] = {b.NAME: b for b in (SdpaBackend(), ChunkedBackend(), MathBackend(), TritonBackend())}
+BACKENDS: dict[str, Backend] = {
+    b.NAME: b for b in (SdpaBackend(), ChunkedBackend(), MathBackend(), TritonBackend(), FlexBackend())
+}
 
 
 class BackendError(RuntimeError):
@@ -48,6 +52,20 @@ def order_notes(call: AttentionCall) -> list[str]:
 def reasons_by_backend(call: AttentionCall) -> dict[str, list[str]]:
     """Every backend's reasons against ``call`` (an empty list means it can run it)."""
     return {name: b.not_supported_reasons(call) for name, b in BACKENDS.items()}
+
+
+def run(call: AttentionCall, backend: str = "auto") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``select(call, backend).forward(call)``. An engine that fails in a way only trying shows
+    (:class:`.base.EngineFailed`: a compiler error) gives its reason from then on: ``auto`` goes on
+    to the next engine, a named backend raises :class:`BackendError` with it."""
+    while True:
+        chosen = select(call, backend)
+        try:
+            return chosen.forward(call)
+        except EngineFailed as e:
+            if backend != "auto":
+                raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {e}") from e
+            _log.warning("qkv.attention(%s): %s failed (%s); auto goes on to the next engine", call.describe(), chosen.NAME, e)
 
 
 def select(call: AttentionCall, backend: str = "auto") -> Backend:
@@ -79,5 +97,5 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
 
 __all__ = [
     "Backend", "BackendError", "BACKENDS", "ROUTES", "Route", "auto_order", "get_backend", "order_notes",
-    "plain_sdpa_call", "reasons_by_backend", "route", "select",
+    "plain_sdpa_call", "reasons_by_backend", "route", "run", "select",
 ]  # fmt: skip

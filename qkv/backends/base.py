@@ -23,6 +23,11 @@ def follow_rule(call: AttentionCall, out: torch.Tensor, lse: Optional[torch.Tens
     return Checked(*guard(call.query, call.key, call.value, out, lse, bias=bias, sinks=call.sinks, mask=mask))
 
 
+class EngineFailed(RuntimeError):
+    """An engine found at run time that it cannot run a call (a compiler error, say); it gives
+    the reason for such calls from then on, so ``auto`` can go on to the next engine."""
+
+
 class Backend:
     """An implementation of exact attention.
 

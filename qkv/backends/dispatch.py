@@ -51,6 +51,9 @@ VALUE_DIM_MIN_SCORES = 1 << 16
 # 5.4 vs 6.9 and 2.5 vs 3.6. Below 512 the loops' per-call cost wins back what they save (N = 128:
 # 0.53 vs 0.47 ms).
 CAUSAL_TILES_MIN_N, CAUSAL_TILES_MAX_N = 512, 4096
+# From this many scores per head a Python score function without gradients runs on compiled
+# FlexAttention on the CPU (measured beside its row in ROUTES).
+FLEX_CPU_MIN_SCORES = 1 << 18
 
 MaskKind = Optional[Literal["bool", "float"]]
 
@@ -159,11 +162,30 @@ SDPA_FIRST = ("sdpa", "chunked", "math")
 # The first deciding row that applies decides; the catch-all rows at the end take the rest.
 ROUTES: tuple[Route, ...] = (
     Route(
-        lambda s: s.device == "cuda" and (_may_need_dense_mask(s) or s.lse and s.grad),
-        ("triton", "sdpa", "chunked", "math"),
-        "triton first: SDPA has no native form for this call (it would need an Nq × Nk mask built for it, or has no "
-        "lse gradient)",
-        also=lambda call: needs_dense_mask(call) or (call.return_lse and call.requires_grad),
+        lambda s: s.device == "cuda" and (s.sinks or s.lse and s.grad),
+        ("triton", "flex", "sdpa", "chunked", "math"),
+        "triton first: sinks and a differentiable lse run in qkv's own kernels only",
+    ),
+    # The first H100 run (bench/results/gpu_check_nvidia-h100-80gb-hbm3.md, bf16): qkv's triton
+    # kernels at 0.33 (causal window 1024, forward) and 0.4–0.7 (softcap, ALiBi, T5 bias) of
+    # compiled FlexAttention's speed.
+    Route(
+        lambda s: s.device == "cuda" and (_may_need_dense_mask(s) or s.block_sparse or s.score is not None),
+        ("flex", "triton", "sdpa", "chunked", "math"),
+        "flex first: compiled FlexAttention runs windows, padding, block masks, mask and score functions faster than "
+        "qkv's triton kernels on a GPU, which take what Flex declines",
+        also=lambda call: needs_dense_mask(call) or call.block_sparse is not None or call.score_mod is not None,
+    ),
+    # Compiled Flex against qkv's tile loops for a Python score function without gradients
+    # (float32, 1 thread, 8 heads, D = 64, causal, s + 0.01·(i − j)): 7.8 vs 12.5 ms at N = 512,
+    # 25.0 vs 50.5 at 1024, 90.6 vs 174 at 2048 (2.5 vs 5.5 at 256). A new function compiles once
+    # (about 4 s; a new shape once more): below 512² scores that takes a thousand calls to repay.
+    Route(
+        lambda s: _cpu(s) and s.score == "python" and not s.grad and not s.lse and s.dtype != torch.float64
+        and s.scores >= FLEX_CPU_MIN_SCORES,
+        ("flex", "chunked", "sdpa", "math"),
+        "flex first: compiled FlexAttention runs a Python score function without gradients faster than qkv's tile "
+        "loops, which call it from Python tile by tile (set QKV_COMPILE=0 to keep them)",
     ),
     Route(
         _decode_shape,
@@ -214,7 +236,7 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route(
         lambda s: s.device == "cuda",
-        ("sdpa", "triton", "chunked", "math"),
+        ("sdpa", "triton", "flex", "chunked", "math"),
         "sdpa first: torch's fused kernels (cuDNN, flash, memory-efficient) run this call natively; triton next",
     ),
     Route(
@@ -353,7 +375,7 @@ def chunked_kernel(call: AttentionCall, default_tiles: bool = True) -> str:
 
 
 __all__ = [
-    "CAUSAL_TILES_MAX_N", "CAUSAL_TILES_MIN_N", "CHUNKED_FIRST", "DENSE_MASK_LIMIT", "KERNELS", "Kernel",
+    "CAUSAL_TILES_MAX_N", "CAUSAL_TILES_MIN_N", "CHUNKED_FIRST", "DENSE_MASK_LIMIT", "FLEX_CPU_MIN_SCORES", "KERNELS", "Kernel",
     "MATH_MAX_SCORES", "ROUTES", "Route", "SDPA_FIRST", "Shape", "VALUE_DIM_MIN_SCORES", "causal_prefill",
     "chunked_kernel", "order_names", "plain_sdpa_call", "route", "value_dim_fallback",
 ]  # fmt: skip

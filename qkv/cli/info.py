@@ -66,14 +66,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--return-lse", action="store_true")
     p.add_argument("--grad", action="store_true", help="inputs require gradients")
+    p.add_argument("--score-mod", choices=["python", "softcap", "alibi"],
+                   help="with a score function: a Python one (s + 0.01·(i − j)) or a built-in")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="run the call once on compiled FlexAttention (random inputs) and report the time it took, "
+                        "compilation included")  # fmt: skip
 
 def run(args: argparse.Namespace) -> int:
     """Print the report for the call the options describe."""
-    from ..info import call_from_args, report
+    from ..info import call_from_args, compile_flex, report
 
     try:
         call = call_from_args(args)
     except (ValueError, TypeError) as e:  # validate() on the described call: the options contradict
         raise UsageError(str(e)) from None
+    if args.compile:
+        print(compile_flex(call))
     print(report(call))
     return 0

@@ -1,0 +1,269 @@
+"""``flex``: PyTorch's FlexAttention, compiled — an engine for what SDPA has no argument for.
+
+What it runs, with qkv's meaning: windows and bands in both causal alignments, key padding, bool
+masks, block-sparse layouts and mask functions (one Flex block mask and ``mask_mod`` made of all
+of them), score functions (a built-in through its kernel form, a Python function as given), a
+float ``attn_mask`` (added by the score function), shared key/value heads (``enable_gqa``, no
+copies) and values of another head dim. A row with nothing to attend to comes back 0 (lse
+``-inf``), and :func:`.base.follow_rule` applies qkv's non-finite rule, as for every backend.
+
+What it does not run (each a reason, so ``auto`` goes on to the next engine): sinks, dropout,
+gradients into a float ``attn_mask``, a differentiable lse, ``torch.func`` transforms; on the CPU
+(torch's compiled CPU template) gradients, ``return_lse`` and float64; and nothing at all with
+compilation off (``QKV_COMPILE=0``: eager FlexAttention builds the ``Nq × Nk`` scores, so qkv does
+not offer it).
+
+Compiled once per kind of call (:func:`_kind`: device, dtype, which masks, the score function's
+code; on the CPU also the shapes, compiled static): a loop of calls compiles once, a function
+made anew with the same code reuses the kernel, and each kind has its own code object and so
+its own recompile budget in torch's compiler. Block masks of positional rules are kept per
+shape; data-dependent ones (padding, bool masks, mask functions) are built by a compiled
+builder each call. A compiler error makes the engine decline that kind of call from then on
+(:class:`.base.EngineFailed`: ``auto`` goes on to the next engine). :func:`compile_log` lists the
+first call of each kind with its time, compilation included (``qkv info`` prints it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..call import AttentionCall
+from .base import Backend, EngineFailed, follow_rule
+
+COMPILE_ENV = "QKV_COMPILE"  # "0" turns compilation (and with it this engine) off
+# What torch's compiler raises when it cannot build a kernel (dynamo's wrapper of a backend's
+# error, inductor's own, a C++ compile error): the engine then declines that kind of call.
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.TorchRuntimeError)
+try:
+    from torch._inductor.exc import InductorError
+
+    _COMPILE_ERRORS += (InductorError,)
+except ImportError:  # an older torch
+    pass
+_POSITIONAL_CACHE_SIZE = 64
+_COMPILED_BLOCK_MASK_PAIRS = 1 << 22
+
+
+def compile_enabled() -> bool:
+    """May qkv compile kernels (``QKV_COMPILE`` unset, or anything but 0/false/no/off)?"""
+    return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _flex_module() -> Any:
+    try:
+        from torch.nn.attention import flex_attention as fa
+    except ImportError:
+        return None
+    return fa
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """The first call of one kind of call, compilation included."""
+
+    kind: str
+    seconds: float
+
+
+_LOG: list[CompileRecord] = []
+_SEEN: set[tuple] = set()
+_BROKEN: dict[tuple, str] = {}  # kinds of call whose compilation failed in this process, and why
+_BLOCK_MASKS: dict[tuple, Any] = {}
+_COMPILED: dict[tuple, Callable[..., Any]] = {}
+MAX_KINDS = 64  # compiled kinds of call per process; past it the engine declines new kinds
+
+
+def compile_log() -> list[CompileRecord]:
+    """This process's first flex call of each kind and how long it took (compilation included)."""
+    return list(_LOG)
+
+
+def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse):  # type: ignore[no-untyped-def]
+    return _flex_module().flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse
+    )
+
+
+def _compiled(kind: tuple) -> Callable[..., Any]:
+    """The compiled FlexAttention call for one kind of call. Each kind gets a code object of its
+    own, so torch's compiler keeps its kernels (and its recompile budget: dynamic shapes after the
+    second) apart from other kinds' instead of sharing one budget among all of them."""
+    if torch.compiler.is_compiling():  # inside the caller's torch.compile: its graph takes the call
+        return _flex_call
+    fn = _COMPILED.get(kind)
+    if fn is None:
+        code = _flex_call.__code__.replace(co_name=f"_flex_call_{len(_COMPILED)}")
+        fresh = types.FunctionType(code, _flex_call.__globals__, code.co_name)
+        # static shapes on the CPU: torch 2.13's dynamic-shape CPU template fails to compile some
+        # calls (a C++ error, seen for a band whose bounds changed between calls)
+        fn = _COMPILED[kind] = torch.compile(fresh, dynamic=False if kind[0] == "cpu" else None)
+    return fn
+
+
+def _kind(call: AttentionCall) -> tuple:
+    """What one compiled kernel serves: device, dtype, gradients, lse, which masks, which function."""
+    masks = (call.positional.band() != (None, None), call.key_padding_mask is not None, call.bool_mask,
+             call.given_mask is not None and call.given_mask.is_floating_point())  # fmt: skip
+    fn, mm = call.score_mod, None if call.block_sparse is None else call.block_sparse.mask_mod
+    kind = (call.device.type, call.dtype, call.requires_grad, call.return_lse, masks,
+            None if fn is None else getattr(fn, "__code__", type(fn)),
+            None if mm is None else getattr(mm, "__code__", type(mm)))  # fmt: skip
+    if call.device.type == "cpu":  # compiled for static shapes there (see _compiled): one kind per shape
+        kind += (call.batch_shape, call.hq, call.hk, call.nq, call.nk, call.d, call.dv, call.positional.band())
+    return kind
+
+
+def _flat(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
+    """``(..., H, N, D)`` → ``(B, H, N, D)``, the batch dims broadcast to ``batch`` and flattened
+    (a view where the tensor already has them)."""
+    t = t.expand(*batch, *t.shape[-3:])
+    return t.reshape(-1, *t.shape[-3:]) if batch else t.unsqueeze(0)
+
+
+def _grid(t: Optional[torch.Tensor], call: AttentionCall, last: int) -> Optional[torch.Tensor]:
+    """A mask broadcastable to ``(..., Hq, Nq, Nk)`` (``last`` = 2) or a padding ``(..., Nk)``
+    (``last`` = 0) as a view of shape ``(B, Hq, Nq, Nk)`` / ``(B, Nk)``, read per element."""
+    if t is None:
+        return None
+    if last == 0:
+        return t.expand(*call.batch_shape, call.nk).reshape(-1, call.nk)
+    return t.expand(*call.batch_shape, call.hq, call.nq, call.nk).reshape(-1, call.hq, call.nq, call.nk)
+
+
+def _score_function(call: AttentionCall) -> Optional[Callable[..., torch.Tensor]]:
+    """The call's score function and float mask as one Flex ``score_mod`` (None for neither)."""
+    bound = call.bound_score()
+    fmask = call.given_mask if call.given_mask is not None and call.given_mask.is_floating_point() else None
+    fmask = _grid(fmask, call, 2)
+    if bound is None and fmask is None:
+        return None
+    form = None if bound is None else bound.form
+    fn = None if bound is None or form is not None else bound.fn
+    nq = call.nq
+
+    def score_mod(s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        if form is not None:
+            if form.softcap is not None:
+                s = form.softcap * torch.tanh(s / form.softcap)
+            if form.rel is not None:
+                s = s + form.rel[h, j - i + (nq - 1)].to(s.dtype)
+        elif fn is not None:
+            s = fn(s, b, h, i, j)
+        if fmask is not None:
+            s = s + fmask[b, h, i, j].to(s.dtype)
+        return s
+
+    return score_mod
+
+
+def _block_mask(call: AttentionCall, batch: int) -> Any:
+    """One Flex block mask for every masking rule of the call (None where nothing is masked)."""
+    lo, hi = call.positional.band()
+    kp = _grid(call.key_padding_mask, call, 0)
+    bmask = call.given_mask if call.given_mask is not None and call.given_mask.dtype == torch.bool else None
+    bs = call.block_sparse
+    layout_fn = None if bs is None else getattr(bs, "mask_mod", None)
+    dense = _grid(bmask, call, 2) if bmask is not None else (_grid(call.attn_mask, call, 2) if bs is not None and layout_fn is None else None)
+    if lo is None and hi is None and kp is None and dense is None and layout_fn is None:
+        return None
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        ok = j >= 0
+        if lo is not None:
+            ok = ok & (j - i >= lo)
+        if hi is not None:
+            ok = ok & (j - i <= hi)
+        if kp is not None:
+            ok = ok & kp[b, j]
+        if dense is not None:
+            ok = ok & dense[b, h, i, j]
+        if layout_fn is not None:
+            ok = ok & layout_fn(b, h, i, j)
+        return ok
+
+    fa = _flex_module()
+    positional = kp is None and dense is None and layout_fn is None
+    key = ("band", lo, hi, call.nq, call.nk, str(call.device))
+    if positional and key in _BLOCK_MASKS:
+        return _BLOCK_MASKS[key]
+    # the compiled builder keeps no B·H·Nq·Nk mask in memory, but compiles per kind of mask:
+    # worth it from a few million pairs on (a smaller mask is built eagerly in milliseconds)
+    pairs = (1 if positional else batch) * (call.hq if dense is not None or layout_fn is not None else 1) * call.nq * call.nk
+    build = not torch.compiler.is_compiling() and pairs >= _COMPILED_BLOCK_MASK_PAIRS
+    found = fa.create_block_mask(
+        mask_mod, None if positional else batch, None if positional or dense is None and layout_fn is None else call.hq,
+        call.nq, call.nk, device=call.device, _compile=build,
+    )  # fmt: skip
+    if positional:
+        if len(_BLOCK_MASKS) >= _POSITIONAL_CACHE_SIZE:
+            _BLOCK_MASKS.clear()
+        _BLOCK_MASKS[key] = found
+    return found
+
+
+class FlexBackend(Backend):
+    NAME = "flex"
+    DESCRIPTION = "torch's FlexAttention, compiled: windows, padding, block masks, mask and score functions"
+    SUPPORTS_DROPOUT = False
+    SUPPORTS_GENERATOR = False
+    SUPPORTS_MASK_GRAD = False
+    SCORE_MODS = "any"
+
+    def available(self) -> Optional[str]:
+        if _flex_module() is None:
+            return f"this torch ({torch.__version__}) has no torch.nn.attention.flex_attention"
+        if not compile_enabled():
+            return f"compilation is off ({COMPILE_ENV}=0), and eager FlexAttention builds the Nq × Nk scores"
+        return None
+
+    def extra_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = []
+        if call.device.type == "cpu":
+            if call.requires_grad:
+                reasons.append("FlexAttention has no backward on the CPU")
+            if call.return_lse:
+                reasons.append("compiled FlexAttention on the CPU does not return the lse")
+            if call.dtype == torch.float64:
+                reasons.append("compiled FlexAttention on the CPU takes float32, float16 and bfloat16 only")
+        elif call.return_lse and call.requires_grad:
+            reasons.append("return_lse=True with gradients: qkv does not route an lse gradient through FlexAttention")
+        if call.batch_size * call.hq * call.nq * call.nk * call.d * call.dv == 0:
+            reasons.append("an empty size (FlexAttention divides by them)")
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            reasons.append("under torch.func transforms (grad, vmap) a compiled FlexAttention call cannot be traced")
+        kind = _kind(call)
+        if kind not in _COMPILED and len(_COMPILED) >= MAX_KINDS:
+            reasons.append(f"FlexAttention was compiled for {MAX_KINDS} kinds of call in this process already")
+        broken = _BROKEN.get(kind)
+        if broken:
+            reasons.append(f"compiling FlexAttention for this kind of call failed in this process ({broken})")
+        return reasons
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        batch = call.batch_shape
+        q, k, v = _flat(call.query, batch), _flat(call.key, batch), _flat(call.value, batch)
+        kind = _kind(call)
+        first = kind not in _SEEN and not torch.compiler.is_compiling()
+        t0 = time.perf_counter()
+        try:
+            block_mask = _block_mask(call, q.shape[0])
+            found = _compiled(kind)(q, k, v, _score_function(call), block_mask, call.scale, call.hq != call.hk, call.return_lse)
+        except _COMPILE_ERRORS as e:  # torch's compiler could not build this kind of call: say so from now on
+            if torch.compiler.is_compiling():
+                raise
+            _BROKEN[kind] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            raise EngineFailed(f"flex: {_BROKEN[kind]}") from e
+        out, lse = found if call.return_lse else (found, None)
+        if first:
+            _SEEN.add(kind)
+            _LOG.append(CompileRecord(call.describe(), time.perf_counter() - t0))
+        out = out.reshape(*batch, call.hq, call.nq, call.dv)
+        if lse is not None:
+            lse = lse.reshape(*batch, call.hq, call.nq).to(call.lse_dtype)
+        return follow_rule(call, out, lse)
