@@ -306,7 +306,8 @@ def fwd_kernel(
 ):
     """Output and lse for one query block of one query head, by online softmax over the key
     tiles it can see: left boundary, interior, right boundary (scores in base 2,
-    ``qk_scale`` = scale · LOG2E)."""
+    ``qk_scale`` = scale · LOG2E).
+    Kept whole: one fused kernel body; splitting it would move the running state through memory."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)  # b * HK * G + hk * G + g
     g = pid_bh % G
@@ -743,6 +744,7 @@ def bwd_dq_kernel(
 ):
     """dQ for one query block of one query head, over the key tiles it can see: boundary,
     interior, boundary.
+    Kept whole: one fused kernel body; splitting it would move the running state through memory.
 
     ``REL_GRAD``: also the gradient of the relative bias, ``DRel[h, j - i + c0] += dS`` (fp32,
     zeroed by the caller). Each tile's diagonal sums cover diagonals ``[n0 - q0 - BLOCK_N,
