@@ -16,6 +16,7 @@ write ``torch.where(q_idx > kv_idx, ...)``.
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 import weakref
 from typing import Any, Callable
@@ -23,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["call_elementwise", "per_element", "rebind"]
+__all__ = ["call_elementwise", "check_function", "per_element", "rebind"]
 
 # How each function was found to run: True where calling it on broadcasting tiles gives what the
 # per-element call gives, False where it must be mapped. Keyed by a plain function's code (a
@@ -33,6 +34,27 @@ _RUNS_ON_TILES_BY_CODE: dict[Any, bool] = {}
 _MAX_CODES = 4096  # functions made by exec in a loop would otherwise grow the table without end
 _CORNER_LEAD, _CORNER_ROWS, _CORNER_COLS = 2, 4, 4  # the corner of a tile compared element by element
 _CALL_ERRORS = (IndexError, RuntimeError, TypeError, ValueError)
+
+
+def check_function(fn: Any, name: str, params: tuple[str, ...], returns: str, hint: str = "") -> Any:
+    """``fn`` if it can be called with FlexAttention's positional ``params``, else a TypeError that
+    names the argument (``name``) and what it must accept."""
+    shape = f"{name}({', '.join(params)}) -> {returns}"
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable as {shape}, got {type(fn).__name__}{hint}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return fn
+    try:
+        sig.bind(*range(len(params)))
+    except TypeError:
+        count = ("one", "two", "three", "four", "five", "six")[len(params) - 1]
+        raise TypeError(
+            f"{name} {getattr(fn, '__name__', fn)!r} takes ({', '.join(sig.parameters)}); it must accept {count} "
+            f"positional arguments ({', '.join(params)}), FlexAttention's contract"
+        ) from None
+    return fn
 
 
 def per_element(fn: Callable[..., Any], shape: torch.Size, *args: Tensor) -> Tensor:

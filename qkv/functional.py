@@ -184,10 +184,11 @@ def attention(
     - ``sinks``: ``(Hq,)`` logits, one per query head, that join each row's softmax
       denominator without a value (GPT-OSS); the lse includes them (see :mod:`qkv.sinks`).
     - ``mask_mod``: FlexAttention's mask function ``fn(batch, head, q_idx, kv_idx) -> bool``
-      (True = may attend), combined with every other mask; kept as blocks
-      (:func:`qkv.sparse.from_mask_mod`), so no ``Nq × Nk`` mask is built on the CPU. A Flex
-      ``BlockMask`` may be passed as ``attn_mask``. Score and mask functions mean what they
+      (True = may attend), joined to every other mask as blocks (:func:`qkv.sparse.from_mask_mod`;
+      a Flex ``BlockMask`` may be the ``attn_mask``). Score and mask functions mean what they
       compute per element, as in Flex (:mod:`qkv.elementwise`).
+
+    Kept whole: the public signature, whose docstring is the reference of every argument.
     """
     # Fast path: a plain SDPA call that auto would send to SDPA goes straight to torch's kernel
     # with almost no Python, so small shapes pay little.

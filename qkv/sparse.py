@@ -31,14 +31,13 @@ and pass it as ``attn_mask`` to reuse it over a loop of calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-import inspect
 import math
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from .elementwise import call_elementwise
+from .elementwise import call_elementwise, check_function
 
 __all__ = ["BlockSparseMask", "longformer", "bigbird", "strided", "from_dense", "from_mask_mod", "from_block_mask"]
 
@@ -276,23 +275,7 @@ _LAYOUT_CHUNK = 1 << 22
 
 def check_mask_mod(mask_mod: Any) -> MaskMod:
     """``mask_mod`` if it is callable with FlexAttention's four arguments, else a TypeError saying so."""
-    if not callable(mask_mod):
-        raise TypeError(
-            f"mask_mod must be callable as mask_mod(batch, head, q_idx, kv_idx) -> bool tensor, got "
-            f"{type(mask_mod).__name__}"
-        )
-    try:
-        sig = inspect.signature(mask_mod)
-    except (TypeError, ValueError):  # builtins without a signature: let the call decide
-        return mask_mod
-    try:
-        sig.bind(*range(4))
-    except TypeError:
-        raise TypeError(
-            f"mask_mod {getattr(mask_mod, '__name__', mask_mod)!r} takes ({', '.join(sig.parameters)}); it must accept "
-            "four positional arguments (batch, head, q_idx, kv_idx), FlexAttention's contract"
-        ) from None
-    return mask_mod
+    return check_function(mask_mod, "mask_mod", ("batch", "head", "q_idx", "kv_idx"), "bool tensor")
 
 
 def _allowed(mask_mod: MaskMod, b: Tensor, h: Tensor, rows: Tensor, cols: Tensor) -> Tensor:

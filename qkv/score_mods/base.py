@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..elementwise import call_elementwise, rebind
+from ..elementwise import call_elementwise, check_function, rebind
 from ..reference.masks import Alignment, parse_alignment
 
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -169,23 +169,10 @@ def check_score_mod(score_mod: Any) -> Optional[Any]:
     a TypeError that says what is expected."""
     if score_mod is None or isinstance(score_mod, ScoreMod):
         return score_mod
-    if not callable(score_mod):
-        raise TypeError(
-            f"score_mod must be callable as score_mod(score, batch, head, q_idx, kv_idx) -> score, got "
-            f"{type(score_mod).__name__}; see qkv.score_mods for softcap, ALiBi and relative bias"
-        )
-    try:
-        sig = inspect.signature(score_mod)
-    except (TypeError, ValueError):  # builtins without a signature: let the call decide
-        return score_mod
-    try:
-        sig.bind(*range(5))
-    except TypeError:
-        raise TypeError(
-            f"score_mod {getattr(score_mod, '__name__', score_mod)!r} takes ({', '.join(sig.parameters)}); it must accept "
-            "five positional arguments (score, batch, head, q_idx, kv_idx), FlexAttention's contract"
-        ) from None
-    return score_mod
+    return check_function(
+        score_mod, "score_mod", ("score", "batch", "head", "q_idx", "kv_idx"), "score",
+        "; see qkv.score_mods for softcap, ALiBi and relative bias",
+    )  # fmt: skip
 
 
 def captured_tensors(fn: Any) -> tuple[Tensor, ...]:
