@@ -8,7 +8,9 @@ gradient. ``flex``: qkv's flex engine (compiled FlexAttention; its first call, c
 included, is reported apart); ``chunked``: the tile loops calling the function tile by tile;
 ``auto``: what ``qkv.attention`` picks; ``sdpa+mask``: torch SDPA with the bias as a dense
 float mask built outside the timing. Best of interleaved rounds; largest |Δ| against the float64
-oracle for each path.
+oracle for each path. Torch keeps compiled kernels on disk (``TORCHINDUCTOR_CACHE_DIR``), so a
+second run finds them and its first calls are short; run with an empty cache directory to time
+compilation from scratch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.backends import auto_order
+from qkv.backends import select
 from qkv.call import validate
 
 from common import report_header, time_cell, write_report  # noqa: E402  (the helpers beside this script)
@@ -50,7 +52,7 @@ def cell(n: int, rounds: int) -> dict:
         ref = qkv.attention(q.double(), k.double(), v.double(), is_causal=True, score_mod=score, backend="chunked")
         errs = {name: float((fn().double() - ref).abs().max()) for name, fn in fns.items()}
         times = time_cell(fns, rounds)
-    picked = auto_order(validate(q, k, v, is_causal=True, score_mod=score))[0].NAME
+    picked = select(validate(q, k, v, is_causal=True, score_mod=score)).NAME
     return {"times": times, "errs": errs, "first": first, "auto": picked}
 
 

@@ -177,9 +177,10 @@ ROUTES: tuple[Route, ...] = (
         also=lambda call: needs_dense_mask(call) or call.block_sparse is not None or call.score_mod is not None,
     ),
     # Compiled Flex against qkv's tile loops for a Python score function without gradients
-    # (float32, 1 thread, 8 heads, D = 64, causal, s + 0.01·(i − j)): 7.8 vs 12.5 ms at N = 512,
-    # 25.0 vs 50.5 at 1024, 90.6 vs 174 at 2048 (2.5 vs 5.5 at 256). A new function compiles once
-    # (about 4 s; a new shape once more): below 512² scores that takes a thousand calls to repay.
+    # (float32, 1 thread, 8 heads, D = 64, causal, s + 0.01·(i − j); bench/results/flex_cpu.md):
+    # 7.98 vs 14.03 ms at N = 512, 25.3 vs 34.7 at 1024, 89.7 vs 112.6 at 2048 (2.73 vs 6.38 at
+    # 256). A new function or shape compiles first (3.6–7.9 s cold on that machine): below 512²
+    # scores that takes over a thousand calls to repay.
     Route(
         lambda s: _cpu(s) and s.score == "python" and not s.grad and not s.lse and s.dtype != torch.float64
         and s.scores >= FLEX_CPU_MIN_SCORES,
