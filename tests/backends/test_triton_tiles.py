@@ -115,6 +115,19 @@ def _fwd_bwd(q, k, v, backend, kw):
     return on_cpu((out.detach(), lse.detach(), q.grad, k.grad, v.grad))
 
 
+# On a GPU the tiles are 64-128 wide: the lengths and windows grow with them, so the interior
+# tiles exist there too (the interpreter's 16-wide tiles see them at the small sizes).
+GROW = 1 if INTERPRETED else 8
+
+
+def _grown(case):
+    b, hq, hk, nq, nk, d, kw = case
+    kw = dict(kw)
+    if "window" in kw:
+        kw["window"] = tuple(None if w is None else w * GROW for w in kw["window"])
+    return b, hq, hk, nq * GROW if nq > 8 else nq, nk * GROW, d, kw
+
+
 SPLIT_CASES = {
     "causal": (1, 2, 2, 48, 48, 16, dict(is_causal=True)),
     "causal-br-long-keys": (1, 2, 1, 37, 64, 16, dict(is_causal="bottom_right")),
@@ -155,7 +168,7 @@ def _materialise(kw: dict, b: int, hq: int, nq: int, nk: int, dtype) -> dict:
 
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
 def test_split_tiles_match_math(name):
-    b, hq, hk, nq, nk, d, kw = SPLIT_CASES[name]
+    b, hq, hk, nq, nk, d, kw = _grown(SPLIT_CASES[name])
     q, k, v = make_qkv(b, hq, hk, nq, nk, d, dtype=torch.float32)
     kw = _materialise(kw, b, hq, nq, nk, torch.float32)
     got = _fwd_bwd(q, k, v, "triton", kw)
@@ -168,7 +181,7 @@ def test_split_tiles_match_math(name):
 
 @pytest.mark.parametrize("name", ["causal-br-long-keys", "window-both", "padding-window"])
 def test_split_tiles_bf16_within_rule(name):
-    b, hq, hk, nq, nk, d, kw = SPLIT_CASES[name]
+    b, hq, hk, nq, nk, d, kw = _grown(SPLIT_CASES[name])
     q64, k64, v64 = make_qkv(b, hq, hk, nq, nk, d, dtype=torch.float64)
     kw = _materialise(kw, b, hq, nq, nk, torch.bfloat16)
     ref_out, _ = attention_ref(q64, k64, v64, enable_gqa=True, return_lse=True, **kw)
@@ -214,7 +227,7 @@ DECODE_CASES = {
 
 @pytest.mark.parametrize("name", list(DECODE_CASES))
 def test_decode_matches_the_tiled_forward_and_the_oracle(name, monkeypatch):
-    b, hq, hk, nq, nk, d, kw = DECODE_CASES[name]
+    b, hq, hk, nq, nk, d, kw = _grown(DECODE_CASES[name])
     q, k, v = make_qkv(b, hq, hk, nq, nk, d, dtype=torch.float32)
     kw = _materialise(kw, b, hq, nq, nk, torch.float32)
     dev_kw = {a: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for a, t in kw.items()}
@@ -333,3 +346,21 @@ def test_autotune_report_pastes_into_the_table():
     exec("T = {\n" + block + "}", ns)
     assert ns["T"] == {("sm90", 128, 2, "fwd", "band"): configs.Config(128, 128, 8, 2, True)}
     assert autotune.report(None) == ["Autotune: unmeasured (the step did not run or wrote nothing)."]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INTERPRETED, reason="a GPU runs its own tile sizes")
+@pytest.mark.parametrize("tiles", [((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)), ((64, 128, 4, 3), (128, 64, 8, 2), (128, 64, 8, 2))],
+                         ids=["hopper", "asymmetric"])  # fmt: skip
+def test_gpu_tile_sizes_in_the_interpreter(tiles):
+    """The launch table's GPU shapes (unequal BLOCK_M and BLOCK_N, a dQ tile clamped for the
+    bias gradient) through the interpreter, at lengths where they have interior tiles."""
+    fwd, kv, dq = (configs.Config(*t) for t in tiles)
+    cases = [dict(is_causal=True), dict(window=(100, 40), is_causal="bottom_right"),
+             dict(key_padding_mask=torch.rand(1, 384) > 0.3, is_causal=True), dict(score_mod=ALiBi(alibi_slopes(2)), is_causal=True)]  # fmt: skip
+    q, k, v = make_qkv(1, 2, 1, 384, 384, 64, dtype=torch.float32)
+    with launch.override("fwd", fwd), launch.override("bwd_dkdv", kv), launch.override("bwd_dq", dq):
+        for kw in cases:
+            got, want = _fwd_bwd(q, k, v, "triton", kw), _fwd_bwd(q, k, v, "math", kw)
+            for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+                assert max_err(g, w) <= 2e-5 * max(1.0, float(w[torch.isfinite(w)].abs().max())), (list(kw), what)
