@@ -274,7 +274,7 @@ def test_goals_are_judged_cell_by_cell():
     assert v("qkv triton ≥ 1.0× compiled Flex", "window1024-d128-n4096 fwd") == "FAIL"  # 300 < 310
     assert v("auto ≥ 0.95× the best peer", "window1024-d128-n4096 fwd+bwd") == "FAIL"  # 280 / 310 = 0.90
     assert v("sinks cost ≤ 1.1× the call without", "sinks-d128-n4096-causal fwd") == "PASS"  # 1.05×
-    assert v("auto ≥ 0.95× the best peer", "sinks-d128-n4096-causal fwd") == "unmeasured"  # no peer ran
+    assert ("auto ≥ 0.95× the best peer", "sinks-d128-n4096-causal fwd") not in rows  # no other engine has sinks
     assert v("decoding ≥ 1.5 TB/s", "decode-q1-kv8192-32x8-d128") == "PASS"
     assert v("auto ≥ 0.95× the best peer", "decode-q1-kv8192-32x8-d128 fwd") == "FAIL"  # 1600 / 1700 GB/s = 0.94
     assert v("every goal of the cell", "dense-d128-n16384-full") == "unmeasured"
