@@ -48,10 +48,11 @@ How the work is laid out (what makes it fast on a GPU)
   ``O = Σ O_s e^(m_s − M) / L``, in natural units so that a sink of any size takes part.
 - Not used: Hopper's tensor-memory (TMA) descriptors. Triton 3.6 has them
   (``tl.make_tensor_descriptor``) and its interpreter runs them, but a descriptor needs a unit
-  last stride and 16-byte-aligned strides and base, while these kernels read inputs through
-  any strides in place (zero-stride broadcasts, strided head dims, packed varlen rows); TMA
-  would be a second copy of every load path, taken only for aligned inputs, whose gain needs
-  a GPU to show. Warp specialization is a launch-table flag (``WARP_SPEC``:
+  last stride, strides that are multiples of 16 bytes and a 16-byte-aligned base, and one made
+  in the kernel needs a global scratch allocator registered with ``triton.set_allocator``;
+  these kernels read inputs through any strides in place (zero-stride broadcasts, strided
+  head dims, packed varlen rows, head dims like 59). TMA would be a second copy of every load
+  path, taken only for aligned inputs, whose gain needs a GPU to show. Warp specialization is a launch-table flag (``WARP_SPEC``:
   ``tl.range(..., warp_specialize=True)`` on the forward's interior loop), off by default and
   tried by the GPU check's autotune; the interpreter ignores it.
 
