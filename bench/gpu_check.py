@@ -73,6 +73,7 @@ KERNEL_TESTS = (
     "tests/backends/test_triton.py",
     "tests/backends/test_triton_score_mods.py",
     "tests/backends/test_triton_tiles.py",
+    "tests/backends/test_flex_cuda.py",
     "tests/inspect/test_stats_triton.py",
     "tests/inspect/test_score_mods_inspect.py",
     "tests/test_varlen.py",
