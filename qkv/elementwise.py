@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import types
 import weakref
 from typing import Any, Callable
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["call_elementwise", "check_function", "per_element", "rebind"]
+__all__ = ["call_elementwise", "check_function", "per_element", "rebind", "runs_on_tiles"]
 
 # How each function was found to run: True where calling it on broadcasting tiles gives what the
 # per-element call gives, False where it must be mapped. Keyed by a plain function's code (a
@@ -59,7 +60,10 @@ def check_function(fn: Any, name: str, params: tuple[str, ...], returns: str, hi
 
 def per_element(fn: Callable[..., Any], shape: torch.Size, *args: Tensor) -> Tensor:
     """``fn`` called once per element of ``shape``, as FlexAttention calls it: every argument
-    expanded to ``shape``, flattened, and mapped over with ``torch.vmap`` (0-d tensors each)."""
+    expanded to ``shape``, flattened, and mapped over with ``torch.vmap`` (0-d tensors each). An
+    empty ``shape`` gives an empty tensor of the first argument's dtype without calling ``fn``."""
+    if math.prod(shape) == 0:  # nothing to call it on (vmap needs one element at least)
+        return args[0].new_empty(shape)
     flat = [t.expand(shape).reshape(-1) for t in args]
     out = torch.vmap(fn)(*flat)
     if not isinstance(out, Tensor):
@@ -176,3 +180,24 @@ def rebind(fn: Any, swap: dict[int, Tensor]) -> Any:
     out.__kwdefaults__ = None if fn.__kwdefaults__ is None else {k: swapped(d) for k, d in fn.__kwdefaults__.items()}
     out.__qualname__ = fn.__qualname__
     return out
+
+
+def runs_on_tiles(fn: Callable[..., Any], sizes: tuple[int, int, int, int], dtype: torch.dtype) -> bool:
+    """Does score function ``fn`` run on broadcasting tiles for a call of ``sizes`` (batch, query
+    heads, Nq, Nk), or must it be mapped per element? Found once per function on a small probe
+    (the sizes' first few indices), as :func:`call_elementwise` finds it; a function that fails
+    both ways counts as running on tiles (its call then raises what is wrong)."""
+    verdict = _verdict(fn)
+    if verdict is None:
+        b, h, nq, nk = (min(n, lim) for n, lim in zip(sizes, (_CORNER_LEAD, _CORNER_LEAD, _CORNER_ROWS, _CORNER_COLS)))
+        idx = (torch.arange(b).view(b, 1, 1, 1), torch.arange(h).view(1, h, 1, 1),
+               torch.arange(nq).view(1, 1, nq, 1), torch.arange(nk).view(1, 1, 1, nk))  # fmt: skip
+        if b * h * nq * nk == 0:
+            return True
+        try:
+            with torch.no_grad():
+                call_elementwise(fn, torch.Size((b, h, nq, nk)), torch.zeros(b, h, nq, nk, dtype=dtype), *idx)
+        except _CALL_ERRORS:
+            return True
+        verdict = _verdict(fn)
+    return verdict is not False

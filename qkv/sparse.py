@@ -281,6 +281,8 @@ def check_mask_mod(mask_mod: Any) -> MaskMod:
 def _allowed(mask_mod: MaskMod, b: Tensor, h: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     """The mask function on broadcasting index tensors ``(B|1, H|1, R|1, C|1)``, as a bool tensor."""
     shape = torch.broadcast_shapes(b.shape, h.shape, rows.shape, cols.shape)
+    if math.prod(shape) == 0:  # no pair to ask about
+        return torch.zeros(shape, dtype=torch.bool, device=rows.device)
     out = call_elementwise(mask_mod, shape, b, h, rows, cols)
     if out.dtype != torch.bool:
         raise TypeError(f"mask_mod returned {out.dtype} values; it must return bool (True = may attend)")
@@ -310,13 +312,16 @@ def from_mask_mod(
     _positive_int("block_size", bq)
     _positive_int("block_size", bk)
     batch_shape = () if batch is None else (batch,) if isinstance(batch, int) else tuple(batch)
-    nb, nh = math.prod(batch_shape), 1 if heads is None else _positive_int("heads", heads)
+    nb, nh = math.prod(batch_shape), 1 if heads is None else _positive_int("heads", heads, 0)
     dev = torch.device("cpu") if device is None else torch.device(device)
     b = torch.arange(nb, device=dev).view(nb, 1, 1, 1)
     h = torch.arange(nh, device=dev).view(1, nh, 1, 1)
     rq, rk = -(-nq // bq), -(-nk // bk)
     cols_per = max(bk, _LAYOUT_CHUNK // max(1, nb * nh * bq) // bk * bk)  # keys per evaluation, whole blocks
     rows_out = []
+    if nb * nh == 0:  # no batch entry or head to ask about: an empty layout of the call's dims
+        empty = torch.zeros(nb, nh, rq, rk, dtype=torch.bool, device=dev)
+        return BlockSparseMask(_with_batch_dims(empty, batch_shape), (bq, bk), (nq, nk), None, "mask_mod", mask_mod)
     for i in range(rq):
         rows = torch.arange(i * bq, min(nq, (i + 1) * bq), device=dev).view(1, 1, -1, 1)
         parts = []

@@ -253,3 +253,31 @@ def test_bad_mask_functions_are_refused_with_the_argument_named():
         qkv.attention(q, k, v, mask_mod=lambda b, h, i, j: (i - j).float())
     with pytest.raises(ValueError, match="cannot combine a BlockSparseMask"):
         from_mask_mod(lambda b, h, i, j: i >= j, None, None, 8) & from_mask_mod(lambda b, h, i, j: i >= j, None, None, 8, block_size=4)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 8, 8), (1, 0, 8, 8), (1, 2, 0, 8), (1, 2, 8, 0)], ids=str)
+def test_empty_sizes_with_per_element_functions(shape):
+    """Nothing to call a function on (vmap needs an element): empty results, rows with no key 0."""
+    b, h, nq, nk = shape
+    q, k, v = torch.randn(b, h, nq, 4), torch.randn(b, h, nk, 4), torch.randn(b, h, nk, 4)
+    table = torch.randn(h, max(nq + nk - 1, 1))
+    fn = lambda s, bb, hh, i, j: s + table[hh][j - i + nq - 1]  # noqa: E731  per element only
+    mask = lambda bb, hh, i, j: (i + j) % 3 != 1  # noqa: E731
+    for backend in ("math", "chunked", "auto"):
+        out = qkv.attention(q, k, v, score_mod=fn, mask_mod=mask, backend=backend)
+        assert out.shape == (b, h, nq, 4) and not out.abs().sum()
+
+
+def test_per_element_functions_under_torch_func_transforms():
+    """torch.vmap cannot run inside the tile loops' autograd.Function under a transform: chunked
+    says so by name, and auto takes math, which gives the same gradient as loss.backward()."""
+    q, k, v = _inputs(n=24)
+    bias = torch.randn(B, 24, dtype=torch.float64)
+    fn = lambda s, b, h, i, j: s + bias[b][i]  # noqa: E731
+    loss = lambda q_, backend: qkv.attention(q_, k, v, score_mod=fn, backend=backend).square().sum()  # noqa: E731
+    with pytest.raises(qkv.BackendError, match="written per element"):
+        torch.func.grad(lambda q_: loss(q_, "chunked"))(q)
+    got = torch.func.grad(lambda q_: loss(q_, "auto"))(q)
+    leaf = q.clone().requires_grad_()
+    loss(leaf, "chunked").backward()
+    assert max_err(got, leaf.grad) < 1e-10

@@ -68,9 +68,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..call import AttentionCall, accumulate_dtype
+from ..call import AttentionCall, accumulate_dtype, compute_dtype
 from ..masks import MaskTiles
 from ..reference.masks import PositionalMask
+from ..elementwise import runs_on_tiles
 from ..score_mods.base import BoundScore, KernelForm, captured_tensors
 from ..sinks import add_sinks, grouped_sinks
 from . import chunked_native
@@ -729,15 +730,17 @@ class ChunkedBackend(Backend):
         self.block_q, self.block_k = check_tile_size("block_q", block_q), check_tile_size("block_k", block_k)
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
-        if (
-            call.score_mod is not None
-            and not call.builtin_score
-            and torch._C._functorch.peek_interpreter_stack() is not None
-            and captured_tensors(call.score_mod)
-        ):
+        if call.score_mod is None or call.builtin_score or torch._C._functorch.peek_interpreter_stack() is None:
+            return []
+        if captured_tensors(call.score_mod):
             return [
                 "under torch.func transforms (grad, jacrev, vmap) the tensors a Python score_mod reads cannot receive "
                 "gradients tile by tile; use loss.backward(), a built-in from qkv.score_mods, or backend='math'"
+            ]
+        if not runs_on_tiles(call.score_mod, (call.batch_size, call.hq, call.nq, call.nk), compute_dtype(call.dtype)):
+            return [  # torch.vmap inside the tile loops' autograd.Function under a transform: torch refuses
+                "under torch.func transforms a score_mod written per element (mapped with torch.vmap) cannot run inside "
+                "the tile loops; write it on broadcasting index tensors, use loss.backward(), or backend='math'"
             ]
         return []
 

@@ -147,7 +147,7 @@ class Spec:
     magnitude: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (sigma, mean)
     nonfinite: tuple[tuple[str, float], ...] = ()  # (tensor name, value) to plant at random places
     expect: Optional[str] = None  # the exception type an invalid call must raise
-    score: Optional[str] = None  # a score function: "softcap" | "alibi" | "relbias" | "fn" (see score_mod_of)
+    score: Optional[str] = None  # a score function: "softcap" | "alibi" | "relbias" | "fn" | "fn_elem" (see score_mod_of)
     score_arg: float = 0.0  # softcap's cap; relbias's max distance
     score_alignment: Optional[str] = None  # alibi / relbias: where the query rows sit (None: follow is_causal)
     sinks: bool = False  # one sink logit per query head (base tensor "sinks")
@@ -510,7 +510,7 @@ def _draw(seed: int, case: str) -> Spec:
     # run them; triton float32 only: the 16-bit baseline that rounds P like the kernels has none)
     if spec.expect is None and (not triton or dtype == "float32"):
         if rng.random() < (0.3 if triton else 0.15):
-            kinds = {"softcap": 0.35, "alibi": 0.35, "relbias": 0.3} if triton else {"softcap": 0.3, "alibi": 0.25, "relbias": 0.2, "fn": 0.25}
+            kinds = {"softcap": 0.35, "alibi": 0.35, "relbias": 0.3} if triton else {"softcap": 0.3, "alibi": 0.25, "relbias": 0.2, "fn": 0.15, "fn_elem": 0.1}
             spec.score = _pick(rng, kinds)
             if spec.score == "softcap":
                 spec.score_arg = float(rng.choice((0.5, 3.0, 30.0)))
@@ -522,7 +522,7 @@ def _draw(seed: int, case: str) -> Spec:
         if (spec.score is not None or spec.sinks) and not triton:
             spec.backend = _pick(rng, {"auto": 0.35, "chunked": 0.4, "math": 0.15, "sdpa": 0.1})
             if spec.grad:
-                extra = [n for n, on in (("mod", spec.score in ("alibi", "relbias", "fn")), ("sinks", spec.sinks)) if on and rng.random() < 0.7]
+                extra = [n for n, on in (("mod", spec.score in ("alibi", "relbias", "fn", "fn_elem")), ("sinks", spec.sinks)) if on and rng.random() < 0.7]
                 spec.grad = (*spec.grad, *extra)
     if spec.expect is None and not triton and rng.random() < 0.04:
         _draw_extreme(rng, spec)
@@ -554,7 +554,8 @@ def _draw_extreme(rng: np.random.Generator, spec: Spec) -> None:
 
 def score_mod_of(spec: Spec, table: Optional[torch.Tensor]) -> Any:
     """The score function of ``spec`` reading ``table`` (the base tensor "mod": ALiBi's slopes
-    ``(Hq,)``, T5's table ``(32, Hq)``, or a bias ``(Hq, Nq + Nk - 1)`` by offset for "fn")."""
+    ``(Hq,)``, T5's table ``(32, Hq)``, or a bias ``(Hq, Nq + Nk - 1)`` by offset for "fn" and
+    "fn_elem", the latter written per element as for FlexAttention: ``table[head][offset]``)."""
     from qkv.score_mods import ALiBi, RelativeBias, Softcap
 
     if spec.score == "softcap":
@@ -565,6 +566,12 @@ def score_mod_of(spec: Spec, table: Optional[torch.Tensor]) -> Any:
     if spec.score == "relbias":
         return RelativeBias(table, bidirectional=not spec.is_causal, max_distance=int(spec.score_arg), alignment=spec.score_alignment)
     nq = spec.nq
+    if spec.score == "fn_elem":
+
+        def per_element_bias(score, batch, head, q_idx, kv_idx):  # indexes the wrong dim on tiles: mapped per element
+            return score + table[head][kv_idx - q_idx + (nq - 1)]
+
+        return per_element_bias
 
     def offset_bias(score, batch, head, q_idx, kv_idx):  # a learnable bias by offset, read from the closure
         return score + table[head, kv_idx - q_idx + (nq - 1)] + 0.25 * torch.cos(0.5 * q_idx)
@@ -646,8 +653,9 @@ def build(spec: Spec) -> Inputs:
         base[name] = torch.from_numpy(x).to(dtype)
     aux = torch.float64 if spec.dtype == "float64" else torch.float32
     hq = 1 if spec.two_d else spec.hq
-    if spec.score in ("alibi", "relbias", "fn"):
-        shape = {"alibi": (hq,), "relbias": (32, hq), "fn": (hq, max(spec.nq + spec.nk - 1, 0))}[spec.score]
+    if spec.score in ("alibi", "relbias", "fn", "fn_elem"):
+        offsets = (hq, max(spec.nq + spec.nk - 1, 0))
+        shape = {"alibi": (hq,), "relbias": (32, hq), "fn": offsets, "fn_elem": offsets}[spec.score]
         x = rng.standard_normal(shape) * (0.3 if spec.score == "alibi" else 1.0)
         if spec.extreme == "score":  # slopes and biases of 1e36: scores far beyond float32's range
             x = x * 1e36

@@ -234,9 +234,10 @@ def flash_like(
 
 
 def _scored(score_mod: Any, s: torch.Tensor, alignment: str) -> torch.Tensor:
-    """``score_mod`` on scores ``(..., H, Nq, Nk)``, called with index tensors: batch (the
-    flattened batch dims), head, query row and key; a built-in sees its rows at their
-    positions (its own alignment, else the call's)."""
+    """``score_mod`` on scores ``(..., H, Nq, Nk)`` with index tensors: batch (the flattened batch
+    dims), head, query row and key; a built-in sees its rows at their positions (its own
+    alignment, else the call's); a Python function is mapped per element (``torch.vmap``)."""
+    from qkv.elementwise import per_element
     from qkv.score_mods import ScoreMod
 
     h, nq, nk = s.shape[-3:]
@@ -245,5 +246,9 @@ def _scored(score_mod: Any, s: torch.Tensor, alignment: str) -> torch.Tensor:
     qi = torch.arange(nq).view(1, 1, nq, 1)
     if isinstance(score_mod, ScoreMod) and (score_mod.alignment or alignment) == "bottom_right":
         qi = qi + (nk - nq)
-    out = score_mod(flat, torch.arange(b).view(b, 1, 1, 1), torch.arange(h).view(1, h, 1, 1), qi, torch.arange(nk).view(1, 1, 1, nk))
+    idx = (torch.arange(b).view(b, 1, 1, 1), torch.arange(h).view(1, h, 1, 1), qi, torch.arange(nk).view(1, 1, 1, nk))
+    if isinstance(score_mod, ScoreMod):
+        out = score_mod(flat, *idx)
+    else:  # a user's function means what it computes per element (FlexAttention's contract): map it
+        out = per_element(score_mod, flat.shape, flat, *idx)
     return out.expand(flat.shape).reshape(s.shape)
