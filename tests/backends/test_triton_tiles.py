@@ -192,6 +192,7 @@ def test_split_tiles_bf16_within_rule(name):
     assert_within_rule(out, base, ref_out, torch.bfloat16, what=name)
 
 
+@pytest.mark.slow  # (test_triton.py's determinism test runs in the quick tier)
 def test_backward_deterministic_across_the_split():
     q, k, v = make_qkv(1, 4, 2, 48, 64, 16, dtype=torch.bfloat16)
     kw = {"window": (30, 0), "is_causal": "bottom_right"}
@@ -318,6 +319,7 @@ def test_override_and_interpreter_configs():
 # ---- the autotune ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # (the GPU check's dry run runs it too)
 @pytest.mark.skipif(not INTERPRETED, reason="the dry run is the interpreter's")
 def test_autotune_dry_run_times_candidates_and_measures_nothing():
     from qkv.backends.triton import autotune
