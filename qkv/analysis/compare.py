@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..locale import check_lang, text
-from .explain import Explanation, encode, explain, note_text, shorten
+from ..locale import Note, check_lang, text, word
+from .explain import Explanation, encode, explain, shorten
 from .loading import load_model
 
 __all__ = ["Comparison", "compare", "align_tokens"]
@@ -159,7 +159,7 @@ class Comparison:
                text("compare.a", lang, text=shorten(a.text, 300)), text("compare.b", lang, text=shorten(b.text, 300)),
                text("compare.focus", lang, fa=fa, ia=a.focus_index, fb=fb, ib=b.focus_index, n=len(self.pairs),
                     only_a=only_a, only_b=only_b)]
-        out += [text("explain.note", lang, note=self._note(n, lang)) for n in self.notes]
+        out += [text("explain.note", lang, note=word(n, lang)) for n in self.notes]
         out += ["", text("compare.moved_heads", lang, tok=fa)]
         for l, h, d in self.top_changes(top):
             (i, lost), (j, won) = self.moved(l, h)
@@ -180,13 +180,6 @@ class Comparison:
         out.append("")
         out.append(text("compare.mean", lang, mean=mean))
         return "\n".join(out)
-
-    @staticmethod
-    def _note(note: str, lang: str) -> str:
-        """A note in ``lang``; those about B (``"in B: …"``) keep saying so."""
-        if note.startswith("in B: "):
-            return text("note.in_b", lang, note=note_text(note[len("in B: "):], lang))
-        return note_text(note, lang)
 
     def _repr_html_(self) -> str:
         """The comparison page (distance grid, both maps, B − A), for notebooks, in an iframe."""
@@ -228,19 +221,19 @@ def compare(
     def counterpart(i: int, word: Optional[str], what: str) -> Optional[str]:
         if i in to_b:
             return f"#{to_b[i]}"
-        notes.append(f'{what} "{a.tokens[i]}" has no counterpart in B; looking for '
-                     + (f'"{word}" there' if word else "B's own choice"))
+        key = f"note.{what}_{'elsewhere' if word else 'b_choice'}"
+        notes.append(Note(key, t=a.tokens[i], w=word) if word else Note(key, t=a.tokens[i]))
         return word
 
-    fb = counterpart(a.focus_index, focus, "the focus")
-    tb = counterpart(a.target_index, target, "the target")
+    fb = counterpart(a.focus_index, focus, "focus")
+    tb = counterpart(a.target_index, target, "target")
     try:
         b = explain(other, fb, tb, model=model, model_path=model_path, **kwargs)
     except ValueError as e:
         raise ValueError(f"in the second text (--compare): {e}") from None
     b.focus_word, b.target_word = a.focus_word, a.target_word
     # how B's words were found (a word matched inside another, a truncation), not its target choice
-    notes += [f"in B: {n}" for n in b.notes if n not in a.notes and not n.startswith("target: ")]
+    notes += [Note("note.in_b", note=n) for n in b.notes if n not in a.notes and not n.startswith("target: ")]
     if b.tokens != tokens_b:  # truncated to the model's positions: align what it read
         pairs = align_tokens(a.tokens, b.tokens)
     dist = _tv(a.focus_weights, b.focus_weights, pairs)  # (L, H)

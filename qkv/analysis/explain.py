@@ -26,10 +26,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..locale import check_lang, text
+from ..locale import Note, check_lang, text, word
 from .loading import load_model
 
-__all__ = ["Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word", "note_text", "zh_note", "shorten", "encode", "Encoded", "longest_first", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
+__all__ = ["Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word", "zh_note", "shorten", "encode", "Encoded", "longest_first", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
 
 SENTENCE = (
     "Alice is an outstanding software engineer; she led the development of the company's core "
@@ -56,7 +56,7 @@ def _surface(token: str) -> str:
 
 def match_word(
     word: str, text: str, tokens: Sequence[str], offsets: Optional[Sequence[tuple[int, int]]] = None
-) -> tuple[list[int], list[str]]:
+) -> tuple[list[int], list[Note]]:
     """Token indices that make up ``word`` in ``text``, and notes on how they were found.
 
     Tried in order: the word as a whole word in the text (case-insensitive), mapped to tokens by
@@ -65,7 +65,7 @@ def match_word(
     a token index written ``#5``. Returns every token of the first occurrence; the caller picks
     the first and says so when there are several.
     """
-    notes: list[str] = []
+    notes: list[Note] = []
     w = word.strip()
     if not w:
         raise ValueError("the word to look for is empty; pass a word of the text, e.g. --focus she")
@@ -79,18 +79,18 @@ def match_word(
         if not spans:
             spans = [m.span() for m in re.finditer(re.escape(w), text, flags=re.IGNORECASE)]
             if spans:
-                notes.append(f'"{w}" is not a whole word of the text; using the first place it occurs inside one')
+                notes.append(Note("note.inside_word", w=w))
         for start, end in spans:
             idx = [i for i, (a, b) in enumerate(offsets) if b > a and a < end and b > start and tokens[i] not in SPECIAL]
             if idx:
                 if len(spans) > 1:
-                    notes.append(f'"{w}" occurs {len(spans)} times; using the first')
+                    notes.append(Note("note.repeated", w=w, n=len(spans)))
                 return idx, notes
     low = w.lower()
     exact = [i for i, t in enumerate(tokens) if t.lower() == low or (t not in SPECIAL and _surface(t).lower() == low)]
     if exact:
         if len(exact) > 1:
-            notes.append(f'"{w}" is {len(exact)} tokens; using the first')
+            notes.append(Note("note.tokens", w=w, n=len(exact)))
         return exact[:1], notes
     for i in range(len(tokens)):  # a run of subwords spelling the word
         s = ""
@@ -281,7 +281,7 @@ class Explanation:
         out.append(text("explain.tokens", lang, tokens=self._token_line()))
         out.append(text("explain.focus", lang, tok=toks[f], i=f)
                    + (text("explain.focus_word", lang, word=self.focus_word) if self.focus_word else ""))
-        out += [text("explain.note", lang, note=note_text(n, lang)) for n in self.notes]
+        out += [text("explain.note", lang, note=word(n, lang)) for n in self.notes]
         out.append("")
         out.append(text("explain.looks_most", lang, tok=toks[f], top=top))
         out += self._top_token_grid(top)
@@ -353,73 +353,15 @@ class Explanation:
         return " ".join(("‖ " if i == start else "") + f"{i}:{tok}" for i, tok in enumerate(self.tokens))
 
 
-# The notes explain() records, in English (they are data: to_dict and the pages carry them), each
-# matched by a pattern and worded in any language by its catalogue message; a default target's
-# list of what it left out ("rest") is worded part by part (note.rest.*).
-_NOTES: tuple[tuple[str, str], ...] = (
-    (r'the focus "(?P<t>.*)" has no counterpart in B; looking for "(?P<w>.*)" there',
-     "note.focus_elsewhere"),
-    (r'the focus "(?P<t>.*)" has no counterpart in B; looking for B\'s own choice',
-     "note.focus_b_choice"),
-    (r'the target "(?P<t>.*)" has no counterpart in B; looking for "(?P<w>.*)" there',
-     "note.target_elsewhere"),
-    (r'the target "(?P<t>.*)" has no counterpart in B; looking for B\'s own choice',
-     "note.target_b_choice"),
-    (r'target: "(?P<t>.*)", the content token of the other text that "(?P<f>.*)" gives most attention to in any head '
-     r"\(name one with --target, or target= in Python\)",
-     "note.target_pair"),
-    (r'target: "(?P<t>.*)", the content token "(?P<f>.*)" gives most attention to in any head, leaving out (?P<rest>.*) '
-     r"\(name one with --target, or target= in Python\)",
-     "note.target"),
-    (r'no focus word given; using the first content token "(?P<t>.*)" \(choose with --focus\)',
-     "note.no_focus"),
-    (r'"(?P<w>.*)" is not a whole word of the text; using the first place it occurs inside one',
-     "note.inside_word"),
-    (r'"(?P<w>.*)" occurs (?P<n>\d+) times; using the first as target',
-     "note.repeated_target"),
-    (r'"(?P<w>.*)" occurs (?P<n>\d+) times; using the first',
-     "note.repeated"),
-    (r'"(?P<w>.*)" is (?P<n>\d+) tokens; using the first as target',
-     "note.tokens_target"),
-    (r'"(?P<w>.*)" is (?P<n>\d+) tokens; using the first',
-     "note.tokens"),
-    (r'"(?P<w>.*)" is split into (?P<n>\d+) tokens \((?P<parts>.*)\); following the first, "(?P<t>.*)"',
-     "note.split"),
-    (r'target "(?P<w>.*)" is split into (?P<n>\d+) tokens; using the first, "(?P<t>.*)"',
-     "note.split_target"),
-    (r"the pair has (?P<n>\d+) tokens but the model reads at most (?P<m>\d+); keeping the first (?P<a>\d+) of the "
-     r"first text and (?P<b>\d+) of the second",
-     "note.pair_cut"),
-    (r"the text has (?P<n>\d+) tokens but the model reads at most (?P<m>\d+); using the first (?P<k>\d+) and the "
-     r"closing (?P<t>.*)",
-     "note.text_cut"),
-    (r"(?P<n>\d+) tokens: the attention maps would take (?P<mb>\d+) MB \(limits: (?P<lt>[^ ]+) tokens, (?P<lb>\d+) MB\); "
-     r"showing statistics of the focus token's attention instead of full maps",
-     "note.stats_mode"),
-    (r"the focus token's rows were recorded by qkv.inspect.record: no N×N map was built",
-     "note.recorded"),
-    (r"(?P<n>\d+) tokens: the full maps would make the page (?P<mb>\d+) MB; it shows the focus token's attention only",
-     "note.page_size"),
-)
-_REST_WORDS = ("note.rest.itself", "note.rest.special", "note.rest.previous", "note.rest.sep")
-
-
-def note_text(note: str, lang: str) -> str:
-    """One of the notes :func:`explain` writes, in ``lang`` (unknown notes stay as they are)."""
-    check_lang(lang)
-    for pattern, key in _NOTES:
-        m = re.fullmatch(pattern, note)
-        if m:
-            groups = m.groupdict()
-            for word in _REST_WORDS if "rest" in groups else ():
-                groups["rest"] = groups["rest"].replace(text(word, "en"), text(word, lang))
-            return text(key, lang, **groups)
-    return note
+# The notes explain() records are qkv.locale.Note values: a message key and its values, created
+# where they arise and worded in any language by the catalogue (note.*); as strings, English.
+# A note about the target is the same message's "_target" variant where the catalogue has one.
+_TARGET_VARIANTS = {"note.repeated": "note.repeated_target", "note.tokens": "note.tokens_target"}
 
 
 def zh_note(note: str) -> str:
-    """The Chinese wording of one of the notes :func:`explain` writes (unknown notes stay as they are)."""
-    return note_text(note, "zh")
+    """The Chinese wording of one of the notes :func:`explain` writes (other strings stay as they are)."""
+    return word(note, "zh")
 
 
 def shorten(s: str, n: int = 10) -> str:
@@ -453,15 +395,14 @@ def _pick_target(tokens: Sequence[str], focus_weights: np.ndarray, exclude: Sequ
 
 
 def _resolve_focus(focus: Optional[str], text: str, tokens: list[str],
-                   offsets: Optional[Sequence[tuple[int, int]]]) -> tuple[list[int], list[str]]:
+                   offsets: Optional[Sequence[tuple[int, int]]]) -> tuple[list[int], list[Note]]:
     if focus is None:
         content = [i for i, t in enumerate(tokens) if _is_content(t)]
         f_idx = [content[0] if content else 0]
-        return f_idx, [f'no focus word given; using the first content token "{tokens[f_idx[0]]}" (choose with --focus)']
+        return f_idx, [Note("note.no_focus", t=tokens[f_idx[0]])]
     f_idx, notes = match_word(focus, text, tokens, offsets)
     if len(f_idx) > 1:
-        notes.append(f'"{focus}" is split into {len(f_idx)} tokens ({" ".join(tokens[i] for i in f_idx)}); '
-                     f'following the first, "{tokens[f_idx[0]]}"')
+        notes.append(Note("note.split", w=focus, n=len(f_idx), parts=" ".join(tokens[i] for i in f_idx), t=tokens[f_idx[0]]))
     return f_idx, notes
 
 
@@ -489,25 +430,23 @@ def _build(
     if target is not None:
         key_text = text if key_tokens is None else " ".join(key_tokens)
         t_list, more = match_word(target, key_text, keys, offsets if key_tokens is None else None)
-        notes += [m.replace("using the first", "using the first as target") for m in more]
+        notes += [m.with_key(_TARGET_VARIANTS[m.key]) if m.key in _TARGET_VARIANTS else m for m in more]
         if len(t_list) > 1:
-            notes.append(f'target "{target}" is split into {len(t_list)} tokens; using the first, "{keys[t_list[0]]}"')
+            notes.append(Note("note.split_target", w=target, n=len(t_list), t=keys[t_list[0]]))
         t_idx = t_list[0]
     elif key_tokens is not None:
         t_idx = _pick_target(keys, fw, [])
-        notes.append(f'target: "{keys[t_idx]}", the source token "{tokens[f_idx[0]]}" reads most in any head '
-                     "(name one with --target, or target= in Python)")
+        notes.append(Note("note.target_cross", t=keys[t_idx], f=tokens[f_idx[0]]))
     elif other:
         t_idx = _pick_target(tokens, fw, [j for j in range(len(tokens)) if j not in other])
-        notes.append(f'target: "{tokens[t_idx]}", the content token of the other text that "{tokens[f_idx[0]]}" gives '
-                     "most attention to in any head (name one with --target, or target= in Python)")
+        notes.append(Note("note.target_pair", t=tokens[t_idx], f=tokens[f_idx[0]]))
     else:
         prev = f_idx[0] - 1
         skip = list(f_idx) + ([prev] if prev >= 0 and _is_content(tokens[prev]) else [])
         t_idx = _pick_target(tokens, fw, skip)
-        left_out = [f'"{tokens[f_idx[0]]}" itself', "special tokens"] + ([f'the previous token "{tokens[prev]}"'] if prev in skip else [])
-        notes.append(f'target: "{tokens[t_idx]}", the content token "{tokens[f_idx[0]]}" gives most attention to in any head, '
-                     f"leaving out {', '.join(left_out)} (name one with --target, or target= in Python)")
+        left_out = (Note("note.rest.itself", t=tokens[f_idx[0]]), Note("note.rest.special"),
+                    *([Note("note.rest.previous", t=tokens[prev])] if prev in skip else []))  # fmt: skip
+        notes.append(Note("note.target", t=tokens[t_idx], f=tokens[f_idx[0]], rest=left_out))
     return Explanation(
         text=text, tokens=tokens, focus_index=f_idx[0], focus_matches=list(f_idx), target_index=t_idx,
         target_given=target is not None, focus_weights=fw, stats=stats, maps=maps, model_name=model_name,
@@ -715,9 +654,7 @@ def explain(
     size = layers * heads * n * n * 4
     keep = n <= max_map_tokens and size <= max_map_bytes
     if not keep:
-        notes.append(f"{n} tokens: the attention maps would take {size / 1e6:.0f} MB "
-                     f"(limits: {max_map_tokens} tokens, {max_map_bytes / 1e6:.0f} MB); "
-                     "showing statistics of the focus token's attention instead of full maps")
+        notes.append(Note("note.stats_mode", n=n, mb=f"{size / 1e6:.0f}", lt=max_map_tokens, lb=f"{max_map_bytes / 1e6:.0f}"))
     both = text if pair is None else text + "\n" + pair  # the offsets of a pair point into this
     f_idx, more = _resolve_focus(focus, both, tokens, offsets)  # before the run: a typo costs no forward pass
     notes += more
@@ -763,13 +700,11 @@ def _fit_positions(enc: Encoded, limit: int, notes: list[str]) -> Encoded:
     shortens its longer text first), saying so in ``notes``."""
     if len(enc.ids) > limit and enc.segments is not None:
         keep = longest_first(enc.segments, limit)
-        notes.append(f"the pair has {len(enc.ids)} tokens but the model reads at most {limit}; "
-                     f"keeping the first {sum(enc.segments[i] == 0 for i in keep)} of the first text and "
-                     f"{sum(enc.segments[i] == 1 for i in keep)} of the second")
+        notes.append(Note("note.pair_cut", n=len(enc.ids), m=limit, a=sum(enc.segments[i] == 0 for i in keep),
+                          b=sum(enc.segments[i] == 1 for i in keep)))  # fmt: skip
         return enc.cut(keep)
     if len(enc.ids) > limit:
-        notes.append(f"the text has {len(enc.ids)} tokens but the model reads at most {limit}; "
-                     f"using the first {limit - 1} and the closing {enc.tokens[-1]}")
+        notes.append(Note("note.text_cut", n=len(enc.ids), m=limit, k=limit - 1, t=enc.tokens[-1]))
         return enc.cut(list(range(limit - 1)) + [len(enc.ids) - 1])
     return enc
 
@@ -784,7 +719,7 @@ def _run(model: Any, run: tuple[Any, ...], f: int, n: int, keep: bool, notes: li
     with torch.inference_mode():
         streamed = None if keep else _stats_run(model, run, f)
         if streamed is not None:
-            notes.append("the focus token's rows were recorded by qkv.inspect.record: no N×N map was built")
+            notes.append(Note("note.recorded"))
             return streamed, None, None, None
         pairs: Optional[list[tuple[Any, Any]]] = None
         if n <= MAX_VECTOR_TOKENS and not hasattr(model, "hf_tokenizer"):

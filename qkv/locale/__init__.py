@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LANGUAGES", "LANGUAGE_NAMES", "check_lang", "text", "messages"]
+__all__ = ["LANGUAGES", "LANGUAGE_NAMES", "Note", "check_lang", "text", "messages", "word"]
 
 LANGUAGES: tuple[str, ...] = ("en", "zh")
 """The languages with a catalogue file, English first (the default everywhere)."""
@@ -53,3 +54,50 @@ def messages(lang: str, prefix: str) -> dict[str, str]:
     """Every message in ``lang`` whose key starts with ``prefix`` (e.g. ``"page."``), keyed by the
     rest of the key, unformatted: the table a module or page fills itself."""
     return {key[len(prefix):]: value for key, value in _catalogue(lang).items() if key.startswith(prefix)}
+
+
+class Note(str):
+    """A message kept as data: a catalogue key and its values, created once where it arises and
+    worded in any language by the catalogue (``note.text("zh")``). As a ``str`` it is the English
+    wording, so it prints, compares and serialises as that sentence. A value that is itself a
+    Note is worded in the same language; a tuple of them is joined by the list separator
+    (``list.sep``)."""
+
+    key: str
+    values: dict[str, Any]
+
+    def __new__(cls, key: str, /, **values: Any) -> "Note":
+        made = super().__new__(cls, _worded(key, "en", values))
+        made.key, made.values = key, values
+        return made
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickle (and copy) as the key and values, not the English text
+        return (_note, (self.key, self.values))
+
+    def text(self, lang: str) -> str:
+        """This note in ``lang``."""
+        return _worded(self.key, check_lang(lang), self.values)
+
+    def with_key(self, key: str) -> "Note":
+        """The same values under another message (a variant: ``note.repeated`` → ``note.repeated_target``)."""
+        return Note(key, **self.values)
+
+
+def _note(key: str, values: dict[str, Any]) -> Note:
+    return Note(key, **values)
+
+
+def _worded(key: str, lang: str, values: dict[str, Any]) -> str:
+    def one(v: Any) -> Any:
+        if isinstance(v, Note):
+            return v.text(lang)
+        if isinstance(v, tuple) and v and all(isinstance(x, Note) for x in v):
+            return text("list.sep", lang).join(x.text(lang) for x in v)
+        return v
+
+    return text(key, lang, **{k: one(v) for k, v in values.items()})
+
+
+def word(message: str, lang: str) -> str:
+    """A :class:`Note` in ``lang``; any other string as it is (it has no key to be worded by)."""
+    return message.text(lang) if isinstance(message, Note) else message

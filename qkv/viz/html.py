@@ -25,8 +25,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..analysis.explain import note_text
-from ..locale import check_lang, messages
+from ..locale import Note, check_lang, messages, word
 from .pages import asset, decode_weights, encode_weights, environment
 
 __all__ = ["render_html", "save_html", "page_data", "decode_weights", "MAX_HTML_MAP_BYTES", "MAX_HTML_VECTOR_BYTES"]
@@ -57,8 +56,7 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         if ex.maps.size * 2 <= max_map_bytes:
             maps = encode_weights(ex.maps)
         else:
-            notes.append(f"{N} tokens: the full maps would make the page {ex.maps.size * 2 / 1e6:.0f} MB; "
-                         "it shows the focus token's attention only")
+            notes.append(Note("note.page_size", n=N, mb=f"{ex.maps.size * 2 / 1e6:.0f}"))
     return {
         "model": ex.model_name,
         "text": ex.text,
@@ -69,7 +67,7 @@ def page_data(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
         "num_layers": L,
         "num_heads": H,
         "mode": "maps" if maps is not None else "stats",
-        "notes": [note_text(n, lang) for n in notes],
+        "notes": [word(n, lang) for n in notes],
         "focus": {"index": ex.focus_index, "token": ex.tokens[ex.focus_index], "word": ex.focus_word},
         "target": {"index": ex.target_index, "token": keys[ex.target_index], "word": ex.target_word},
         "top_heads": [{"layer": l, "head": h, "weight": round(w, 4)} for l, h, w in ex.top_heads(5)],

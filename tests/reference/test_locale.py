@@ -132,3 +132,40 @@ def test_the_pages_words_are_in_the_catalogue():
     words = set(messages("en", "compare_png.")) | set(compare_page) | {"cols"}
     used = set(re.findall(r"\btx\[\"([a-z_]+)\"\]", src))
     assert used and not used - words, sorted(used - words)
+
+
+def test_a_note_is_data_worded_by_the_catalogue():
+    """A Note is its key and values (no English to parse back): as a str it is the English text;
+    .text(lang) words it, nested notes and lists of notes included; it pickles as key and values."""
+    import json
+    import pickle
+
+    from qkv.locale import Note, word
+
+    rest = (Note("note.rest.itself", t="she"), Note("note.rest.special"))
+    note = Note("note.target", t="Alice", f="she", rest=rest)
+    assert note == 'target: "Alice", the content token "she" gives most attention to in any head, leaving out "she" ' \
+        "itself, special tokens (name one with --target, or target= in Python)"
+    assert "“she”本身、特殊词元" in note.text("zh") and "“Alice”" in note.text("zh")
+    about_b = Note("note.in_b", note=Note("note.repeated", w="it", n=2))
+    assert about_b.text("zh") == "B 中：" + Note("note.repeated", w="it", n=2).text("zh")
+    back = pickle.loads(pickle.dumps(about_b))
+    assert isinstance(back, Note) and back.key == "note.in_b" and back.text("zh") == about_b.text("zh")
+    assert json.loads(json.dumps([note])) == [str(note)]
+    assert word("a plain sentence", "zh") == "a plain sentence" and word(note, "en") == note
+    with pytest.raises(KeyError, match="no message 'note.nope'"):
+        Note("note.nope")
+
+
+def test_every_note_the_code_makes_has_its_message():
+    """Each Note("key", ...) written in qkv's source (and each key a note may switch to) is in the
+    catalogue: a note's wording has one home, and none is made without one."""
+    from qkv.analysis.explain import _TARGET_VARIANTS
+
+    made = set()
+    for path in (ROOT / "qkv").rglob("*.py"):
+        made |= set(re.findall(r'\bNote\("([a-z_.]+)"', path.read_text(encoding="utf-8")))
+    made |= set(_TARGET_VARIANTS.values())
+    assert len(made) > 15, sorted(made)
+    for key in sorted(made):
+        text(key, "en"), text(key, "zh")  # KeyError names a missing one

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from qkv.viz import explain_attentions, match_word, render_html, save_html, save_png
+from qkv.locale import Note
 from qkv.viz.html import decode_weights
 
 PIL = pytest.importorskip("PIL.Image", reason="Pillow comes with matplotlib: pip install matplotlib")
@@ -150,11 +151,10 @@ EN_LABELS = ("Model:", "Tokens:", "Focus:", "Where", "Heads that link", "Per-hea
 
 def _all_notes_ex():
     ex = explain_attentions(list(_maps()), TOKENS, focus="she", text=TEXT, offsets=_offsets(TEXT, TOKENS))
-    ex.notes.extend(['"she" occurs 2 times; using the first', '"it" is 3 tokens; using the first as target',
-                     '"Zylphoria" is split into 4 tokens (z ##yl ##ph ##oria); following the first, "z"',
-                     "the text has 600 tokens but the model reads at most 512; using the first 511 and the closing [SEP]",
-                     "900 tokens: the attention maps would take 233 MB (limits: 512 tokens, 50 MB); "
-                     "showing statistics of the focus token's attention instead of full maps"])
+    ex.notes.extend([Note("note.repeated", w="she", n=2), Note("note.tokens_target", w="it", n=3),
+                     Note("note.split", w="Zylphoria", n=4, parts="z ##yl ##ph ##oria", t="z"),
+                     Note("note.text_cut", n=600, m=512, k=511, t="[SEP]"),
+                     Note("note.stats_mode", n=900, mb="233", lt=512, lb="50")])
     return ex
 
 
