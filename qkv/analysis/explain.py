@@ -26,10 +26,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..locale import Note, check_lang, text, word
+from ..locale import Note, check_lang, shorten, text, word
 from .loading import load_model
 
-__all__ = ["Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word", "zh_note", "shorten", "encode", "Encoded", "longest_first", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
+__all__ = ["Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word", "zh_note", "encode", "Encoded", "longest_first", "SENTENCE", "MAX_MAP_TOKENS", "MAX_MAP_BYTES"]
 
 SENTENCE = (
     "Alice is an outstanding software engineer; she led the development of the company's core "
@@ -362,11 +362,6 @@ _TARGET_VARIANTS = {"note.repeated": "note.repeated_target", "note.tokens": "not
 def zh_note(note: str) -> str:
     """The Chinese wording of one of the notes :func:`explain` writes (other strings stay as they are)."""
     return word(note, "zh")
-
-
-def shorten(s: str, n: int = 10) -> str:
-    """``s`` cut to ``n`` characters, the last one an ellipsis when anything was cut."""
-    return s if len(s) <= n else s[: n - 1] + "…"
 
 
 # -- running a model ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ __all__ = [
 MODEL_SENTENCE = (
     "Alice is an outstanding software engineer; she led the development of the company's core "
     "recommendation system."
-)  # the same text as qkv.viz.explain.SENTENCE, kept here so that importing the CLI stays light
+)  # the same text as qkv.analysis.explain.SENTENCE, kept here so that importing the CLI stays light
 
 
 class UsageError(Exception):

@@ -76,7 +76,8 @@ def _demo_model(args: argparse.Namespace) -> str:
     if getattr(args, "no_model", False):
         return heading + "\n\n" + txt["skipped"]
     try:
-        from ..viz import explain, save_html, save_png
+        from ..analysis import explain
+        from ..viz import save_html, save_png
 
         ex = explain(MODEL_SENTENCE, focus="she", target="alice")
     except (ImportError, RuntimeError, FileNotFoundError) as e:

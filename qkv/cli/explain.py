@@ -15,7 +15,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare is not None:
         return _cmd_compare(args)
     try:
-        from ..viz import explain, save_html, save_png
+        from ..analysis import explain
+        from ..viz import save_html, save_png
         from ..analysis.explain import MAX_MAP_BYTES
 
         ex = explain(

@@ -139,7 +139,7 @@ def _model_trace(args: argparse.Namespace, text: str) -> tuple[Any, Optional[int
     token = args.token
     layer, head = args.layer, args.head
     if layer is None or head is None:  # the head `qkv explain` would show for this text and token
-        from ..viz import explain
+        from ..analysis import explain
 
         focus = None
         if token is not None:

@@ -70,7 +70,8 @@ def _report(model, src, bos: int, out: Path) -> None:
     """The interactive report of one input's cross-attention (every decoder layer and head)."""
     import torch
 
-    from ..viz import explain_cross_attention, save_html
+    from ..analysis import explain_cross_attention
+    from ..viz import save_html
 
     tgt_in = torch.cat([torch.tensor([bos]), src.flip(0)[:-1]])[None]  # (1, S)
     queries = ["<bos>"] + [f"{int(d)}" for d in src.flip(0)[:-1]]  # what each decoder position has read so far
@@ -89,7 +90,7 @@ def _setup_text(d: Any, layers: Any, s_len: Any, lr: Any, steps: Any, batch: Any
         f"sequence, teacher forcing, Adam lr {lr}, {steps} steps of batch {batch}. Cross-attention weights read from the layer with "
         "`need_weights=True`. Verdict: greedy token accuracy > 90%, every row's argmax on the anti-diagonal, and "
         "anti-diagonal mass > 0.5. `cross_attention_report.html` is the interactive attention report "
-        "(`qkv.viz.explain_cross_attention`) of one held-out input: decoder positions on the left, source digits on the right."
+        "(`qkv.analysis.explain_cross_attention`) of one held-out input: decoder positions on the left, source digits on the right."
     )
 
 

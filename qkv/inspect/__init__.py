@@ -9,9 +9,6 @@
   :func:`observed_map` / :func:`observed_stats` — the same from a Hugging Face model's calls
   (:func:`qkv.hf.observe`), with the call's score function and sinks; :func:`record_stats` —
   statistics of every call of a Hugging Face model.
-- :func:`trace_model` — one real head of a BERT model (default all-MiniLM-L6-v2) as a float64
-  glass-box :class:`qkv.reference.Trace`, every step kept (it lives in :mod:`qkv.analysis.glass`,
-  a layer up, and is imported from there when first used).
 - :func:`head_summary` — rank and classify heads (previous-token, sink, broad, self).
 - :func:`ablate`, :func:`patch`, :func:`patch_from`, :func:`patching_effects` — change what heads
   compute during a forward pass (qkv.nn models and Hugging Face models on qkv) and measure it.
@@ -19,7 +16,6 @@
 Recording and editing both register on the hook points of :mod:`qkv.hooks`.
 """
 
-from typing import Any
 
 from .capture import POINTS, Recorder, Recording, observed_arguments, observed_map, observed_stats, record, record_stats
 from .intervene import (
@@ -62,14 +58,5 @@ __all__ = [
     "patching_effects",
     "PatchingEffects",
     "Editor",
-    "trace_model",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # trace_model builds a qkv.reference glass-box trace (a layer above inspect): imported when first used
-    if name == "trace_model":
-        from ..analysis.glass import trace_model
-
-        return trace_model
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LANGUAGES", "LANGUAGE_NAMES", "Note", "check_lang", "text", "messages", "word"]
+__all__ = ["LANGUAGES", "LANGUAGE_NAMES", "Note", "check_lang", "text", "messages", "shorten", "word"]
 
 LANGUAGES: tuple[str, ...] = ("en", "zh")
 """The languages with a catalogue file, English first (the default everywhere)."""
@@ -96,6 +96,11 @@ def _worded(key: str, lang: str, values: dict[str, Any]) -> str:
         return v
 
     return text(key, lang, **{k: one(v) for k, v in values.items()})
+
+
+def shorten(s: str, n: int = 10) -> str:
+    """``s`` cut to ``n`` characters, the last one an ellipsis when anything was cut (labels, titles)."""
+    return s if len(s) <= n else s[: n - 1] + "…"
 
 
 def word(message: str, lang: str) -> str:

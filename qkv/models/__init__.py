@@ -98,7 +98,7 @@ def load_shared(
     The first call loads it (with :func:`load`, or with ``build(directory)`` for checkpoints
     qkv.models does not rebuild: :mod:`qkv.analysis` passes its transformers loader, which this
     layer may not import); later calls for the same directory return the same object. Every
-    reader of pretrained weights (``qkv explain``, ``qkv trace --model``, :func:`qkv.inspect.trace_model`)
+    reader of pretrained weights (``qkv explain``, ``qkv trace --model``, :func:`qkv.analysis.trace_model`)
     goes through here, so a model is read from disk once.
     """
     key = str(default_model_dir() if path is None else Path(path))

@@ -1,23 +1,24 @@
 """Pictures of a :class:`~qkv.analysis.compare.Comparison`: the PNG figure and the offline page.
 
 The comparison itself (running the model on both texts, aligning tokens, distances) lives in
-:mod:`qkv.analysis.compare`; its public names are re-exported here for older imports.
+:mod:`qkv.analysis.compare`; this module only draws what it gives.
 Shapes: ``L`` layers, ``H`` heads, ``Na`` / ``Nb`` tokens; ``distance (L, H)``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from ..analysis.compare import Comparison, align_tokens, compare
-from ..analysis.explain import shorten
-from ..locale import check_lang, messages
+from ..locale import check_lang, messages, shorten
 from .figure import CMAP, fonts_for, pyplot, tick_labels
 
-__all__ = ["Comparison", "compare", "align_tokens", "figure", "save_compare_png", "page_data", "render_compare_html", "save_compare_html"]
+if TYPE_CHECKING:  # the type drawn; views never run the analysis
+    from ..analysis.compare import Comparison
+
+__all__ = ["figure", "save_compare_png", "page_data", "render_compare_html", "save_compare_html"]
 
 
 # -- pictures ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Attention heatmaps as PNG files (matplotlib, Agg backend: no screen needed).
 
-:func:`save_png` draws, from an :class:`~qkv.viz.explain.Explanation`:
+:func:`save_png` draws, from an :class:`~qkv.analysis.explain.Explanation`:
 
 * with maps: a grid of every layer × head as a small map (row = query, column = key; the focused
   head framed in red), and the focused head's full map with token labels and a colorbar;

@@ -10,7 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 models = pytest.importorskip("qkv.models")
 
-from qkv.inspect import attention_map, record, trace_model  # noqa: E402
+from qkv.analysis import trace_model
+from qkv.inspect import attention_map, record  # noqa: E402
 from qkv.reference import Trace  # noqa: E402
 
 SENTENCE = (
@@ -71,7 +72,7 @@ def test_float32_model_matches_up_to_its_rounding(model):
 
 
 def test_she_looks_at_alice_in_the_head_explain_picks(model):
-    from qkv.viz import explain
+    from qkv.analysis import explain
 
     ex = explain(SENTENCE, focus="she", target="alice", model=model)
     layer, head = ex.select()

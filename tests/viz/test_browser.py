@@ -27,8 +27,9 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import Select  # noqa: E402
 
-from qkv.viz import explain, save_html  # noqa: E402
-from qkv.viz.explain import SENTENCE  # noqa: E402
+from qkv.analysis import explain  # noqa: E402
+from qkv.viz import save_html  # noqa: E402
+from qkv.analysis.explain import SENTENCE  # noqa: E402
 
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1400,1000")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from qkv.nn import Transformer
-from qkv.viz import explain_cross_attention, save_html, save_png
+from qkv.analysis import explain_cross_attention
+from qkv.viz import save_html, save_png
 
 from .test_trace_page import browser  # noqa: F401  (the headless Chromium driver, module scope)
 

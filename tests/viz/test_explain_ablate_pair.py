@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from qkv.cli import main
-from qkv.viz import explain
+from qkv.analysis import explain
 from qkv.viz import save_html
-from qkv.viz.ablation import parse_head
+from qkv.analysis.ablation import parse_head
 
 from .test_trace_page import browser  # noqa: F401  (the headless Chromium driver, module scope)
 
@@ -242,7 +242,7 @@ def test_ablation_effect_on_a_module_returning_hidden_states():
     from torch import nn
 
     from qkv.nn import TransformerEncoder, TransformerEncoderLayer
-    from qkv.viz.ablation import ablation_effect
+    from qkv.analysis.ablation import ablation_effect
 
     class Tiny(nn.Module):  # ids (B, N) -> hidden states (B, N, 16)
         def __init__(self) -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from qkv.cli import main
-from qkv.viz.compare import align_tokens, compare, render_compare_html, save_compare_html, save_compare_png
+from qkv.analysis.compare import align_tokens, compare
+from qkv.viz.compare import render_compare_html, save_compare_html, save_compare_png
 
 from .test_trace_page import browser  # noqa: F401  (the headless Chromium driver, module scope)
 

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from qkv.cli import main  # noqa: E402
-from qkv.viz import explain  # noqa: E402
+from qkv.analysis import explain  # noqa: E402
 
 TEXT = "the trophy did not fit in the suitcase because it was too big"
 WORDS = ["[UNK]", "[PAD]"] + sorted(set(TEXT.split()))
@@ -140,7 +140,7 @@ def test_pair_with_a_decoder_tokenizer(checkpoint):
 
 
 def test_compare_with_a_decoder(checkpoint):
-    from qkv.viz import compare
+    from qkv.analysis import compare
 
     kind, path = checkpoint
     other = TEXT.replace("big", "fit")  # one word changed, same length

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 def test_gemma2_maps_carry_the_softcap():
     import qkv.hf
-    from qkv.viz.hf_model import HFExplainModel
+    from qkv.analysis.hf_model import HFExplainModel
 
     qkv.hf.register()
     cfg = transformers.Gemma2Config(

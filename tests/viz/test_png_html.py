@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from qkv.viz import explain_attentions, match_word, render_html, save_html, save_png
+from qkv.analysis import explain_attentions, match_word
+from qkv.viz import render_html, save_html, save_png
 from qkv.locale import Note
 from qkv.viz.html import decode_weights
 
@@ -134,7 +135,7 @@ def test_head_out_of_range_is_refused_before_drawing(ex, tmp_path):
 
 
 def test_explain_refuses_nan_and_negative_limits():
-    from qkv.viz import explain
+    from qkv.analysis import explain
 
     for kw in ({"max_map_bytes": float("nan")}, {"max_map_tokens": -1}):
         with pytest.raises(ValueError, match=r"must be >= 0 \(math.inf: no limit\)"):
