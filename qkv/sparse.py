@@ -139,21 +139,8 @@ class BlockSparseMask:
                 f"cannot combine a BlockSparseMask of shape {self.shape} in blocks of {self.block_size} with one of "
                 f"{other.shape} in blocks of {other.block_size}; build both for the same shape and block_size"
             )
-        rules = [r for r in (self.rule, other.rule) if r is not None]
-        rule: Optional[Rule] = rules[0] if len(rules) == 1 else None
-        if len(rules) == 2:
-            first, second = rules
-
-            def rule(rows: Tensor, cols: Tensor) -> Tensor:
-                return first(rows, cols) & second(rows, cols)
-
-        both: Optional[MaskMod] = None
-        if self.mask_mod is not None and other.mask_mod is not None:
-            one, two = self.mask_mod, other.mask_mod
-
-            def both(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-                return one(b, h, i, j) & two(b, h, i, j)
-
+        rule = _both(self.rule, other.rule)
+        both = _both(self.mask_mod, other.mask_mod) if self.mask_mod is not None and other.mask_mod is not None else None
         lay = torch.logical_and(self.layout, other.layout.to(self.layout.device))
         return BlockSparseMask(lay, self.block_size, self.shape, rule, f"{self.name} & {other.name}", both)
 
@@ -163,6 +150,17 @@ class BlockSparseMask:
 
     def __str__(self) -> str:
         return self.to_string()
+
+
+def _both(first: Optional[Callable[..., Tensor]], second: Optional[Callable[..., Tensor]]) -> Optional[Callable[..., Tensor]]:
+    """A predicate true where both are (None: every pair; one None: the other)."""
+    if first is None or second is None:
+        return first if second is None else second
+
+    def both(*idx: Tensor) -> Tensor:
+        return first(*idx) & second(*idx)
+
+    return both
 
 
 def _layout_grid(n: int, block_size: int) -> tuple[int, Tensor]:

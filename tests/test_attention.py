@@ -454,9 +454,9 @@ def test_chunked_tiles_with_scores_far_from_the_first_tile(growth, dtype):
 
 def test_chunked_head_groups_slice_masks(monkeypatch):
     """With a tiny cache budget the heads run in groups; per-batch and per-head masks must follow."""
-    import qkv.backends.chunked as chunked
+    import qkv.backends.tiles as tiles
 
-    monkeypatch.setattr(chunked, "TILE_BUDGET", 64)
+    monkeypatch.setattr(tiles, "TILE_BUDGET", 64)
     b, hq, hk, n = 3, 6, 3, 21
     q, k, v = make_qkv(b, hq, hk, n, n, 8, dtype=torch.float64, requires_grad=True)
     kw = {"attn_mask": torch.randn(b, hq, n, n, dtype=torch.float64), "key_padding_mask": torch.rand(b, n) > 0.3, "enable_gqa": True}

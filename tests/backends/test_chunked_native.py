@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import chunked as chunked_mod
+from qkv.backends import tiles
+from qkv.backends.chunked import ChunkedBackend
 from qkv.backends import chunked_native, native
 
 from ..helpers import make_qkv, max_err
@@ -54,8 +55,8 @@ def _run(q, k, v, kw, *, native_on: bool, monkeypatch, taken: list):
 def test_native_equals_torch_formulation(monkeypatch, shape):
     b, hq, hk, nq, nk = shape
     q, k, v = make_qkv(b, hq, hk, nq, nk, 16, dv=12, dtype=torch.float64)
-    monkeypatch.setattr(chunked_mod, "BLOCK_Q", 16)  # several row and key tiles, partial edges
-    monkeypatch.setattr(chunked_mod, "BLOCK_K", 32)
+    monkeypatch.setattr(tiles, "BLOCK_Q", 16)  # several row and key tiles, partial edges
+    monkeypatch.setattr(tiles, "BLOCK_K", 32)
     for name, kw in _cases(b, nk):
         taken: list = []
         fast = _run(q, k, v, kw, native_on=True, monkeypatch=monkeypatch, taken=taken)
@@ -129,7 +130,7 @@ def test_band_calls_plan_short_row_tiles(monkeypatch):
     rows without a band keep 256; an explicit ``block_q`` wins. Results stay exact either way."""
     from qkv.backends import BACKENDS
 
-    assert [chunked_mod.band_rows(s) for s in (1, 129, 513, 600, 1024, 16384)] == [32, 32, 64, 64, 128, 128]
+    assert [tiles.band_rows(s) for s in (1, 129, 513, 600, 1024, 16384)] == [32, 32, 64, 64, 128, 128]
     planned: list = []
     real = chunked_native.forward
     monkeypatch.setattr(chunked_native, "forward", lambda *a: planned.append(a[5]) or real(*a))
@@ -142,7 +143,7 @@ def test_band_calls_plan_short_row_tiles(monkeypatch):
         assert planned == [rows], kw
         for a, e in zip(got, want):
             assert max_err(a, e) < 1e-12, kw
-    monkeypatch.setitem(BACKENDS, "chunked", chunked_mod.ChunkedBackend(block_q=100))
+    monkeypatch.setitem(BACKENDS, "chunked", ChunkedBackend(block_q=100))
     planned.clear()
     _run(q, k, v, {"is_causal": True, "window": (128, 0)}, native_on=True, monkeypatch=monkeypatch, taken=[])
     assert planned == [100]

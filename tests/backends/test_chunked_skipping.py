@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import chunked as chunked_mod
+from qkv.backends import online_softmax
 from qkv.backends import chunked_native
 
 from ..helpers import max_err
@@ -29,7 +29,7 @@ def _count_tiles(monkeypatch) -> list:
     monkeypatch.setattr(chunked_native, "forward", lambda *a: None)
     monkeypatch.setattr(chunked_native, "backward", lambda *a: None)
     seen: list = [0, []]
-    original = chunked_mod.key_blocks
+    original = online_softmax.key_blocks  # the tile loops' walk over key blocks
 
     def counting(tiles, *a, **kw):
         for k0, k1 in original(tiles, *a, **kw):
@@ -37,7 +37,7 @@ def _count_tiles(monkeypatch) -> list:
             seen[1].append((tiles.key_limit, k1))
             yield k0, k1
 
-    monkeypatch.setattr(chunked_mod, "key_blocks", counting)
+    monkeypatch.setattr(online_softmax, "key_blocks", counting)
     return seen
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import chunked as chunked_mod
+from qkv.backends import tiles
 from qkv.backends import chunked_native, native
 from qkv.score_mods import ALiBi, RelativeBias, ScoreMod, Softcap, alibi_slopes
 
@@ -150,8 +150,8 @@ def _finite_lse(*lses: torch.Tensor) -> list[torch.Tensor]:
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Several row and key tiles with partial edges (bands plan their own row tiles)."""
-    monkeypatch.setattr(chunked_mod, "BLOCK_Q", 32)
-    monkeypatch.setattr(chunked_mod, "BLOCK_K", 48)
+    monkeypatch.setattr(tiles, "BLOCK_Q", 32)
+    monkeypatch.setattr(tiles, "BLOCK_K", 48)
 
 
 @pytest.mark.parametrize(*GRID)
@@ -198,8 +198,8 @@ def test_c_loops_agree_with_the_torch_formulation(monkeypatch, small_tiles, mod,
         monkeypatch.setattr(chunked_native, "backward", lambda *a, **k_: None)
         slow = _run(q, k, v, mod, values, "chunked", **kw)
         monkeypatch.undo()
-        monkeypatch.setattr(chunked_mod, "BLOCK_Q", 32)
-        monkeypatch.setattr(chunked_mod, "BLOCK_K", 48)
+        monkeypatch.setattr(tiles, "BLOCK_Q", 32)
+        monkeypatch.setattr(tiles, "BLOCK_K", 48)
         tol = 1e-12 if dtype == torch.float64 else 2e-5
         for what, a, e in zip(["out", "lse", "dq", "dk", "dv", "dparam"], [fast[0], fast[1], *fast[2]], [slow[0], slow[1], *slow[2]]):
             scale = max(1.0, float(e[torch.isfinite(e)].abs().max())) if torch.isfinite(e).any() else 1.0
