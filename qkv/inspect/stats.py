@@ -48,7 +48,9 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from .. import overflow
+from ..backends import stats_native
 from ..backends.base import follow_rule, half_to_float
+from ..backends.native import clamp_positions
 from ..backends.tiles import LN2, LOG2E, augment, check_tile_size, head_groups, key_blocks, plan_tiles
 from ..masks import MaskTiles
 from ..nonfinite import surely_finite
@@ -69,7 +71,7 @@ STATS_BLOCK_K = 512
 # 2 threads: 9-11 ms against 12-15 ms with the forward pass's 1 << 19; the whole recorded model
 # showed no difference beyond this machine's noise).
 NATIVE_TILE_BUDGET = 1 << 21
-# Query rows per tile of the fused native pass (_fused_native): 128 rows × 512 keys of float32 is
+# Query rows per tile of the fused native pass (qkv.backends.stats_native.fused_pass): 128 rows × 512 keys of float32 is
 # 256 KiB, which stays in a core's L2 cache between the score gemm, the statistics and P·V, and
 # gives the gemms rows enough (attention_with_stats at N = 8192, 4 heads, 2 threads, one noisy run:
 # 429 ms with 128 rows, 439 with 64, 484 with 32, 426 with 256, whose tile no longer fits L2).
@@ -328,11 +330,15 @@ def _tiled_stats(
         "total": new(),  # Σp per row: 1 when the lse belongs to these scores
     }
     tiles = MaskTiles.from_call(call)
-    fused = call.nk and nq and _fused_native(call, q, k, v if with_output else None, lse_g, tiles, kpos, rel, res, out_g,
-                                             block_q or FUSED_BLOCK_Q, block_k or STATS_BLOCK_K)  # fmt: skip
+    fused = call.nk and nq and stats_native.fused_pass(
+        q, k, v if with_output else None, lse_g, tiles, call.scale, kpos, rel, res, out_g,
+        block_q or FUSED_BLOCK_Q, block_k or STATS_BLOCK_K,
+    )  # fmt: skip
+    if fused:
+        _normalise(out_g, res["total"], out_g, 0, nq)
     if call.nk and nq and not fused:
         bq, bk, per_group = plan_tiles(b, hk, g, nq, call.nk, block_q, block_k or STATS_BLOCK_K)
-        if _native_kernel(q) is not None:
+        if stats_native.tile_kernel(q) is not None:
             per_group = max(1, NATIVE_TILE_BUDGET // (g * bq * bk))
         for bs, hs in head_groups(b, hk, per_group):
             _stats_heads(
@@ -426,7 +432,7 @@ def _stats_heads(
     dev, dt = q.device, q.dtype
     off = tiles.positional.offset
     online = lse is None
-    fused = _native_kernel(q)
+    fused = stats_native.tile_kernel(q)
     scored = tiles.score is not None
     q_aug, k_aug, lse2 = _operands(q, k, lse, scale, scored, fused is not None)
     # j - k0 within a tile; a matrix-vector product, not a 2-column matmul (BLAS is 4x slower on those)
@@ -666,65 +672,6 @@ def _normalise(num: Optional[torch.Tensor], total: torch.Tensor, out: Optional[t
         out[..., q0:q1, :] = num / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
 
 
-def _native_kernel(q: torch.Tensor) -> Any:
-    """The C tile kernel for q's dtype (:mod:`qkv.backends.native`), or None: then the tile
-    work runs as torch operations."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
-        return None
-    from ..backends import native
-
-    lib = native.library()
-    return None if lib is None else getattr(lib, "qkv_stats_tile_float" if q.dtype == torch.float32 else "qkv_stats_tile_double")
-
-
-def _fused_native(
-    call: Any, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], lse_g: Optional[torch.Tensor],
-    tiles: MaskTiles, kpos: tuple[int, ...], rel: tuple[int, ...], res: dict[str, torch.Tensor],
-    out_g: Optional[torch.Tensor], block_q: int, block_k: int,
-) -> bool:  # fmt: skip
-    """The whole tiled pass as one C call (``qkv_attention_stats_*``, csrc/stats_tile_impl.h),
-    when the native kernels and torch's BLAS are at hand and neither an ``attn_mask`` nor a score
-    function is given (the kernel applies the causal/window band and key padding itself); False
-    otherwise.
-
-    q ``(B, Hk, G, Nq, D)``, k ``(B, Hk, 1, Nk, D)``, v ``(B, Hk, 1, Nk, Dv)`` or None; ``res``
-    and ``out_g`` (the output's numerator, normalised here) are filled in place. Each thread
-    scores a ``block_q × block_k`` tile with one gemm into a buffer that stays in its cache,
-    where the tiled torch path writes tiles of every head to memory and reads them back.
-    """
-    if tiles.attn is not None or tiles.score is not None or _native_kernel(q) is None:
-        return False
-    from ..backends import chunked_native, native
-
-    gemm = native.gemm(q.dtype)
-    if gemm is None:
-        return False
-    kernel = getattr(native.library(), "qkv_attention_stats_float" if q.dtype == torch.float32 else "qkv_attention_stats_double")
-    b, hk, g, nq, d = q.shape
-    nk, dv = k.shape[3], (0 if v is None else v.shape[-1])
-    if not native.gemm_fits(d, dv):
-        return False
-    block_q, block_k = native.tile_sizes(block_q, block_k, nq, nk)
-    qa = (q * (call.scale * LOG2E)).contiguous()  # (B, Hk, G, Nq, D): qa·kᵀ = s·log2e
-    kc, vc, offsets, _keep_kv = chunked_native.key_values(k, v)
-    mask, _keep = chunked_native.mask_args(tiles, hk, nq, nk)
-    lse2 = None if lse_g is None else (lse_g.to(q.dtype) * LOG2E).contiguous()
-    kp = torch.tensor(kpos, dtype=torch.long)
-    rp = torch.tensor(native.clamp_positions(rel, nq + abs(tiles.positional.offset), nk), dtype=torch.long)
-    ptr = native.ptr
-    rc = kernel(
-        ptr(qa), ptr(kc), ptr(vc), *offsets, b * hk, g, nq, nk, d, dv, tiles.positional.offset, *mask, ptr(lse2),
-        ptr(res["max_weight"]), ptr(res["total"]), ptr(res["entropy"]), ptr(res["mean_distance"]),
-        ptr(res["n_keys"]), ptr(res["key_weights"]), ptr(kp), len(kpos), ptr(res["relative_weights"]), ptr(rp), len(rel),
-        ptr(res["topk_weights"]), ptr(res["topk_indices"]), res["topk_indices"].shape[-1], ptr(out_g),
-        block_q, block_k, gemm, torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise MemoryError(f"qkv: could not allocate a {block_q} x {block_k} score tile per thread")
-    _normalise(out_g, res["total"], out_g, 0, nq)
-    return True
-
-
 def _native_row_block(
     kernel: Any, qa: torch.Tensor, k_aug: torch.Tensor, lse2: Optional[torch.Tensor], tiles: MaskTiles, q0: int, q1: int,
     bk: int, off: int, online: bool,
@@ -732,32 +679,22 @@ def _native_row_block(
     v: Optional[torch.Tensor] = None, num: Optional[torch.Tensor] = None,
 ) -> None:  # fmt: skip
     """One row block of :func:`_stats_heads` with each tile's statistics in one C pass
-    (``csrc/stats_tile.c``, the same sums as the torch formulation below it).
+    (:func:`qkv.backends.stats_native.tile_pass`, the same sums as the torch formulation below it).
 
     ``qa @ k_aug`` is ``s·log2e``; ``lse2`` ``(b, h, G, n)`` the rows' ``lse·log2e`` when given.
     ``views`` are the row block's (mx, cnt, tot, ent, dist, kw, rw) views into the results; the
     kernel works on contiguous copies, written back at the end. With ``v``, the kernel rescales
     ``num`` (contiguous ``(b, h, G, n, Dv)``) with the sums and leaves each tile's ``p̃`` in the
     tile, and ``num += p̃·v`` follows."""
-    from ..backends import native
-
-    ptr = native.ptr
     lse2 = None if lse2 is None else lse2.contiguous()
     acc = [a.contiguous() for a in views]
-    mx, cnt, tot, ent, dist, kw, rw = acc
     n = q1 - q0
-    rows = mx.numel()
     kp = torch.tensor(kpos, dtype=torch.long)
-    rp = torch.tensor(native.clamp_positions(rel, q1 + abs(off), k_aug.shape[-1]), dtype=torch.long)
-    threads = torch.get_num_threads()
+    rp = torch.tensor(clamp_positions(rel, q1 + abs(off), k_aug.shape[-1]), dtype=torch.long)
     dv = 0 if num is None else num.shape[-1]
     for k0, k1 in key_blocks(tiles, q0, q1, bk):
         t, masked = _tile_scores(qa, k_aug, tiles, q0, q1, k0, k1)  # (b, h, G, n, w) in log2 units
-        kernel(
-            ptr(t), rows, k1 - k0, n, q0 + off, k0, int(online), int(masked),
-            ptr(lse2), ptr(mx), ptr(tot), ptr(ent), ptr(dist), ptr(cnt), ptr(kw), ptr(kp), len(kpos), ptr(rw), ptr(rp), len(rel),
-            ptr(topv), ptr(topi), topv.shape[-1], ptr(num), dv, threads,
-        )  # fmt: skip
+        stats_native.tile_pass(kernel, t, q0, k0, k1, off, online, masked, lse2, acc, kp, rp, topv, topi, num)
         if num is not None and dv > 0:  # t now holds p̃ (no value columns: nothing to add)
             vb = v[..., k0:k1, :]  # (b, h, 1, w, Dv)
             if t.shape[2] == 1:

@@ -9,6 +9,7 @@ import torch
 import qkv
 from qkv.inspect import AttentionStats, attention_stats, attention_with_stats, record
 from qkv.inspect import stats as stats_mod
+from qkv.backends import stats_native
 
 from ..helpers import assert_within_rule, make_qkv, max_err
 from .test_capture import Model
@@ -19,7 +20,7 @@ SHAPES = [(2, 4, 4, 37, 37), (2, 6, 2, 19, 45), (1, 2, 1, 40, 23)]  # b, hq, hk,
 
 
 def _torch_formulation(monkeypatch):
-    monkeypatch.setattr(stats_mod, "_native_kernel", lambda q: None)
+    monkeypatch.setattr(stats_native, "tile_kernel", lambda q: None)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])

@@ -23,7 +23,7 @@ from qkv.inspect import (
     observed_map,
     observed_stats,
 )
-from qkv.inspect import stats as stats_mod
+from qkv.backends import stats_native
 from qkv.inspect.capture import Recorder
 from qkv.reference.attention import attention_ref
 from qkv.score_mods import ALiBi, Softcap
@@ -111,7 +111,7 @@ def test_maps_and_scores_equal_attention_weights(sm, sk):
 @pytest.mark.parametrize("sm, sk", CASES, ids=[f"{a}{'-sinks' if b else ''}" for a, b in CASES])
 def test_stats_equal_those_of_attention_weights(monkeypatch, sm, sk, formulation):
     if formulation == "torch":
-        monkeypatch.setattr(stats_mod, "_native_kernel", lambda q: None)
+        monkeypatch.setattr(stats_native, "tile_kernel", lambda q: None)
     q, k, v = _inputs()
     mod, sinks = _score_mods()[sm], (_sinks() if sk else None)
     for name, kw in mask_cases(B, HQ, NQ, NK):
@@ -158,7 +158,7 @@ def test_a_score_function_that_masks_keys_counts_them_out():
     for native in (True, False):
         with pytest.MonkeyPatch.context() as m:
             if not native:
-                m.setattr(stats_mod, "_native_kernel", lambda q: None)
+                m.setattr(stats_native, "tile_kernel", lambda q: None)
             st = attention_stats(q, k, enable_gqa=True, score_mod=drop_odd_keys, block_k=16)
         assert (st.n_keys == (NK + 1) // 2).all()
         np.testing.assert_allclose(st.max_weight.numpy(), w.max(-1), atol=1e-12, rtol=0)

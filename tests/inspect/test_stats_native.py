@@ -13,7 +13,7 @@ import qkv
 from qkv.backends import native
 from qkv.inspect import attention_stats
 from qkv.info import report
-from qkv.inspect import stats as stats_mod
+from qkv.backends import stats_native
 
 from ..helpers import make_qkv
 from .test_maps import mask_cases, ref_scores_weights
@@ -28,7 +28,7 @@ def _both(monkeypatch, **kw):
     """(native, torch formulation) results of the same call."""
     fast = attention_stats(**kw)
     with monkeypatch.context() as m:
-        m.setattr(stats_mod, "_native_kernel", lambda q: None)
+        m.setattr(stats_native, "tile_kernel", lambda q: None)
         slow = attention_stats(**kw)
     return fast, slow
 
@@ -73,8 +73,8 @@ def test_fused_pass_equals_tile_pass(monkeypatch, shape, given_lse):
     b, hq, hk, nq, nk = shape
     q, k, v = make_qkv(b, hq, hk, nq, nk, 16, dtype=torch.float64)
     taken = []
-    real = stats_mod._fused_native
-    monkeypatch.setattr(stats_mod, "_fused_native", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
+    real = stats_native.fused_pass
+    monkeypatch.setattr(stats_native, "fused_pass", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1])
     for name, kw in mask_cases(b, hq, nq, nk):
         lse = None
         if given_lse:
