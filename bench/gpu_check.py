@@ -260,11 +260,17 @@ def run_tests(args: argparse.Namespace, name: str, paths: tuple[str, ...], timeo
 
 
 @dataclass
-class BenchResult:
+class StepResult:
+    """What a step that runs a script in its own process left: its time, exit and JSON report."""
+
     seconds: float = 0.0
     timed_out: bool = False
     returncode: Optional[int] = None
     data: dict = field(default_factory=dict)
+
+
+@dataclass
+class BenchResult(StepResult):
     tail: str = ""
 
     @property
@@ -309,12 +315,8 @@ def run_bench(args: argparse.Namespace, out: Path, seconds: float) -> BenchResul
 # ---- step 2b: the autotune -----------------------------------------------------------------
 
 
-@dataclass
-class TuneResult:
-    seconds: float = 0.0
-    timed_out: bool = False
-    returncode: Optional[int] = None
-    data: dict = field(default_factory=dict)
+class TuneResult(StepResult):
+    """The autotune step's result (its JSON: the timed configurations and the winners)."""
 
 
 def run_autotune(args: argparse.Namespace, seconds: float) -> TuneResult:
