@@ -13,7 +13,7 @@ import pytest
 from qkv import cli
 from qkv.cli import main
 from qkv.reference.toy import sentence_trace
-from .helpers import bundled_model_dir
+from ..helpers import bundled_model_dir
 
 
 def _error(capsys, argv: list[str]) -> str:

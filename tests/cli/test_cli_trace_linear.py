@@ -10,7 +10,7 @@ import pytest
 from qkv.cli import main
 from qkv.reference.linear import favor_projection, linear_steps
 from qkv.reference.toy import sentence_trace
-from .helpers import bundled_model_dir
+from ..helpers import bundled_model_dir
 
 
 def _phi_elu(x: np.ndarray) -> np.ndarray:

@@ -13,9 +13,9 @@ import pytest
 
 from qkv import cli
 from qkv.cli import main, sentence_trace
-from .helpers import SUBPROCESS_TIMEOUT, bundled_model_dir
+from ..helpers import SUBPROCESS_TIMEOUT, bundled_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:

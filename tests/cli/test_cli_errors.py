@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from qkv.cli import main
-from .helpers import SUBPROCESS_TIMEOUT, bundled_model_dir
+from ..helpers import SUBPROCESS_TIMEOUT, bundled_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _error(capsys, argv: list[str]) -> str:
