@@ -126,21 +126,35 @@ def _flat(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-3:]) if batch else t.unsqueeze(0)
 
 
-def _grid(t: Optional[torch.Tensor], call: AttentionCall, last: int) -> Optional[torch.Tensor]:
-    """A mask broadcastable to ``(..., Hq, Nq, Nk)`` (``last`` = 2) or a padding ``(..., Nk)``
-    (``last`` = 0) as a view of shape ``(B, Hq, Nq, Nk)`` / ``(B, Nk)``, read per element."""
+def _grid(t: Optional[torch.Tensor], call: AttentionCall, trailing: tuple[int, ...]) -> Optional[Callable[..., torch.Tensor]]:
+    """A mask broadcastable to ``(..., *trailing)`` — the scores ``(Hq, Nq, Nk)`` or a padding's
+    ``(Nk,)`` — as a reader ``(b, *idx) -> entry`` for per-element code, ``b`` the flattened batch
+    index. Broadcast dims are read at index 0, so nothing is expanded into memory (a copy is made
+    only where several batch dims must be flattened and some of them broadcast)."""
     if t is None:
         return None
-    if last == 0:
-        return t.expand(*call.batch_shape, call.nk).reshape(-1, call.nk)
-    return t.expand(*call.batch_shape, call.hq, call.nq, call.nk).reshape(-1, call.hq, call.nq, call.nk)
+    nb = len(call.batch_shape)
+    t = t.reshape((1,) * (nb + len(trailing) - t.dim()) + tuple(t.shape))  # the batch and trailing dims aligned
+    lead = t.shape[:nb]
+    if all(n == 1 for n in lead):
+        t = t.reshape(1, *t.shape[nb:])
+    elif nb > 1:
+        t = t.expand(*call.batch_shape, *t.shape[nb:]).reshape(-1, *t.shape[nb:])
+    elif nb == 0:
+        t = t.unsqueeze(0)
+    spread = [n > 1 for n in t.shape]  # a dim of size 1 is read at 0 whatever the index
+
+    def read(b: torch.Tensor, *idx: torch.Tensor) -> torch.Tensor:
+        return t[tuple(i if wide else i * 0 for i, wide in zip((b, *idx), spread))]
+
+    return read
 
 
 def _score_function(call: AttentionCall) -> Optional[Callable[..., torch.Tensor]]:
     """The call's score function and float mask as one Flex ``score_mod`` (None for neither)."""
     bound = call.bound_score()
     fmask = call.given_mask if call.given_mask is not None and call.given_mask.is_floating_point() else None
-    fmask = _grid(fmask, call, 2)
+    fmask = _grid(fmask, call, (call.hq, call.nq, call.nk))
     if bound is None and fmask is None:
         return None
     form = None if bound is None else bound.form
@@ -156,7 +170,7 @@ def _score_function(call: AttentionCall) -> Optional[Callable[..., torch.Tensor]
         elif fn is not None:
             s = fn(s, b, h, i, j)
         if fmask is not None:
-            s = s + fmask[b, h, i, j].to(s.dtype)
+            s = s + fmask(b, h, i, j).to(s.dtype)
         return s
 
     return score_mod
@@ -165,11 +179,12 @@ def _score_function(call: AttentionCall) -> Optional[Callable[..., torch.Tensor]
 def _block_mask(call: AttentionCall, batch: int) -> Any:
     """One Flex block mask for every masking rule of the call (None where nothing is masked)."""
     lo, hi = call.positional.band()
-    kp = _grid(call.key_padding_mask, call, 0)
+    kp = _grid(call.key_padding_mask, call, (call.nk,))
     bmask = call.given_mask if call.given_mask is not None and call.given_mask.dtype == torch.bool else None
     bs = call.block_sparse
     layout_fn = None if bs is None else getattr(bs, "mask_mod", None)
-    dense = _grid(bmask, call, 2) if bmask is not None else (_grid(call.attn_mask, call, 2) if bs is not None and layout_fn is None else None)
+    scores = (call.hq, call.nq, call.nk)
+    dense = _grid(bmask, call, scores) if bmask is not None else (_grid(call.attn_mask, call, scores) if bs is not None and layout_fn is None else None)
     if lo is None and hi is None and kp is None and dense is None and layout_fn is None:
         return None
 
@@ -180,9 +195,9 @@ def _block_mask(call: AttentionCall, batch: int) -> Any:
         if hi is not None:
             ok = ok & (j - i <= hi)
         if kp is not None:
-            ok = ok & kp[b, j]
+            ok = ok & kp(b, j)
         if dense is not None:
-            ok = ok & dense[b, h, i, j]
+            ok = ok & dense(b, h, i, j)
         if layout_fn is not None:
             ok = ok & layout_fn(b, h, i, j)
         return ok
