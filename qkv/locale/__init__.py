@@ -5,7 +5,7 @@ Each file maps dotted keys, named by area (``"render.scaled"``, ``"page.title"``
 it through :func:`text`; the trace page gets one area as JSON through :func:`messages` and fills
 the same ``{name}`` placeholders in its script. Adding a language is adding ``<lang>.json`` with
 the same keys and the same placeholders (a language without plural endings may leave out the
-plural suffix ``{s}``) and naming it in :data:`LANGUAGES`; ``tests/reference/test_locale.py`` checks both.
+plural suffix ``{s}``) and naming it in :data:`LANGUAGES`; ``tests/locale/test_locale.py`` checks both.
 """
 from __future__ import annotations
 
