@@ -267,9 +267,9 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
-def route(call: AttentionCall) -> Route:
+def route(call: AttentionCall, shape: Optional[Shape] = None) -> Route:
     """The deciding row of :data:`ROUTES` for ``call`` (the table's last deciding row takes any call)."""
-    shape = Shape.of(call)
+    shape = shape or Shape.of(call)
     return next(r for r in ROUTES if not r.last and r.applies(call, shape))
 
 
@@ -277,7 +277,7 @@ def order_names(call: AttentionCall) -> tuple[list[str], list[str]]:
     """``auto``'s order of backend names for ``call``, and the reasons: the deciding row's, then
     each applying ``last`` row's."""
     shape = Shape.of(call)
-    chosen = route(call)
+    chosen = route(call, shape)
     names, notes = list(chosen.order), []
     for row in ROUTES:
         if row.last and row.applies(call, shape):

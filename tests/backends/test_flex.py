@@ -148,3 +148,13 @@ def test_qkv_info_reports_the_compile_time():
     assert "flex ran the call in" in compile_flex(call)
     assert "FlexAttention compiled for" in report(call) and "first calls (compilation included)" in report(call)
     assert "flex cannot run this call: " in compile_flex(validate(q.double(), k.double(), v.double()))
+
+
+def test_qkv_info_command_describes_a_score_function_and_times_its_compile(capsys):
+    from qkv.cli import main
+
+    assert main(["info", "--shape", "1,2,24,16", "--score-mod", "python", "--compile"]) == 0
+    out = capsys.readouterr().out
+    assert "flex ran the call in" in out and "score_mod=<lambda>" in out and "flex     can run it" in out
+    assert main(["info", "--shape", "1,2,24,16", "--score-mod", "alibi", "--dtype", "float64", "--compile"]) == 0
+    assert "flex cannot run this call: compiled FlexAttention on the CPU takes float32" in capsys.readouterr().out

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qkv import cli
 from qkv.cli import main, sentence_trace
 from ..helpers import SUBPROCESS_TIMEOUT, bundled_model_dir
 

@@ -15,19 +15,9 @@ import pytest
 
 from qkv.cli import main
 from ..helpers import SUBPROCESS_TIMEOUT, bundled_model_dir
+from .errors import error_line
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _error(capsys, argv: list[str]) -> str:
-    """Run ``qkv argv``; assert exit code 2 and no traceback; return the error line."""
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert "Traceback" not in err
-    line = err.strip().splitlines()[-1]
-    print(line)
-    return line
 
 
 def _needs_model():
@@ -40,39 +30,39 @@ def _needs_model():
 
 def test_explain_output_file_in_a_missing_directory(capsys, tmp_path):
     bad = tmp_path / "no" / "x.html"
-    line = _error(capsys, ["explain", "--html", str(bad)])
+    line = error_line(capsys, ["explain", "--html", str(bad)])
     assert line == f"qkv explain: error: argument --html: cannot write {bad}: directory {bad.parent} does not exist (create it first)"
-    line = _error(capsys, ["explain", "--png", str(tmp_path)])
+    line = error_line(capsys, ["explain", "--png", str(tmp_path)])
     assert f"argument --png: cannot write {tmp_path}: it is a directory" in line
     (tmp_path / "file").write_text("")
-    line = _error(capsys, ["explain", "--png", str(tmp_path / "file" / "x.png")])
+    line = error_line(capsys, ["explain", "--png", str(tmp_path / "file" / "x.png")])
     assert f"cannot write {tmp_path / 'file' / 'x.png'}: {tmp_path / 'file'} is not a directory" in line
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1", "lots"])
 def test_explain_max_map_mb_must_be_a_finite_size(capsys, value):
-    line = _error(capsys, ["explain", "--max-map-mb", value])
+    line = error_line(capsys, ["explain", "--max-map-mb", value])
     assert line.startswith("qkv explain: error: argument --max-map-mb:") and "e.g. 50" in line
 
 
 def test_explain_model_directory_that_is_not_one(capsys, tmp_path):
-    line = _error(capsys, ["explain", "--model", str(tmp_path / "nope")])
+    line = error_line(capsys, ["explain", "--model", str(tmp_path / "nope")])
     assert f"argument --model: {tmp_path / 'nope'} does not exist" in line
-    line = _error(capsys, ["explain", "--model", str(tmp_path)])
+    line = error_line(capsys, ["explain", "--model", str(tmp_path)])
     assert line.startswith(f"qkv explain: error: --model {tmp_path}: {tmp_path} is missing config.json")
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (tmp_path / name).write_text("{not json")
-    line = _error(capsys, ["explain", "--model", str(tmp_path)])
+    line = error_line(capsys, ["explain", "--model", str(tmp_path)])
     assert f"config.json at {tmp_path.resolve() / 'config.json'} is not valid JSON" in line
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_explain_write_that_fails_after_the_run(capsys):
     _needs_model()
-    line = _error(capsys, ["explain", "--focus", "she", "--html", "/dev/full"])
+    line = error_line(capsys, ["explain", "--focus", "she", "--html", "/dev/full"])
     assert line == "qkv explain: error: cannot write --html /dev/full: No space left on device"
     if os.path.isdir("/proc"):  # writable-looking to root, yet no file can be made there
-        line = _error(capsys, ["explain", "--focus", "she", "--png", "/proc/qkv-x.png"])
+        line = error_line(capsys, ["explain", "--focus", "she", "--png", "/proc/qkv-x.png"])
         assert line.startswith("qkv explain: error: cannot write --png /proc/qkv-x.png: ")
 
 
@@ -81,36 +71,36 @@ def test_explain_write_that_fails_after_the_run(capsys):
 
 def test_demo_out_that_cannot_be_a_folder(capsys, tmp_path):
     (tmp_path / "file").write_text("")
-    line = _error(capsys, ["demo", "--no-model", "--out", str(tmp_path / "file")])
+    line = error_line(capsys, ["demo", "--no-model", "--out", str(tmp_path / "file")])
     assert line == f"qkv demo: error: argument --out: cannot write into {tmp_path / 'file'}: it exists and is not a directory"
-    line = _error(capsys, ["demo", "--no-model", "--out", str(tmp_path / "file" / "sub")])
+    line = error_line(capsys, ["demo", "--no-model", "--out", str(tmp_path / "file" / "sub")])
     assert f"cannot create {tmp_path / 'file' / 'sub'}: {tmp_path / 'file'} is not a directory" in line
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 def test_demo_out_that_fails_when_written(capsys):
     _needs_model()
-    line = _error(capsys, ["demo", "--out", "/proc/qkv-demo"])
+    line = error_line(capsys, ["demo", "--out", "/proc/qkv-demo"])
     assert line.startswith("qkv demo: error: cannot write --out /proc/qkv-demo: ")
 
 
 def test_experiments_out_and_seed(capsys, tmp_path):
     (tmp_path / "file").write_text("")
-    line = _error(capsys, ["experiments", "run", "scaling", "--quick", "--out", str(tmp_path / "file")])
+    line = error_line(capsys, ["experiments", "run", "scaling", "--quick", "--out", str(tmp_path / "file")])
     assert "argument --out: cannot write into" in line
-    line = _error(capsys, ["experiments", "run", "scaling", "--quick", "--out", str(tmp_path), "--seed", "-1"])
+    line = error_line(capsys, ["experiments", "run", "scaling", "--quick", "--out", str(tmp_path), "--seed", "-1"])
     assert "argument --seed: -1 is too small" in line
-    line = _error(capsys, ["experiments", "run", "scaling", "--quick", "--out", str(tmp_path), "--seed", str(2**32)])
+    line = error_line(capsys, ["experiments", "run", "scaling", "--quick", "--out", str(tmp_path), "--seed", str(2**32)])
     assert "argument --seed: 4294967296 is too large; use at most 4294967295" in line
     if os.path.isdir("/proc"):
-        line = _error(capsys, ["experiments", "run", "scaling", "--quick", "--out", "/proc/qkv-x"])
+        line = error_line(capsys, ["experiments", "run", "scaling", "--quick", "--out", "/proc/qkv-x"])
         assert line.startswith("qkv experiments: error: cannot write to --out /proc/qkv-x: ")
 
 
 def test_trace_sizes_that_would_not_fit_on_a_screen(capsys):
-    line = _error(capsys, ["trace", "a b", "--d-model", "100000"])
+    line = error_line(capsys, ["trace", "a b", "--d-model", "100000"])
     assert "argument --d-model: 100000 is too large; use at most 256" in line
-    assert "argument --heads: 17 is too large" in _error(capsys, ["trace", "a b", "--heads", "17"])
+    assert "argument --heads: 17 is too large" in error_line(capsys, ["trace", "a b", "--heads", "17"])
 
 
 # -- info --------------------------------------------------------------------------------------
@@ -134,7 +124,7 @@ def test_trace_sizes_that_would_not_fit_on_a_screen(capsys):
     ],
 )
 def test_info_bad_call_descriptions(capsys, argv, message):
-    line = _error(capsys, ["info", *argv])
+    line = error_line(capsys, ["info", *argv])
     assert line.startswith("qkv info: error: ") and message in line
 
 

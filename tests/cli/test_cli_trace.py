@@ -14,14 +14,7 @@ from qkv import cli
 from qkv.cli import main
 from qkv.reference.toy import sentence_trace
 from ..helpers import bundled_model_dir
-
-
-def _error(capsys, argv: list[str]) -> str:
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
+from .errors import error_line
 
 
 def _needs_model():
@@ -47,7 +40,7 @@ def test_text_from_stdin(capsys, monkeypatch):
     d = json.loads(capsys.readouterr().out)
     assert d["tokens"] == ["我", "爱", "机", "器", "学", "习"]
     monkeypatch.setattr(sys, "stdin", io.StringIO("  \n"))
-    assert "standard input was empty" in _error(capsys, ["trace", "-"])
+    assert "standard input was empty" in error_line(capsys, ["trace", "-"])
 
 
 def test_token_by_word_or_index(capsys):
@@ -61,10 +54,10 @@ def test_token_by_word_or_index(capsys):
 
 
 def test_token_not_found_lists_the_tokens(capsys):
-    line = _error(capsys, ["trace", "Thinking Machines", "--token", "Bob"])
+    line = error_line(capsys, ["trace", "Thinking Machines", "--token", "Bob"])
     assert line == ("qkv trace: error: --token 'Bob' is not one of the tokens: 0:Thinking 1:Machines; "
                     "pass a token or its index (from 0)")
-    line = _error(capsys, ["trace", "Thinking Machines", "--token", "2"])
+    line = error_line(capsys, ["trace", "Thinking Machines", "--token", "2"])
     assert "--token 2 is out of range: there are 2 tokens, 0 to 1: 0:Thinking 1:Machines" in line
 
 
@@ -73,9 +66,9 @@ def test_steps(capsys):
     out = capsys.readouterr().out
     assert "scores = Q·Kᵀ" in out and "weights = softmax" in out
     assert "Q = X·W_Q" not in out and "output = weights·V" not in out
-    line = _error(capsys, ["trace", "a b", "--steps", "scores,logits"])
+    line = error_line(capsys, ["trace", "a b", "--steps", "scores,logits"])
     assert "--steps: unknown step name(s) logits; use a comma list of x, q, k, v, scores" in line
-    assert "--steps" in _error(capsys, ["trace", "a b", "--steps", ","])
+    assert "--steps" in error_line(capsys, ["trace", "a b", "--steps", ","])
 
 
 def test_json_precision_and_schema(capsys):
@@ -119,7 +112,7 @@ def test_html_and_png_are_handed_the_trace(capsys, monkeypatch, tmp_path):
 
 def test_html_into_a_missing_directory_is_refused_before_any_work(capsys, tmp_path):
     bad = tmp_path / "no" / "t.html"
-    line = _error(capsys, ["trace", "a b", "--html", str(bad)])
+    line = error_line(capsys, ["trace", "a b", "--html", str(bad)])
     assert f"argument --html: cannot write {bad}: directory {bad.parent} does not exist" in line
 
 
@@ -160,7 +153,7 @@ def test_block(capsys, tmp_path):
     only = toy_block_trace(["我", "爱", "你"], d_ff=4).to_string(steps=("norm1",))
     assert only in out and "norm1 = " in only and "hidden = norm1·W1" not in only
     assert toy_block_trace(["我", "爱", "你"], d_ff=4).explain(token=1) in out
-    assert "--steps: unknown step name(s) scores" in _error(capsys, ["trace", "a b", "--block", "--steps", "scores"])
+    assert "--steps: unknown step name(s) scores" in error_line(capsys, ["trace", "a b", "--block", "--steps", "scores"])
 
 
 # -- flag combinations ----------------------------------------------------------------------------
@@ -179,7 +172,7 @@ def test_block(capsys, tmp_path):
     ],
 )
 def test_bad_flag_combinations(capsys, argv, match):
-    line = _error(capsys, argv)
+    line = error_line(capsys, argv)
     assert line.startswith("qkv trace: error: ") and match in line
 
 
@@ -216,11 +209,11 @@ def test_model_layer_head_json_and_files(capsys, monkeypatch, tmp_path):
 
 def test_model_errors_name_the_flag(capsys, tmp_path):
     _needs_model()
-    assert "--layer 6 is out of range: all-MiniLM-L6-v2 has 6 layers per model, counted from 0; use 0 to 5" in _error(
+    assert "--layer 6 is out of range: all-MiniLM-L6-v2 has 6 layers per model, counted from 0; use 0 to 5" in error_line(
         capsys, ["trace", "a b", "--model", "--layer", "6", "--head", "0"])
-    assert "--head 12 is out of range" in _error(capsys, ["trace", "a b", "--model", "--layer", "0", "--head", "12"])
-    assert "(--max-tokens)" in _error(capsys, ["trace", "a b c d e", "--model", "--layer", "0", "--head", "0",
+    assert "--head 12 is out of range" in error_line(capsys, ["trace", "a b", "--model", "--layer", "0", "--head", "12"])
+    assert "(--max-tokens)" in error_line(capsys, ["trace", "a b c d e", "--model", "--layer", "0", "--head", "0",
                                                "--max-tokens", "3"])
-    assert "--token 'bob' is not one of the tokens: 0:[CLS] 1:a 2:b 3:[SEP]" in _error(
+    assert "--token 'bob' is not one of the tokens: 0:[CLS] 1:a 2:b 3:[SEP]" in error_line(
         capsys, ["trace", "a b", "--model", "--layer", "0", "--head", "0", "--token", "bob"])
-    assert f"--model {tmp_path}" in _error(capsys, ["trace", "a b", "--model", str(tmp_path)])
+    assert f"--model {tmp_path}" in error_line(capsys, ["trace", "a b", "--model", str(tmp_path)])

@@ -15,14 +15,7 @@ from qkv.reference.toy import sentence_trace
 torch = pytest.importorskip("torch")
 
 from qkv.score_mods import ALiBi, Softcap, alibi_slopes  # noqa: E402
-
-
-def _error(capsys, argv: list[str]) -> str:
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
+from .errors import error_line
 
 
 def test_softcap_prints_the_step_with_the_trace_numbers(capsys):
@@ -98,4 +91,4 @@ def test_the_page_and_the_picture_carry_the_step(capsys, tmp_path):
     ],
 )
 def test_bad_values_name_the_option(capsys, argv, words):
-    assert words in _error(capsys, ["trace", "the cat sat", *argv])
+    assert words in error_line(capsys, ["trace", "the cat sat", *argv])
