@@ -65,7 +65,7 @@ from qkv.backends.triton import autotune  # noqa: E402  (imports no triton: the 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "attention_gpu.py"
 IMPLS = "qkv,auto,qkv-plain,sdpa-flash,sdpa-cudnn,flex"  # qkv (triton), auto, and the peers that matter on a Hopper GPU
-# The files holding the tests marked ``device`` (tests/test_gpu_check.py checks that none is
+# The files holding the tests marked ``device`` (tests/bench/test_gpu_check.py checks that none is
 # missing). Only these are collected, so a test module that needs what the GPU host lacks (a
 # browser, say) cannot stop the check. The kernels' own tests must finish; FlashAttention's
 # ported suite (hundreds of shapes, each a Triton compile) runs last, on what is left.
@@ -77,11 +77,11 @@ KERNEL_TESTS = (
     "tests/inspect/test_stats_triton.py",
     "tests/inspect/test_score_mods_inspect.py",
     "tests/test_varlen.py",
-    "tests/test_finite_limits.py",
-    "tests/test_nonfinite_rule.py",
+    "tests/contract/test_finite_limits.py",
+    "tests/contract/test_nonfinite_rule.py",
     "tests/fuzz/test_fuzz.py",
 )
-PORTED_TESTS = ("tests/test_flash_attn_port.py",)
+PORTED_TESTS = ("tests/ports/test_flash_attn_port.py",)
 PORTED_NAME = "ported FlashAttention suite"
 DEVICE_TESTS = KERNEL_TESTS + PORTED_TESTS
 DRY_IMPLS = "qkv,auto,qkv-plain,sdpa-flash,sdpa-math"
@@ -470,7 +470,7 @@ def goals(data: dict, ported: Optional[TestResult], dry_run: bool) -> list[Goal]
             f"{v:.1f} µs" if v is not None else None)  # fmt: skip
     if ported is not None:
         ran = not ported.timed_out and not ported.wrong and bool(ported.counts.get("tests"))
-        out.append(Goal("the ported FlashAttention suite runs to the end", "tests/test_flash_attn_port.py",
+        out.append(Goal("the ported FlashAttention suite runs to the end", "tests/ports/test_flash_attn_port.py",
                         "—" if dry_run else ported.line(), "all pass",
                         "unmeasured" if dry_run or ported.timed_out else ("PASS" if ran else "FAIL")))  # fmt: skip
     return out

@@ -6,7 +6,7 @@
   sinks (:mod:`qkv.sinks`).
 - :func:`qkv.linear_attention` — linear attention (elu, relu, FAVOR+ features) in O(N);
   :mod:`qkv.sparse` — block-sparse masks (Longformer, BigBird, strided, from a dense mask).
-- :func:`qkv.trace` / :class:`qkv.Trace` — the glass box: every step, with the numbers.
+- :func:`qkv.trace` / :class:`qkv.Trace` — the glass box (:mod:`qkv.glass`): every step, with the numbers.
 - :mod:`qkv.nn` — multi-head attention, Transformer layers, positional encodings, KV cache.
 - :mod:`qkv.inspect` — attention maps and streaming statistics without the N×N matrix.
 - :mod:`qkv.models` — a real pretrained BERT (all-MiniLM-L6-v2) rebuilt on :mod:`qkv.nn`.
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import reference
-from .reference import Trace, attention_ref, trace
+from . import glass, reference
+from .glass import Trace, trace
+from .reference import attention_ref
 
 if TYPE_CHECKING:
     # What __getattr__ provides at run time, named for type checkers (which do not run it), so
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from . import hooks as hooks
     from . import inspect as inspect
     from . import linear as linear
+    from . import masks as masks
     from . import models as models
     from . import nn as nn
     from . import nonfinite as nonfinite
@@ -67,7 +69,7 @@ def __getattr__(name: str) -> object:
 
         value = attention_varlen
     elif name in ("nn", "backends", "functional", "inspect", "models", "hf", "viz", "distributed", "sparse", "linear",
-                  "score_mods", "sinks", "hooks", "nonfinite", "allocation"):
+                  "score_mods", "sinks", "hooks", "nonfinite", "allocation", "masks"):
         import importlib
 
         value = importlib.import_module(f".{name}", __name__)
@@ -91,6 +93,8 @@ __all__ = [
     "trace",
     "Trace",
     "reference",
+    "glass",
+    "masks",
     "nn",
     "sparse",
     "score_mods",

@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from .reference.attention import causal_bias_alignment
-from .reference.masks import Alignment, PositionalMask, parse_alignment, parse_causal, parse_window
+from .masks.rules import Alignment, PositionalMask, parse_alignment, parse_causal, parse_window
 from .score_mods.base import BoundScore, ScoreMod, bind, captured_tensors, check_score_mod
 from .sparse import BlockSparseMask, check_mask_mod, from_block_mask, from_mask_mod
 

@@ -13,7 +13,7 @@ from .backends import BACKENDS, BackendError, plain_sdpa_call, run
 from .backends.sdpa import empty_rows_are_zero
 from .call import AttentionCall, BackendName, validate, validate_qk
 from .nonfinite import Checked, guard
-from .reference.masks import Alignment, IsCausal
+from .masks.rules import Alignment, IsCausal
 from .score_mods.base import ScoreFn, ScoreMod
 from .sparse import MaskMod
 

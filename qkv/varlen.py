@@ -37,7 +37,7 @@ from typing import Any, Literal, Optional, Tuple, Union, overload
 import torch
 
 from .call import BackendName, check_sinks, check_tensor, compute_dtype
-from .reference.masks import Alignment, IsCausal, PositionalMask, parse_causal, parse_window
+from .masks.rules import Alignment, IsCausal, PositionalMask, parse_causal, parse_window
 from .score_mods.base import ScoreMod, captured_tensors, check_score_mod
 
 

@@ -5,7 +5,6 @@
   the result, :class:`Explanation`, prints itself (``to_string``, ``to_dict``).
 - :mod:`~qkv.analysis.compare`: :func:`compare` two texts head by head (:class:`Comparison`).
 - :mod:`~qkv.analysis.ablation`: :func:`ablation_effect` of knocking out heads (:class:`Ablation`).
-- :mod:`~qkv.analysis.glass`: :func:`trace_model`, one real head in the float64 glass box.
 - :mod:`~qkv.analysis.loading`: :func:`load_model`, the bundled model, a BERT directory or any local
   Hugging Face checkpoint (:mod:`~qkv.analysis.hf_model`), each read once per process.
 
@@ -17,12 +16,11 @@ from __future__ import annotations
 from .ablation import Ablation, ablation_effect, check_heads, final_states, parse_head
 from .compare import Comparison, align_tokens, compare
 from .explain import Explanation, explain, explain_attentions, explain_cross_attention, match_word
-from .glass import trace_model
 from .loading import load_model
 
 __all__ = [
     "Explanation", "explain", "explain_attentions", "explain_cross_attention", "match_word",
     "Comparison", "compare", "align_tokens",
     "Ablation", "ablation_effect", "parse_head", "check_heads", "final_states",
-    "load_model", "trace_model",
+    "load_model",
 ]

@@ -183,8 +183,9 @@ class Comparison:
 
     def _repr_html_(self) -> str:
         """The comparison page (distance grid, both maps, B − A), for notebooks, in an iframe."""
-        from ..reference.render import iframe
-        from ..viz.compare import render_compare_html  # upward, lazily: a notebook convenience; viz draws, analysis computes
+        # upward, lazily: a notebook convenience; viz draws, analysis computes
+        from ..viz.compare import render_compare_html
+        from ..viz.pages import iframe
 
         return iframe(render_compare_html(self), 900)
 

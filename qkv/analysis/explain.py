@@ -225,8 +225,9 @@ class Explanation:
 
     def _repr_html_(self) -> str:
         """The interactive report, for notebooks (an iframe holding the self-contained page)."""
-        from ..reference.render import iframe
-        from ..viz.html import render_html  # upward, lazily: a notebook convenience; viz draws, analysis computes
+        # upward, lazily: a notebook convenience; viz draws, analysis computes
+        from ..viz.html import render_html
+        from ..viz.pages import iframe
 
         return iframe(render_html(self), 820)
 

@@ -68,7 +68,7 @@ import torch
 
 from ..call import AttentionCall, compute_dtype
 from ..elementwise import runs_on_tiles
-from ..masks import MaskTiles
+from ..masks.tiles import MaskTiles
 from ..score_mods.base import captured_tensors
 from ..sinks import add_sinks, grouped_sinks
 from .base import Backend, follow_rule

@@ -16,8 +16,8 @@ from typing import Any, Optional
 import torch
 
 from ..call import accumulate_dtype
-from ..masks import MaskTiles
-from ..reference.masks import PositionalMask
+from ..masks.tiles import MaskTiles
+from ..masks.rules import PositionalMask
 from ..score_mods.base import BoundScore, KernelForm
 from .base import half_to_float
 from .online_softmax import chunked_backward, chunked_forward, lse_from
@@ -86,7 +86,7 @@ def _is_batched(t: torch.Tensor) -> bool:
 
 def _dense_backward(q, k, v, dout, dlse, tiles: MaskTiles, scale: float):
     """Gradients by the textbook formula (``Nq × Nk``) in plain tensor ops, for batched cotangents."""
-    from ..masks import apply_tile
+    from ..masks.tiles import apply_tile
     from .math import softmax_with_lse
 
     qc, kc, vc = half_to_float(q), half_to_float(k), half_to_float(v)

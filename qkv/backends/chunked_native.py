@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..masks import MaskTiles
+from ..masks.tiles import MaskTiles
 from . import native
 from .tiles import LOG2E
 

@@ -43,8 +43,8 @@ from typing import Optional
 import torch
 
 from ..call import AttentionCall, accumulate_dtype
-from ..masks import additive_mask, prefix_lengths
-from ..reference.masks import PositionalMask
+from ..masks.tiles import additive_mask, prefix_lengths
+from ..masks.rules import PositionalMask
 from .tiles import SparseRows, gather_buffer, layout_groups, layout_rows, pick, pick_index
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

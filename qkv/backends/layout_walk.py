@@ -12,8 +12,8 @@ from typing import Any, Optional
 import torch
 
 from ..call import AttentionCall
-from ..masks import MaskTiles
-from ..reference.masks import PositionalMask
+from ..masks.tiles import MaskTiles
+from ..masks.rules import PositionalMask
 from .base import half_to_float
 from .online_softmax import chunked_backward, chunked_forward, lse_from
 from .tiles import LOG2E, SparseRows, gather_buffer, layout_groups, layout_rows, pick, pick_index, plan_tiles

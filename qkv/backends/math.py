@@ -13,7 +13,7 @@ import torch
 
 from ..allocation import check_fits
 from ..call import AttentionCall
-from ..masks import MaskTiles, apply_tile
+from ..masks.tiles import MaskTiles, apply_tile
 from ..sinks import add_sinks, grouped_sinks
 from .base import Backend, dropout_weights, follow_rule, half_to_float
 

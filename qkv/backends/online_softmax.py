@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..masks import MaskTiles
+from ..masks.tiles import MaskTiles
 from . import chunked_native
 from .tiles import LOG2E, augment, head_groups, key_blocks
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..call import AttentionCall
-from ..masks import additive_mask, dense_sdpa_mask
+from ..masks.tiles import additive_mask, dense_sdpa_mask
 from ..overflow import score_bound
 from .base import Backend, follow_rule
 from .flash_cpu import lse_misses_rule

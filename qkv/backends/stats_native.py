@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..masks import MaskTiles
+from ..masks.tiles import MaskTiles
 from . import chunked_native, native
 from .tiles import LOG2E
 

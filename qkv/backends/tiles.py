@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..call import AttentionCall
-from ..masks import MaskTiles
+from ..masks.tiles import MaskTiles
 
 __all__ = [
     "BLOCK_K", "BLOCK_Q", "LN2", "LOG2E", "TILE_BUDGET",

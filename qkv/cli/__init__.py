@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from ..reference.toy import sentence_trace, worked_example
+from ..glass.toy import sentence_trace, worked_example
 from . import demo, experiments, explain, info, trace
 from .args import MODEL_SENTENCE, UsageError
 from .demo import DEMO_PARTS

@@ -7,14 +7,14 @@ import os
 from typing import Any, Callable
 
 from ..locale import LANGUAGES, messages
-from ..reference.toy import SENTENCE, sentence_trace, worked_example
+from ..glass.toy import SENTENCE, sentence_trace, worked_example
 from .args import MODEL_SENTENCE, output_dir, shared_options, write_error
 
 _TEXT = {lang: messages(lang, "cli.demo.") for lang in LANGUAGES}  # the tour's words (qkv/locale)
 
 
 def _heading(title: str) -> str:
-    from ..reference.render import width
+    from ..glass.render import width
 
     return f"{title}\n{'=' * width(title)}"
 
@@ -33,7 +33,7 @@ def _demo_sentence(args: argparse.Namespace) -> str:
 
 
 def _demo_worked(args: argparse.Namespace) -> str:
-    from ..reference.render import short
+    from ..glass.render import short
 
     txt = _TEXT[args.lang]
     t = worked_example()
@@ -99,7 +99,7 @@ def _demo_model(args: argparse.Namespace) -> str:
 def _demo_toy_files(args: argparse.Namespace) -> str:
     """Without the real model: part 3's two-head causal trace as ``trace.png`` and ``trace.html``
     in ``--out``, so the demo still leaves a figure and a page to open."""
-    from ..viz.trace_page import save_trace_page
+    from ..glass.page import save_trace_page
 
     t = sentence_trace("Thinking Machines learn", heads=2, causal=True)
     out = os.path.abspath(args.out)
@@ -107,7 +107,7 @@ def _demo_toy_files(args: argparse.Namespace) -> str:
         os.makedirs(out, exist_ok=True)
         page = save_trace_page(t, os.path.join(out, "trace.html"), lang=args.lang, precision=args.precision, token=1)
         try:
-            from ..viz.trace_png import save_trace_png
+            from ..glass.png import save_trace_png
 
             png = save_trace_png(t, os.path.join(out, "trace.png"), lang=args.lang, token=1)
         except ImportError as e:  # matplotlib missing: the page alone

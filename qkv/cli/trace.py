@@ -8,7 +8,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from ..locale import LANGUAGES, text
-from ..reference.toy import SENTENCE, sentence_trace
+from ..glass.toy import SENTENCE, sentence_trace
 from .args import (
     MODEL_SENTENCE, WROTE, UsageError, cap, int_at_least, output_file, shared_options, sink_list, write_error,
 )
@@ -120,11 +120,11 @@ def _json_round(obj: Any, precision: Optional[int]) -> Any:
 def _model_trace(args: argparse.Namespace, text: str) -> tuple[Any, Optional[int]]:
     """(Trace of one real head, the narrated token) for ``qkv trace --model``."""
     try:
-        from ..analysis.glass import MAX_TOKENS, load_model, trace_model
+        from ..glass.model import MAX_TOKENS, resolve_model, trace_model
     except ImportError as e:
         raise UsageError(f"--model needs torch and qkv.models ({e})") from None
     try:
-        model, name = load_model(args.model or None)
+        model, name = resolve_model(args.model or None)
     except FileNotFoundError as e:
         if args.model:
             raise UsageError(f"--model {args.model}: {e}") from None
@@ -163,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
     _check_trace_flags(args)
     text = _trace_text(args)
     if args.block:
-        from ..reference.block import BLOCK_STEPS, toy_block_trace
-        from ..reference.tokens import split_words
+        from ..glass.block import BLOCK_STEPS, toy_block_trace
+        from ..glass.tokens import split_words
 
         steps = _parse_steps(args.steps, BLOCK_STEPS + ("attention",))
         words = split_words(text)
@@ -269,11 +269,11 @@ def _trace_files(args: argparse.Namespace, t: Any, token: Optional[int]) -> list
             continue
         try:
             if flag == "--html":
-                from ..viz.trace_page import save_trace_page
+                from ..glass.page import save_trace_page
 
                 written = save_trace_page(t, path, lang=args.lang, precision=args.precision, token=token)
             else:
-                from ..viz.trace_png import save_trace_png
+                from ..glass.png import save_trace_png
 
                 written = save_trace_png(t, path, lang=args.lang, token=token)
         except OSError as e:  # checked when parsed; this is what only trying finds (/dev/full, /proc)
@@ -321,7 +321,7 @@ def add_parser(sub: Any) -> None:
                    "explain would show for this text and --token)")
     p.add_argument("--max-tokens", type=int_at_least(1, 512), default=None,
                    help="with --model: refuse texts longer than this many word pieces (default 64)")
-    p.add_argument("--block", action="store_true", help="trace a whole toy encoder block (qkv.reference.block)")
+    p.add_argument("--block", action="store_true", help="trace a whole toy encoder block (qkv.glass.block)")
     p.add_argument("--linear", choices=("elu", "relu", "favor"), default=None,
                    help="also show linear attention (these feature maps) on the first head's Q, K, V, beside softmax")
     # trace prints every number: wider matrices are unreadable, and --d-model 1000000 would take gigabytes

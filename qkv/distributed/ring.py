@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..call import BackendName, accumulate_dtype
 from ..functional import attention
-from ..reference.masks import IsCausal
+from ..masks.rules import IsCausal
 from .layout import check_layout, check_length, chunk_slices
 
 _TAG_KV, _TAG_DKV = 17, 18

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..call import BackendName, validate
 from ..functional import attention
-from ..reference.masks import IsCausal
+from ..masks.rules import IsCausal
 
 
 def _a2a(xs, group, what: str):

@@ -10,7 +10,7 @@ A fused forward pass (``qkv.attention(..., return_lse=True)``) yields one number
 ``lse = log Σ_j exp(s_j)``. Every weight then follows from its own score alone,
 ``p_j = exp(s_j - lse)``, so the map of a few rows or heads costs ``r × Nk`` scores and
 never the ``Nq × Nk`` matrix. Mask rules are not re-derived here: positional rules come from
-:class:`~qkv.reference.masks.PositionalMask`, the other masks from :class:`~qkv.masks.MaskTiles`.
+:class:`~qkv.masks.rules.PositionalMask`, the other masks from :class:`~qkv.masks.tiles.MaskTiles`.
 
 A score function (``score_mod``, :mod:`qkv.score_mods`) is applied to each tile's scaled scores
 before the masks, as every backend applies it, so ``s`` above is the modified score. With
@@ -27,7 +27,7 @@ import torch
 from ..backends.base import half_to_float
 from ..call import AttentionCall, BackendName, validate_qk
 from ..functional import attention
-from ..masks import MaskTiles
+from ..masks.tiles import MaskTiles
 from ..sinks import grouped_sinks
 
 __all__ = ["attention_map", "attention_scores"]

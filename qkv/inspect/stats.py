@@ -52,7 +52,7 @@ from ..backends import stats_native
 from ..backends.base import follow_rule, half_to_float
 from ..backends.native import clamp_positions
 from ..backends.tiles import LN2, LOG2E, augment, check_tile_size, head_groups, key_blocks, plan_tiles
-from ..masks import MaskTiles
+from ..masks.tiles import MaskTiles
 from ..nonfinite import surely_finite
 from ..call import BackendName, validate, validate_qk
 from ..sinks import grouped_sinks

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .. import hooks
 from ..call import BackendName
 from ..functional import attention, attention_weights
-from ..reference.masks import IsCausal
+from ..masks.rules import IsCausal
 from ..score_mods.base import ScoreFn, ScoreMod, check_score_mod
 from ..sparse import BlockSparseMask
 from .cache import KVCache

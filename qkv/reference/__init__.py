@@ -1,27 +1,12 @@
-"""The glass box: attention in NumPy float64, step by step. Imports no torch.
+"""The float64 oracle: attention in NumPy, written the way the equations read. Imports no torch.
 
-``attention_ref`` is the oracle every fast path is tested against; ``trace`` records every
-intermediate matrix of a self-attention pass so it can be printed, explained and exported.
+:func:`attention_ref` is what every fast path is tested against (see the tolerance rule in
+the docs' *Guarantees* page); :func:`~qkv.reference.linear.linear_attention_ref` is linear
+attention's, with its ``N × N`` kernel written out. The glass box that prints and explains
+these steps is :mod:`qkv.glass`.
 """
 
-from .block import BlockTrace, toy_block_trace, trace_block
 from .attention import attention_ref, combined_mask, positional_mask, softmax_rows
-from .masks import PositionalMask, parse_causal, parse_window
-from .tokens import split_words
-from .trace import Trace, trace
+from .linear import linear_attention_ref, linear_steps
 
-__all__ = [
-    "attention_ref",
-    "combined_mask",
-    "positional_mask",
-    "softmax_rows",
-    "PositionalMask",
-    "parse_causal",
-    "parse_window",
-    "Trace",
-    "trace",
-    "BlockTrace",
-    "trace_block",
-    "toy_block_trace",
-    "split_words",
-]
+__all__ = ["attention_ref", "combined_mask", "positional_mask", "softmax_rows", "linear_attention_ref", "linear_steps"]

@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
-from .masks import CausalArg, PositionalMask, WindowArg, parse_alignment, parse_causal, parse_window
+from ..masks.rules import CausalArg, PositionalMask, WindowArg, parse_alignment, parse_causal, parse_window
 
 
 def as_float64(x: Any, name: str = "array") -> np.ndarray:

@@ -119,7 +119,7 @@ class LinearSteps:
         """Every step as labelled matrices (single head, 2-D inputs), softmax's weights beside."""
         # the glass box's text renderer, a layer up: imported when asked, since qkv.linear loads
         # this module for its feature maps and must not pull in the renderers
-        from .render import format_matrix, summary_note
+        from ..glass.render import format_matrix, summary_note
 
         if lang not in _TEXT:
             raise ValueError(f"lang={lang!r} is not available; use 'en' or 'zh'")

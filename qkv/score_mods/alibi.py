@@ -31,7 +31,7 @@ class ALiBi(ScoreMod):
     """Linear biases by distance, one slope per query head.
 
     ``slopes``: ``(H,)`` tensor (may require grad) or numbers. ``alignment`` places the query
-    rows (None: follow ``is_causal``; see :mod:`qkv.reference.masks`)."""
+    rows (None: follow ``is_causal``; see :mod:`qkv.masks.rules`)."""
 
     def __init__(self, slopes: Union[Tensor, Sequence[float]], *, symmetric: bool = False, alignment: Optional[str] = None) -> None:
         t = slopes if isinstance(slopes, Tensor) else torch.as_tensor(list(slopes), dtype=torch.float32)

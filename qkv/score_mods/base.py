@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ..elementwise import call_elementwise, check_function, rebind
-from ..reference.masks import Alignment, parse_alignment
+from ..masks.rules import Alignment, parse_alignment
 
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 

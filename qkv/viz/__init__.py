@@ -1,12 +1,10 @@
 """Pictures of attention, drawn from results that :mod:`qkv.analysis` computes: heatmaps (PNG), an
-interactive offline page (HTML), the glass-box trace page, and the comparison page. Views only
+interactive offline page (HTML) and the comparison page. (The glass box's own page and figure
+live with it, in :mod:`qkv.glass`.) Views only
 draw: the analyses (``explain``, ``compare``, ``explain_cross_attention``) live in
 :mod:`qkv.analysis`.
 
-:func:`save_trace_page` writes a glass-box trace (or a whole encoder block) as one interactive
-offline page: step through the computation, hover a cell to see where its number comes from.
-:func:`save_trace_png` draws the same as one static figure for slides. Every report speaks
-English or Chinese (``lang="en"`` / ``"zh"``).
+Every report speaks English or Chinese (``lang="en"`` / ``"zh"``).
 
 Importing this package needs neither torch nor matplotlib (each is imported when first used)::
 
@@ -21,10 +19,8 @@ from __future__ import annotations
 from .compare import render_compare_html, save_compare_html, save_compare_png
 from .html import render_html, save_html
 from .png import save_png
-from .trace_page import render_trace_page, save_trace_page
-from .trace_png import save_trace_png, trace_figure
 
 __all__ = [
-    "save_png", "save_html", "render_html", "save_trace_png", "trace_figure", "render_trace_page", "save_trace_page",
+    "save_png", "save_html", "render_html",
     "save_compare_png", "save_compare_html", "render_compare_html",
 ]

@@ -1,7 +1,7 @@
 """What every qkv figure shares: pyplot on Agg, fonts that can draw the labels' language, token ticks.
 
 Used by the explanation heatmaps (:mod:`qkv.viz.png`), the comparison figure
-(:mod:`qkv.viz.compare`) and the glass-box figure (:mod:`qkv.viz.trace_png`).
+(:mod:`qkv.viz.compare`) and the glass-box figure (:mod:`qkv.glass.png`).
 """
 
 from __future__ import annotations

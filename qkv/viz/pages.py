@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import json
 from functools import lru_cache
 from importlib import resources
@@ -14,7 +15,7 @@ import numpy as np
 if TYPE_CHECKING:
     from jinja2 import Environment
 
-__all__ = ["environment", "asset", "script_json", "encode_weights", "decode_weights"]
+__all__ = ["environment", "asset", "script_json", "encode_weights", "decode_weights", "iframe"]
 
 
 def encode_weights(a: np.ndarray) -> str:
@@ -40,12 +41,12 @@ def script_json(data: Any) -> Any:
 
 
 @lru_cache(maxsize=None)
-def environment() -> "Environment":
-    """The jinja2 environment of qkv's page templates (``qkv/viz/templates``), autoescaping."""
+def environment(package: str = "qkv.viz") -> "Environment":
+    """The jinja2 environment of a package's page templates (``<package>/templates``), autoescaping."""
     import jinja2
 
     return jinja2.Environment(
-        loader=jinja2.PackageLoader("qkv.viz", "templates"),
+        loader=jinja2.PackageLoader(package, "templates"),
         autoescape=True,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -54,9 +55,16 @@ def environment() -> "Environment":
 
 
 @lru_cache(maxsize=None)
-def asset(name: str) -> str:
-    """The text of ``templates/<name>`` (a script or style sheet to inline into a page)."""
-    text = resources.files("qkv.viz").joinpath("templates", name).read_text(encoding="utf-8")
+def asset(name: str, package: str = "qkv.viz") -> str:
+    """The text of ``<package>/templates/<name>`` (a script or style sheet to inline into a page)."""
+    text = resources.files(package).joinpath("templates", name).read_text(encoding="utf-8")
     if "</script" in text.lower() or "</style" in text.lower():  # would end the inline element early
         raise RuntimeError(f"templates/{name} must not contain a closing script or style tag")
     return text
+
+
+def iframe(page: str, height: int) -> str:
+    """A whole self-contained page as one sandboxed ``<iframe srcdoc=…>`` (scripts run; the page
+    cannot reach the notebook around it): how qkv's interactive views show in a notebook."""
+    return (f'<iframe srcdoc="{html.escape(page, quote=True)}" style="width:100%;height:{height}px;'
+            'border:1px solid #ddd" sandbox="allow-scripts"></iframe>')

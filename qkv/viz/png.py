@@ -22,7 +22,7 @@ def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None, lan
     """The matplotlib figure for ``ex``; the big map shows ``(layer, head)``, default the top head's.
 
     ``lang`` ("en" or "zh") is the language of titles and axis labels; Chinese needs a CJK font
-    (see :func:`qkv.viz.trace_png.cjk_font`), without one the labels stay English with a warning.
+    (see :func:`qkv.glass.png.cjk_font`), without one the labels stay English with a warning.
     """
     import matplotlib
 

@@ -16,7 +16,7 @@ from qkv.analysis import explain
 from qkv.viz import save_html
 from qkv.analysis.ablation import parse_head
 
-from ..viz.test_trace_page import browser  # noqa: F401  (the headless Chromium driver, module scope)
+from ..browser import browser  # noqa: F401  (the headless Chromium driver, module scope)
 
 models = pytest.importorskip("qkv.models")
 

@@ -13,7 +13,7 @@ from qkv.cli import main
 from qkv.analysis.compare import align_tokens, compare
 from qkv.viz.compare import render_compare_html, save_compare_html, save_compare_png
 
-from ..viz.test_trace_page import browser  # noqa: F401  (the headless Chromium driver, module scope)
+from ..browser import browser  # noqa: F401  (the headless Chromium driver, module scope)
 
 models = pytest.importorskip("qkv.models")
 

@@ -71,7 +71,7 @@ def test_attn_mask_keeps_the_torch_formulation(monkeypatch):
     taken: list = []
     _run(q, k, v, {"attn_mask": torch.rand(20, 30) > 0.5}, native_on=True, monkeypatch=monkeypatch, taken=taken)
     assert taken == ["fwd", "bwd"]  # asked, and declined: the results come from chunked.py
-    from qkv.masks import MaskTiles
+    from qkv.masks.tiles import MaskTiles
 
     assert chunked_native._kernel(q, MaskTiles.from_call(_call(q, k, v, attn_mask=torch.ones(20, 30, dtype=torch.bool))), "fwd") is None
 

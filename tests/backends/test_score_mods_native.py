@@ -215,7 +215,7 @@ def test_a_python_callable_keeps_the_torch_formulation(monkeypatch):
     assert (taken.fwd, taken.bwd) == (1, 0)  # the built-in, without gradients: the C forward
     assert max_err(out, ref) < 1e-12
     from qkv.call import validate
-    from qkv.masks import MaskTiles
+    from qkv.masks.tiles import MaskTiles
 
     tiles = MaskTiles.from_call(validate(q, k, v, score_mod=lambda s, b, h, i, j: s))
     assert tiles.score is not None and tiles.score.form is None

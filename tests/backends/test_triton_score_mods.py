@@ -23,7 +23,7 @@ import qkv  # noqa: E402
 from qkv.backends import BACKENDS, BackendError  # noqa: E402
 from qkv.backends.math import softmax_with_lse  # noqa: E402
 from qkv.call import validate  # noqa: E402
-from qkv.masks import MaskTiles, apply_tile  # noqa: E402
+from qkv.masks.tiles import MaskTiles, apply_tile  # noqa: E402
 from qkv.reference import attention_ref  # noqa: E402
 from qkv.score_mods import ALiBi, RelativeBias, Softcap, alibi_slopes  # noqa: E402
 from qkv.sinks import add_sinks, grouped_sinks  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 
 from qkv import cli
 from qkv.cli import main
-from qkv.reference.toy import sentence_trace
+from qkv.glass.toy import sentence_trace
 from ..helpers import bundled_model_dir
 from .errors import error_line
 
@@ -97,8 +97,8 @@ def _stand_in(monkeypatch, module: str, func: str, calls: list):
 
 def test_html_and_png_are_handed_the_trace(capsys, monkeypatch, tmp_path):
     calls: list = []
-    _stand_in(monkeypatch, "qkv.viz.trace_page", "save_trace_page", calls)
-    _stand_in(monkeypatch, "qkv.viz.trace_png", "save_trace_png", calls)
+    _stand_in(monkeypatch, "qkv.glass.page", "save_trace_page", calls)
+    _stand_in(monkeypatch, "qkv.glass.png", "save_trace_png", calls)
     html, png = tmp_path / "t.html", tmp_path / "t.png"
     assert main(["trace", "Thinking Machines", "--html", str(html), "--png", str(png), "--lang", "zh",
                  "--precision", "2", "--token", "Machines"]) == 0
@@ -118,7 +118,7 @@ def test_html_into_a_missing_directory_is_refused_before_any_work(capsys, tmp_pa
 
 def test_real_png_of_a_toy_trace(capsys, tmp_path):
     pytest.importorskip("matplotlib")
-    pytest.importorskip("qkv.viz.trace_png")
+    pytest.importorskip("qkv.glass.png")
     png = tmp_path / "t.png"
     assert main(["trace", "Thinking Machines", "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -126,7 +126,7 @@ def test_real_png_of_a_toy_trace(capsys, tmp_path):
 
 
 def test_real_html_page_of_a_toy_trace(capsys, tmp_path):
-    pytest.importorskip("qkv.viz.trace_page")
+    pytest.importorskip("qkv.glass.page")
     page = tmp_path / "t.html"
     assert main(["trace", "Thinking Machines", "--html", str(page), "--token", "1"]) == 0
     text = page.read_text(encoding="utf-8")
@@ -137,8 +137,8 @@ def test_real_html_page_of_a_toy_trace(capsys, tmp_path):
 
 
 def test_block(capsys, tmp_path):
-    pytest.importorskip("qkv.reference.block")
-    from qkv.reference.block import toy_block_trace
+    pytest.importorskip("qkv.glass.block")
+    from qkv.glass.block import toy_block_trace
 
     assert main(["trace", "the cat sat", "--block", "--seed", "2"]) == 0
     out = capsys.readouterr().out
@@ -195,7 +195,7 @@ def test_model_defaults_to_the_head_explain_picks(capsys):
 def test_model_layer_head_json_and_files(capsys, monkeypatch, tmp_path):
     _needs_model()
     calls: list = []
-    _stand_in(monkeypatch, "qkv.viz.trace_png", "save_trace_png", calls)
+    _stand_in(monkeypatch, "qkv.glass.png", "save_trace_png", calls)
     png = tmp_path / "m.png"
     assert main(["trace", "Alice said she would come", "--model", "--layer", "2", "--head", "4", "--json",
                  "--precision", "4", "--png", str(png), "--token", "she"]) == 0

@@ -9,7 +9,7 @@ import pytest
 
 from qkv.cli import main
 from qkv.reference.linear import favor_projection, linear_steps
-from qkv.reference.toy import sentence_trace
+from qkv.glass.toy import sentence_trace
 from ..helpers import bundled_model_dir
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qkv.cli import main
-from qkv.reference.toy import sentence_trace
+from qkv.glass.toy import sentence_trace
 
 torch = pytest.importorskip("torch")
 

@@ -320,7 +320,7 @@ def test_gpt_oss_sink_maps_and_shares_equal_eager_attentions():
 def test_the_glass_box_refuses_a_head_with_a_score_function(monkeypatch):
     bundled_model_dir()
     from qkv import models
-    from qkv.analysis import trace_model
+    from qkv.glass import trace_model
 
     model = models.load()  # its own copy: a layer is changed below
     monkeypatch.setattr(model.encoder.layers[1].self_attn, "score_mod", Softcap(5.0), raising=False)

@@ -8,7 +8,7 @@ import torch
 
 import qkv
 from qkv.inspect import attention_stats
-from qkv.reference.masks import parse_causal
+from qkv.masks.rules import parse_causal
 
 from ..helpers import LargestAllocation, make_qkv
 from .test_maps import SHAPES, mask_cases, ref_scores_weights

@@ -70,7 +70,7 @@ def test_every_key_named_in_code_exists():
             named |= {prefix + key for key in re.findall(r"\bsay\(\"([a-z0-9_]+)\"", src)}
         for prefix in re.findall(r"\bmessages\(\s*\w+,\s*\"([a-z0-9_.]+)\"\)", src):
             assert any(k.startswith(prefix) for k in en), (path.name, prefix)
-    js = (ROOT / "qkv" / "viz" / "templates" / "trace_page.js").read_text(encoding="utf-8")
+    js = (ROOT / "qkv" / "glass" / "templates" / "trace_page.js").read_text(encoding="utf-8")
     # whole keys only: t("e_" + name) builds its key at run time
     named |= {"page." + key for key in re.findall(r"\bt\(\"([A-Za-z0-9_]+)\"\s*[,)]", js)}
     missing = sorted(k for k in named if k not in en)
@@ -78,10 +78,10 @@ def test_every_key_named_in_code_exists():
 
 
 @pytest.mark.parametrize("module, prefix", [
-    ("qkv.reference.render", "render."),
-    ("qkv.reference.block", "block."),
+    ("qkv.glass.render", "render."),
+    ("qkv.glass.block", "block."),
     ("qkv.reference.linear", "linear."),
-    ("qkv.viz.trace_png", "trace_png."),
+    ("qkv.glass.png", "trace_png."),
     ("qkv.viz.png", "png."),
 ])
 def test_each_modules_words_are_looked_up_by_keys_the_catalogue_has(module, prefix):
@@ -96,7 +96,7 @@ def test_each_modules_words_are_looked_up_by_keys_the_catalogue_has(module, pref
 
 # modules that keep catalogue keys in tables or choose them by condition ("a" if x else "b")
 _KEY_TABLES = ["qkv/analysis/explain.py", "qkv/analysis/compare.py", "qkv/analysis/ablation.py",
-               "qkv/reference/explain.py", "qkv/viz/compare.py"]
+               "qkv/glass/story.py", "qkv/viz/compare.py"]
 
 
 def test_keys_written_as_strings_exist():

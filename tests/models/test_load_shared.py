@@ -18,7 +18,7 @@ def test_one_copy_per_directory_however_it_is_named():
 
 def test_analysis_and_glass_share_the_cache():
     from qkv.analysis import load_model
-    from qkv.analysis.glass import load_model as glass_model
+    from qkv.glass.model import resolve_model as glass_model
 
     assert load_model(None) is models.load_shared()
     assert glass_model(None)[0] is models.load_shared()

@@ -6,22 +6,16 @@ Manager never downloads a browser or a driver.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
 
+from ..browser import browser, skip_without_chromium  # noqa: F401  (browser: the module's Chromium)
 from ..helpers import bundled_model_dir
 
-CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
-    pytest.skip("headless Chromium is not installed: apt-get install chromium chromium-driver", allow_module_level=True)
-webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test needs Selenium: pip install selenium")
+skip_without_chromium()
 bundled_model_dir(module_level=True)
 
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
@@ -30,10 +24,6 @@ from selenium.webdriver.support.ui import Select  # noqa: E402
 from qkv.analysis import explain  # noqa: E402
 from qkv.viz import save_html  # noqa: E402
 from qkv.analysis.explain import SENTENCE  # noqa: E402
-
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1400,1000")
-
 
 @pytest.fixture(scope="module")
 def ex():
@@ -45,20 +35,6 @@ def page(ex, tmp_path_factory):
     path = tmp_path_factory.mktemp("report") / "report.html"
     save_html(ex, path)
     return path
-
-
-@pytest.fixture(scope="module")
-def browser():
-    profile = tempfile.mkdtemp(prefix="qkv-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={profile}")
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
 
 
 def _text(d, id_):

@@ -12,7 +12,7 @@ from qkv.nn import Transformer
 from qkv.analysis import explain_cross_attention
 from qkv.viz import save_html, save_png
 
-from .test_trace_page import browser  # noqa: F401  (the headless Chromium driver, module scope)
+from ..browser import browser  # noqa: F401  (the headless Chromium driver, module scope)
 
 SRC = ["le", "chat", "noir", "dort", "ici"]  # 5 source tokens
 TGT = ["<s>", "the", "black", "cat"]  # 4 decoder tokens

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .test_browser import By, browser, ex, page  # noqa: F401  (module fixtures: the report and the driver)
+from ..browser import browser  # noqa: F401  (the headless Chromium driver, module scope)
+from .test_browser import By, ex, page  # noqa: F401  (the report fixtures)
 
 
 def test_neuron_view_expands_a_weight_into_its_dot_product(browser, page, ex):  # noqa: F811

@@ -213,7 +213,8 @@ def _texts(fig) -> str:
 def test_png_labels_in_chinese(keep_maps, monkeypatch, tmp_path):
     import matplotlib.pyplot as plt
 
-    from qkv.viz import figure, png, trace_png
+    from qkv.viz import figure, png
+    from qkv.glass import png as trace_png
 
     ex = explain_attentions(list(_maps()), TOKENS, focus="she", text=TEXT, offsets=_offsets(TEXT, TOKENS),
                             keep_maps=keep_maps)
