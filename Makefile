@@ -18,7 +18,7 @@ QKV_TEST_SEED ?= 1
 # Two workers, each taking the next test when it is free (a long test does not hold up a queue).
 PYTEST := QKV_TEST_SEED=$(QKV_TEST_SEED) $(PY) -m pytest -n 2 --dist worksteal -q
 
-.PHONY: setup demo test test-slow bench gpu-check clean
+.PHONY: setup demo test test-slow docs bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,10 @@ test: setup
 # Further cases of paths the quick tier already proves (tests marked slow); CI runs them after `make test`.
 test-slow: setup
 	$(PYTEST) -m slow
+
+# The documentation site, built offline into build/site (strict: a warning is an error).
+docs: setup
+	$(PY) -m mkdocs build --strict --site-dir build/site
 
 bench: setup
 	$(PY) bench/attention_cpu.py
