@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from . import hooks
+from .extras import require
 from .functional import attention, attention_weights
 from .score_mods import Softcap
 
@@ -314,6 +315,7 @@ def _hooked_attention(
 
 # ---------------------------------------------------------------------------------- registration
 def _interfaces() -> Tuple[Any, Any, Any]:
+    require("transformers", "qkv.hf (attn_implementation=\"qkv\")")
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

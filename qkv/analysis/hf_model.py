@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..extras import require
+
 __all__ = ["HFExplainModel", "load_hf", "is_bert_directory"]
 
 _BERT_TYPES = frozenset({"bert"})
@@ -151,10 +153,7 @@ def _tokenizer(transformers: Any, path: str) -> Any:
 
 def load_hf(path: str) -> HFExplainModel:
     """Load a local checkpoint directory for :func:`qkv.analysis.explain` (offline)."""
-    try:
-        import transformers
-    except ImportError as e:
-        raise RuntimeError(f"explaining a Hugging Face checkpoint needs transformers: pip install transformers ({e})") from e
+    transformers = require("transformers", "explaining a Hugging Face checkpoint")
     from ..hf import NAME, register
 
     register()

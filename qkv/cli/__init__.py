@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 from ..glass.toy import sentence_trace, worked_example
 from . import demo, experiments, explain, info, trace
+from ..extras import MissingExtra
 from .args import MODEL_SENTENCE, UsageError
 from .demo import DEMO_PARTS
 from .trace import TRACE_STEPS
@@ -91,6 +92,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.flush()  # what was printed before the mistake came to light stays above the message
         print(f"qkv {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except MissingExtra as e:  # a feature whose optional packages are not installed: name the extra
+        sys.stdout.flush()
+        print(f"qkv {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # `qkv demo | head`: the reader left; exit quietly
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)

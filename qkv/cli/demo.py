@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Any, Callable
 
+from ..extras import MissingExtra
 from ..locale import LANGUAGES, messages
 from ..glass.toy import SENTENCE, sentence_trace, worked_example
 from .args import MODEL_SENTENCE, output_dir, shared_options, write_error
@@ -83,15 +84,17 @@ def _demo_model(args: argparse.Namespace) -> str:
     except (ImportError, RuntimeError, FileNotFoundError) as e:
         return "\n\n".join([heading, txt["missing"].format(e=str(e).rstrip(".")), _demo_toy_files(args)])
     out = os.path.abspath(args.out)
+    layer, head, w = ex.top_heads(1)[0]
     try:
         os.makedirs(out, exist_ok=True)
         png = save_png(ex, os.path.join(out, "heatmap.png"), lang=args.lang)
         page = save_html(ex, os.path.join(out, "report.html"), lang=args.lang)
+        files = txt["files"].format(png=png, page=page, layer=layer, head=head)
+    except MissingExtra as e:  # installed without the viz extra: the text alone, and what to install
+        files = f"({e})"
     except OSError as e:  # checked when parsed; this is what only trying finds (/proc, a full disk)
         raise write_error("--out", args.out, e) from None
-    layer, head, w = ex.top_heads(1)[0]
     intro = txt["intro"].format(layers=ex.num_layers, heads=ex.num_heads, layer=layer, head=head, w=w)
-    files = txt["files"].format(png=png, page=page, layer=layer, head=head)
     return "\n\n".join([heading, intro, ex.to_string(lang=args.lang), files,
                          txt["next"].format(layer=layer, head=head)])
 
@@ -100,18 +103,16 @@ def _demo_toy_files(args: argparse.Namespace) -> str:
     """Without the real model: part 3's two-head causal trace as ``trace.png`` and ``trace.html``
     in ``--out``, so the demo still leaves a figure and a page to open."""
     from ..glass.page import save_trace_page
+    from ..glass.png import save_trace_png
 
     t = sentence_trace("Thinking Machines learn", heads=2, causal=True)
     out = os.path.abspath(args.out)
     try:
         os.makedirs(out, exist_ok=True)
         page = save_trace_page(t, os.path.join(out, "trace.html"), lang=args.lang, precision=args.precision, token=1)
-        try:
-            from ..glass.png import save_trace_png
-
-            png = save_trace_png(t, os.path.join(out, "trace.png"), lang=args.lang, token=1)
-        except ImportError as e:  # matplotlib missing: the page alone
-            png = f"(no figure: {e}; pip install matplotlib)"
+        png = save_trace_png(t, os.path.join(out, "trace.png"), lang=args.lang, token=1)
+    except MissingExtra as e:  # installed without the viz extra: no files, and what to install
+        return f"({e})"
     except OSError as e:
         raise write_error("--out", args.out, e) from None
     return _MODEL_TEXT[args.lang]["toy_files"].format(png=png, page=page)

@@ -54,7 +54,7 @@ def _write_report(args: argparse.Namespace, result: Any, layer: int, head: int, 
         except OSError as e:  # checked when parsed; this is what only trying finds (/dev/full, /proc)
             raise write_error(flag, path, e) from None
         except ImportError as e:
-            print(f"qkv explain: cannot write {flag} {path}: {e} (pip install matplotlib)", file=sys.stderr)
+            print(f"qkv explain: cannot write {flag} {path}: {e}", file=sys.stderr)  # names the extra to install
             return 1
     if args.json:
         d = result.to_dict()

@@ -278,9 +278,6 @@ def _trace_files(args: argparse.Namespace, t: Any, token: Optional[int]) -> list
                 written = save_trace_png(t, path, lang=args.lang, token=token)
         except OSError as e:  # checked when parsed; this is what only trying finds (/dev/full, /proc)
             raise write_error(flag, path, e) from None
-        except ImportError as e:
-            hint = "pip install matplotlib" if flag == "--png" else "this qkv has no interactive trace page"
-            raise UsageError(f"cannot write {flag} {path}: {e} ({hint})") from None
         files.append((flag[2:].upper(), written))
     return files
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Dict, List, Optional
 
+from ..extras import require
 from ._common import Result, single_thread
 
 # name → module path, in priority order; modules are imported only when run, so `list` stays light
@@ -63,6 +64,8 @@ def run_many(names: List[str], out: Path, quick: bool = False, seed: int = 0,
     """
     from .report import write_report
 
+    for package in ("matplotlib", "jinja2", "markdown_it", "tqdm"):  # before minutes of work, not after
+        require(package, "qkv experiments", "experiments")
     results = []
     for name in names:
         if progress is not None:

@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
+from ..extras import require
+
 DPI = 90  # modest, so the committed report stays small
 
 
@@ -94,7 +96,7 @@ class Progress:
     nothing when QKV_NO_PROGRESS is set."""
 
     def __init__(self, total: int, label: str) -> None:
-        from tqdm import tqdm
+        tqdm = require("tqdm", "qkv experiments", "experiments").tqdm
 
         tty = sys.stderr.isatty()
         self._bar = tqdm(total=max(1, total), desc=f"{label:>16}", file=sys.stderr, leave=True, dynamic_ncols=tty, ascii=not tty,
@@ -133,9 +135,7 @@ def label_lengths(axes: Any, ns: Sequence[int]) -> None:
 
 
 def pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "qkv experiments", "experiments").use("Agg")
     import matplotlib.pyplot as plt
 
     return plt

@@ -11,10 +11,7 @@ import base64
 from pathlib import Path
 from typing import List, Sequence
 
-from jinja2 import Environment, PackageLoader, select_autoescape
-from markdown_it import MarkdownIt
-from markupsafe import Markup
-
+from ..extras import require
 from ._common import Result
 
 _HEAD = "Experiments on self-attention"
@@ -61,7 +58,9 @@ def to_markdown(results: Sequence[Result]) -> str:
 def to_html(results: Sequence[Result], out: Path) -> str:
     """The report as one self-contained page: the sections' Markdown rendered by markdown-it, the
     page by the jinja2 template beside this module, the figures embedded as base64 PNGs."""
-    inline = MarkdownIt("commonmark", {"html": False}).renderInline  # the sections use `code` and **bold** inside sentences
+    jinja2 = require("jinja2", "the experiments' report", "experiments")
+    Markup = require("markupsafe", "the experiments' report", "experiments").Markup
+    inline = require("markdown_it", "the experiments' report", "experiments").MarkdownIt("commonmark", {"html": False}).renderInline  # the sections use `code` and **bold** inside sentences
     sections = [
         {
             "name": r.name, "title": r.title, "cls": _cls(r), "verdict": _verdict(r),
@@ -72,7 +71,8 @@ def to_html(results: Sequence[Result], out: Path) -> str:
         }
         for r in results
     ]
-    env = Environment(loader=PackageLoader("qkv.experiments", "templates"), autoescape=select_autoescape(["j2"]))
+    env = jinja2.Environment(loader=jinja2.PackageLoader("qkv.experiments", "templates"),
+                             autoescape=jinja2.select_autoescape(["j2"]))
     return env.get_template("report.html.j2").render(head=_HEAD, mode=_mode(results), sections=sections)
 
 

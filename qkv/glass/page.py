@@ -31,7 +31,7 @@ from .block import BlockTrace, trace_block
 from ..masks.rules import parse_causal
 from .render import shown
 from .trace import Trace, remasked
-from ..viz.pages import asset, environment, script_json
+from ..viz.pages import asset, environment, markup, script_json
 
 __all__ = ["render_trace_page", "save_trace_page", "page_data", "page_words", "PAGE_SCHEMA_VERSION", "TOP_TERMS"]
 
@@ -57,15 +57,13 @@ def render_trace_page(
     decimals shown, ``token`` the query token narrated first (index counted from 0, or label).
     """
     data = page_data(trace, lang=lang, precision=precision, token=token)
-    from markupsafe import Markup
-
     env = environment("qkv.glass")
     template = env.get_template("trace_page.html.j2")
     return template.render(
         data_json=script_json(data),
         words_json=script_json(page_words()),
-        script=Markup(asset("trace_page.js", "qkv.glass")),
-        style=Markup(asset("trace_page.css", "qkv.glass")),
+        script=markup(asset("trace_page.js", "qkv.glass")),
+        style=markup(asset("trace_page.css", "qkv.glass")),
         lang=data["lang"],
         title=_static_title(data),
     )

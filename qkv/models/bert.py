@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..call import BackendName
+from ..extras import require
 from ..nn import TransformerEncoderLayer
 
 __all__ = [
@@ -645,7 +646,7 @@ def _check_directory(directory: Path) -> None:
 
 def _header_shapes(path: Path) -> Dict[str, Tuple[Tuple[int, ...], str]]:
     """Tensor name → (shape, safetensors dtype) from the file's header, without reading any weight."""
-    from safetensors import safe_open
+    safe_open = require("safetensors", "reading a model's weights").safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -723,10 +724,7 @@ def load_bert(directory: PathLike, *, dtype: Optional[torch.dtype] = None, devic
     ``model.safetensors`` (its header's names and shapes against the config) and
     ``tokenizer.json``; a bad one raises ``ValueError`` naming its path.
     """
-    try:
-        from safetensors.torch import load_file
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("qkv.models needs the `safetensors` package: pip install safetensors") from e
+    load_file = require("safetensors.torch", "reading a model's weights").load_file
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype={dtype!r} must be a floating torch dtype, e.g. torch.float32 or torch.bfloat16")
     if device is not None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from ..locale import check_lang, messages, shorten
-from .figure import CMAP, fonts_for, pyplot, tick_labels
+from .figure import CMAP, fonts_for, matplotlib_module, pyplot, tick_labels
 
 if TYPE_CHECKING:  # the type drawn; views never run the analysis
     from ..analysis.compare import Comparison
@@ -26,7 +26,7 @@ __all__ = ["figure", "save_compare_png", "page_data", "render_compare_html", "sa
 
 def figure(cmp: Comparison, layer: Optional[int] = None, head: Optional[int] = None, lang: str = "en") -> Any:
     """Four panels: the per-head distance grid, head (layer, head)'s map for A and for B, and B − A."""
-    import matplotlib
+    matplotlib = matplotlib_module()
 
     check_lang(lang)
     layer, head = cmp.select(layer, head)
@@ -120,15 +120,13 @@ def render_compare_html(cmp: Comparison, layer: Optional[int] = None, head: Opti
                         lang: str = "en") -> str:
     """The comparison as one offline page: the distance grid (click a head), both maps and B − A;
     ``lang`` ("en" or "zh") is the language of every label."""
-    from markupsafe import Markup
-
-    from .pages import asset, environment, script_json
+    from .pages import asset, environment, markup, script_json
 
     tx = _page_text(check_lang(lang))
     data = page_data(cmp, layer, head)
     data["labels"] = {k: tx[k] for k in ("head_title", "rows_title", "cols")}
     return environment().get_template("compare.html.j2").render(
-        data_json=script_json(data), script=Markup(asset("compare.js")), t=tx,
+        data_json=script_json(data), script=markup(asset("compare.js")), t=tx,
         title=tx["title"].format(model=cmp.a.model_name), a=cmp.a.text, b=cmp.b.text,
         report=cmp.to_string(lang=lang),
     )

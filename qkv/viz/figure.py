@@ -11,6 +11,8 @@ import os
 import warnings
 from typing import Any, Optional, Sequence
 
+from ..extras import require
+
 __all__ = ["pyplot", "cjk_font", "drawable", "fonts_for", "tick_labels", "CMAP"]
 
 CMAP = "viridis"  # the colour map of every attention heatmap
@@ -22,16 +24,21 @@ _KNOWN_CJK = (
 _PROBE = "注意力词元输出"  # characters a Chinese figure certainly uses
 
 
+def matplotlib_module() -> Any:
+    """The matplotlib package, or :class:`~qkv.extras.MissingExtra` naming the ``viz`` extra."""
+    return require("matplotlib", "qkv's figures (PNG)")
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend, quiet about CJK fonts without a bold face."""
     import logging
 
-    import matplotlib
+    mpl = matplotlib_module()
 
     fonts_log = logging.getLogger("matplotlib.font_manager")
     if fonts_log.level == logging.NOTSET:  # CJK fonts rarely ship a bold face; the regular one is fine
         fonts_log.setLevel(logging.ERROR)
-    matplotlib.use("Agg", force=True)
+    mpl.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
     return plt

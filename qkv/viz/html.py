@@ -26,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..locale import Note, check_lang, messages, word
-from .pages import asset, decode_weights, encode_weights, environment
+from .pages import asset, decode_weights, encode_weights, environment, markup
 
 __all__ = ["render_html", "save_html", "page_data", "decode_weights", "MAX_HTML_MAP_BYTES", "MAX_HTML_VECTOR_BYTES"]
 
@@ -96,8 +96,6 @@ def _vectors(ex: Any) -> Optional[str]:
 def render_html(ex: Any, layer: Optional[int] = None, head: Optional[int] = None,
                 max_map_bytes: int = MAX_HTML_MAP_BYTES, lang: str = "en") -> str:
     """The page as a string; ``lang`` ("en" or "zh") is the language of every label and tooltip."""
-    from markupsafe import Markup
-
     labels = _labels(lang)
     data = page_data(ex, layer, head, max_map_bytes, lang)
     blob = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
@@ -105,12 +103,12 @@ def render_html(ex: Any, layer: Optional[int] = None, head: Optional[int] = None
     title = labels["title"].format(model=ex.model_name)
     shown = ex.text + (f" ‖ {ex.pair}" if getattr(ex, "pair", "") else "")
     # attends_most carries the page's own markup; every other label is plain text
-    t = {key: Markup(value if key == "attends_most" else _html.escape(value, quote=False).replace('"', "&quot;"))
+    t = {key: markup(value if key == "attends_most" else _html.escape(value, quote=False).replace('"', "&quot;"))
          for key, value in labels.items() if isinstance(value, str)}
     return environment().get_template("explain.html.j2").render(
-        html_lang=labels["html_lang"], title=Markup(_html.escape(title)), css=Markup(asset("explain.css")),
-        text=Markup(_html.escape(shown)), model=Markup(_html.escape(ex.model_name)), t=t,
-        data_json=Markup(blob), script=Markup(asset("explain.js")),
+        html_lang=labels["html_lang"], title=markup(_html.escape(title)), css=markup(asset("explain.css")),
+        text=markup(_html.escape(shown)), model=markup(_html.escape(ex.model_name)), t=t,
+        data_json=markup(blob), script=markup(asset("explain.js")),
     ) + "\n"  # jinja2 drops the template's final newline
 
 

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..extras import require
+
 if TYPE_CHECKING:
     from jinja2 import Environment
 
-__all__ = ["environment", "asset", "script_json", "encode_weights", "decode_weights", "iframe"]
+__all__ = ["environment", "asset", "script_json", "markup", "encode_weights", "decode_weights", "iframe"]
 
 
 def encode_weights(a: np.ndarray) -> str:
@@ -29,22 +31,24 @@ def decode_weights(b64: str, shape: tuple[int, ...]) -> np.ndarray:
     return (np.frombuffer(base64.b64decode(b64), dtype="<u2").astype(np.float64) / 65535.0).reshape(shape)
 
 
+def markup(text: str) -> Any:
+    """``text`` marked safe for the templates (markupsafe's Markup: inlined scripts and styles)."""
+    return require("markupsafe", "qkv's HTML pages").Markup(text)
+
+
 def script_json(data: Any) -> Any:
     """``data`` as JSON that is safe inside an inline ``<script>`` element (a jinja2 Markup)."""
-    from markupsafe import Markup
-
     payload = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     # Inside <script> only "</" can end the element; escaping <, > and & covers it and "<!--".
     payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     payload = payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
-    return Markup(payload)
+    return markup(payload)
 
 
 @lru_cache(maxsize=None)
 def environment(package: str = "qkv.viz") -> "Environment":
     """The jinja2 environment of a package's page templates (``<package>/templates``), autoescaping."""
-    import jinja2
-
+    jinja2 = require("jinja2", "qkv's HTML pages")
     return jinja2.Environment(
         loader=jinja2.PackageLoader(package, "templates"),
         autoescape=True,

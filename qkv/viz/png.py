@@ -13,7 +13,7 @@ import os
 from typing import Any, Optional
 
 from ..locale import check_lang, messages
-from .figure import CMAP, drawable, fonts_for, pyplot, tick_labels
+from .figure import CMAP, drawable, fonts_for, matplotlib_module, pyplot, tick_labels
 
 __all__ = ["save_png", "figure"]
 
@@ -24,7 +24,7 @@ def figure(ex: Any, layer: Optional[int] = None, head: Optional[int] = None, lan
     ``lang`` ("en" or "zh") is the language of titles and axis labels; Chinese needs a CJK font
     (see :func:`qkv.glass.png.cjk_font`), without one the labels stay English with a warning.
     """
-    import matplotlib
+    matplotlib = matplotlib_module()
 
     check_lang(lang)
     layer, head = ex.select(layer, head)

