@@ -5,6 +5,7 @@ import re
 import string
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qkv.locale import LANGUAGES, check_lang, messages, text
@@ -169,3 +170,24 @@ def test_every_note_the_code_makes_has_its_message():
     assert len(made) > 15, sorted(made)
     for key in sorted(made):
         text(key, "en"), text(key, "zh")  # KeyError names a missing one
+
+
+def test_rewording_a_note_is_one_catalogue_entry_per_language(monkeypatch):
+    """A note's wording lives only in the catalogue: change the entry and every view that shows
+    the note — the text report in English and Chinese, the HTML page, its JSON — says the new words,
+    with nothing else touched."""
+    import qkv.locale as locale
+    from qkv.analysis import explain_attentions
+    from qkv.viz import render_html
+
+    for lang, words in (("en", "NEW-EN target {t} for {f}{rest}"), ("zh", "新措辞：{t}（{f}）{rest}")):
+        monkeypatch.setitem(locale._catalogue(lang), "note.target", words)  # the one place a note's words live
+    rng = np.random.default_rng(0)
+    tokens = ["[CLS]", "alice", "met", "bob", "she", "smiled", "[SEP]"]
+    ex = explain_attentions([rng.dirichlet(np.ones(7), size=(2, 7)) for _ in range(2)], tokens, focus="she")
+    (note,) = ex.notes
+    assert note.key == "note.target" and str(note).startswith("NEW-EN target met for she")
+    assert "NEW-EN target met for she" in ex.to_string(lang="en")
+    assert "新措辞：met（she）" in ex.to_string(lang="zh")
+    assert "新措辞：met（she）" in render_html(ex, lang="zh") and "NEW-EN target met" in render_html(ex, lang="en")
+    assert ex.to_dict()["notes"][0].startswith("NEW-EN target met")
