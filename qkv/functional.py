@@ -144,7 +144,7 @@ def attention(
     Shapes (``...`` = batch dims, broadcast between the three inputs)::
 
         query (..., Hq, Nq, D)   key (..., Hk, Nk, D)   value (..., Hk, Nk, Dv)
-        out   (..., Hq, Nq, Dv)  lse (..., Hq, Nq) float32, with return_lse=True
+        out   (..., Hq, Nq, Dv)  lse (..., Hq, Nq) float32 (float64 for float64 inputs), with return_lse=True
 
     Every call that torch SDPA accepts gives SDPA's answer (same positional arguments).
     Beyond SDPA:

@@ -175,7 +175,9 @@ def linear_attention(
     """Linear attention ``φ(Q)(φ(K)ᵀV) / (φ(Q)·Σφ(K) + eps)``; see the module docstring.
 
     Args:
-        query ``(..., Nq, D)``, key ``(..., Nk, D)``, value ``(..., Nk, Dv)``; batch dims broadcast.
+        query: ``(..., Nq, D)``; the batch dims of query, key and value broadcast.
+        key: ``(..., Nk, D)``.
+        value: ``(..., Nk, Dv)``.
         feature_map: ``"elu"`` (elu + 1), ``"relu"``, ``"favor"`` (FAVOR+ random features that
             approximate softmax attention with ``scale``, default 1/√D), or a callable
             ``(..., N, D) → (..., N, F)`` returning non-negative features.
@@ -185,7 +187,8 @@ def linear_attention(
         seed: FAVOR+'s projection seed (the same seed gives the same features everywhere).
         key_padding_mask: bool ``(..., Nk)``, True = a real key; padding contributes nothing.
         chunk_size: positions per chunk of the causal form.
-        state / return_state: continue from an earlier call and return ``(out, new_state)``.
+        state: continue from an earlier call's :class:`LinearAttentionState`.
+        return_state: also return the updated state, as ``(out, new_state)``.
 
     Returns ``(..., Nq, Dv)`` in the input dtype (and the state when ``return_state``).
     """

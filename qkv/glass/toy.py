@@ -17,6 +17,7 @@ from .trace import Trace, trace
 __all__ = ["SENTENCE", "toy_embeddings", "toy_weights", "sentence_trace", "worked_example"]
 
 SENTENCE = "Thinking Machines"
+"""The tutorials' two-word sentence, the toy traces' default text."""
 
 
 def toy_embeddings(tokens: Sequence[str], d_model: int, seed: int = 0) -> np.ndarray:

@@ -45,6 +45,7 @@ from .stats import AttentionStats, attention_stats, attention_with_stats
 __all__ = ["POINTS", "Recording", "Recorder", "record", "record_stats", "observed_arguments", "observed_map", "observed_stats"]
 
 POINTS: tuple[str, ...] = ("q", "k", "v", "scores", "weights", "lse", "output")
+"""The capture points of every attention module, the last part of a :func:`record` pattern."""
 _MAPS = ("scores", "weights")
 
 

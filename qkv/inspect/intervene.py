@@ -53,6 +53,8 @@ __all__ = [
 ]
 
 EDIT_POINTS: tuple[str, ...] = ("q", "k", "v", "weights", "output")
+"""The points :func:`patch` may edit: q, k, v after the head split, the weights (then multiplied by
+V) and each head's output before W_O."""
 HeadRef = Union[tuple[int, int], tuple[str, int]]
 
 

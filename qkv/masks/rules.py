@@ -25,12 +25,19 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Tuple, Union
 
 Alignment = Literal["top_left", "bottom_right"]
+"""Where query row ``i`` sits among the keys: ``"top_left"`` (position ``i``) or ``"bottom_right"``
+(position ``i + Nk - Nq``)."""
 CausalArg = Union[bool, str]
+"""``is_causal`` as the rules accept it before parsing: a bool or an alignment's name."""
 # is_causal as the public API types it: True is SDPA's top-left alignment, a string names one.
 IsCausal = Union[bool, Alignment]
+"""``is_causal`` as the public functions type it: ``True`` is SDPA's top-left alignment, a string
+names an alignment."""
 WindowArg = Optional[Tuple[Optional[int], Optional[int]]]
+"""``window=(left, right)``: how far a query sees to each side; ``None`` or ``-1`` leaves a side open."""
 
 ALIGNMENTS: tuple[str, ...] = ("top_left", "bottom_right")
+"""The two alignments' names, as ``is_causal`` and ``window_alignment`` take them."""
 
 
 def parse_causal(is_causal: CausalArg) -> tuple[bool, Alignment]:

@@ -92,7 +92,8 @@ class MultiHeadAttention(nn.Module):
             ``Hk = 1`` multi-query attention; H must be a multiple of Hk.
         bias: add biases to the four projections.
         dropout: dropout on the attention weights, active in training mode only.
-        kdim, vdim: feature sizes of the key and value inputs (default ``d_model``).
+        kdim: feature size of the key input (default ``d_model``).
+        vdim: feature size of the value input (default ``d_model``).
         score_mod: a score function for every call (:mod:`qkv.score_mods`, e.g. ``Softcap(50.0)``
             or ``ALiBi(alibi_slopes(H))``, or ``fn(score, batch, head, q_idx, kv_idx)``); a
             built-in's tensors that are ``nn.Parameter`` become this module's parameters.

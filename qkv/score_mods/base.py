@@ -38,6 +38,7 @@ from ..elementwise import call_elementwise, check_function, rebind
 from ..masks.rules import Alignment, parse_alignment
 
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+"""A score function as FlexAttention writes one: ``fn(score, batch, head, q_idx, kv_idx) -> score``."""
 
 
 @dataclass(frozen=True)
