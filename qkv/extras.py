@@ -23,6 +23,8 @@ EXTRAS: dict[str, str] = {
     "transformers": "hf",
     "markdown_it": "experiments",
     "tqdm": "experiments",
+    "fastapi": "studio",
+    "uvicorn": "studio",
 }
 """Top-level import name → the extra (``pip install 'qkv[<extra>]'``) that installs it."""
 

@@ -14,7 +14,7 @@ section describes the same tree):
     6  analysis                            running models for an answer
     7  viz                                 views: draw results, never run models
     8  glass                               the glass box: traces, their story, page and figure
-    9  experiments, info, cli              the things a command line drives
+    9  experiments, info, studio, cli      the things a command line drives
 
 A function-level import may reach up a layer only with a comment just above it saying why
 (a notebook's ``_repr_html_`` drawing with a view, say): such an import runs at call time, so it
@@ -43,7 +43,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (6, ("qkv.analysis",)),
     (7, ("qkv.viz",)),
     (8, ("qkv.glass",)),
-    (9, ("qkv.experiments", "qkv.info", "qkv.cli", "qkv.__main__")),
+    (9, ("qkv.experiments", "qkv.info", "qkv.studio", "qkv.cli", "qkv.__main__")),
 ]
 
 

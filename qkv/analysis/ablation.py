@@ -13,13 +13,13 @@ Shapes: ``N`` tokens, ``E`` hidden size, ``V`` vocabulary. Final states ``(N, E)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import numpy as np
 
 from ..locale import check_lang, text
 
-__all__ = ["Ablation", "ablation_effect", "parse_head", "check_heads"]
+__all__ = ["Ablation", "ablation_effect", "parse_head", "check_heads", "final_states", "edited_module"]
 
 
 def parse_head(spec: str) -> tuple[int, int]:
@@ -138,7 +138,7 @@ class Ablation:
         return out
 
 
-def _module(model: Any) -> Any:
+def edited_module(model: Any) -> Any:
     """The torch module whose attention :func:`qkv.inspect.ablate` edits."""
     return getattr(model, "model", None) if hasattr(model, "hf_tokenizer") else model
 
@@ -164,18 +164,28 @@ def final_states(model: Any, input_ids: Any, mask: Any, token_type_ids: Any = No
 def ablation_effect(
     model: Any, input_ids: Any, mask: Any, heads: Sequence[tuple[int, int]], *, focus_index: int,
     tokens: Sequence[str], mode: str = "zero", token_type_ids: Any = None, top: int = 3,
+    intervention: Optional[Callable[[], ContextManager[Any]]] = None, temperature: float = 1.0,
 ) -> Ablation:
-    """Compare the model's result on ``input_ids (1, N)`` with and without ``heads`` (see :class:`Ablation`)."""
+    """Compare the model's result on ``input_ids (1, N)`` with and without ``heads`` (see :class:`Ablation`).
+
+    ``intervention``: a function returning the context the changed run happens in, instead of
+    :func:`qkv.inspect.ablate` of ``heads`` (e.g. :func:`qkv.inspect.patch_from` another
+    input; ``mode`` then names it). ``temperature`` divides the logits before the next-token
+    distribution is taken (1: the model's own).
+    """
     from qkv.inspect import ablate
 
-    if mode not in ("zero", "mean"):
+    if intervention is None and mode not in ("zero", "mean"):
         raise ValueError(f"ablate mode {mode!r} is not available; use 'zero' or 'mean' (--ablate-mode)")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature={temperature!r} must be a positive finite number (1: the model's own distribution)")
     clean, clean_logits = final_states(model, input_ids, mask, token_type_ids)
-    with ablate(_module(model), heads=list(heads), mode=mode):
+    with ablate(edited_module(model), heads=list(heads), mode=mode) if intervention is None else intervention():
         hit, hit_logits = final_states(model, input_ids, mask, token_type_ids)
     nt = None
     if clean_logits is not None and hit_logits is not None:
-        p, q = _log_softmax(clean_logits[focus_index]), _log_softmax(hit_logits[focus_index])  # (V,)
+        p = _log_softmax(clean_logits[focus_index] / temperature)  # (V,)
+        q = _log_softmax(hit_logits[focus_index] / temperature)  # (V,)
         name = model.token_name
         best = int(np.argmax(p))
         nt = {

@@ -29,7 +29,7 @@ from ..locale import Note, check_lang, shorten, text, word
 from .explain import Explanation, encode, explain
 from .loading import load_model
 
-__all__ = ["Comparison", "compare", "align_tokens"]
+__all__ = ["Comparison", "compare", "align_tokens", "map_change"]
 
 
 def align_tokens(a: list[str], b: list[str]) -> list[tuple[int, int]]:
@@ -76,6 +76,16 @@ def _tv(a: np.ndarray, b: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarra
     a, b = a.astype(np.float64), b.astype(np.float64)
     matched = np.abs(a[..., ia] - b[..., ib]).sum(-1)
     return 0.5 * (matched + (a.sum(-1) - a[..., ia].sum(-1)) + (b.sum(-1) - b[..., ib].sum(-1)))
+
+
+def map_change(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """How far each head's attention moved between two runs on the same tokens: the total
+    variation between each query row's weights, averaged over the rows. ``(L, H, N, N)`` maps
+    → ``(L, H)`` in [0, 1] (0: the same map; 1: every row moved all its weight)."""
+    if before.shape != after.shape:
+        raise ValueError(f"maps of shapes {before.shape} and {after.shape} cannot be compared row by row")
+    n = before.shape[-1]
+    return _tv(before, after, [(i, i) for i in range(n)]).mean(-1)
 
 
 @dataclass

@@ -23,7 +23,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..glass.toy import sentence_trace, worked_example
-from . import demo, experiments, explain, info, trace
+from . import demo, experiments, explain, info, studio, trace
 from ..extras import MissingExtra
 from .args import MODEL_SENTENCE, UsageError
 from .demo import DEMO_PARTS
@@ -63,6 +63,7 @@ def build_parser(load_info: bool = False) -> argparse.ArgumentParser:
     explain.add_parser(sub)
     info.add_parser(sub, load_info)
     experiments.add_parser(sub)
+    studio.add_parser(sub)
     return parser
 
 
