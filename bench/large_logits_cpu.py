@@ -8,7 +8,7 @@ of about 30 (``scale = 0.05``, ``q, k ~ N(0, 1) · σ`` with ``scale · σ² · 
 ``scaled_dot_product_attention``, qkv's ``chunked`` (its C tile loops), ``math`` and ``auto``.
 Time: best of interleaved rounds. Accuracy: over ``--seeds`` draws, the worst ratio of each
 path's largest error against the float64 oracle (on the same rounded inputs) to the strict rule
-``2 · err(math) + 1e-6 · max|ref|`` (docs/accuracy.md, without the logit term).
+``2 · err(math) + 1e-6 · max|ref|`` (docs/guarantees.md, without the logit term).
 """
 
 from __future__ import annotations

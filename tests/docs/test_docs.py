@@ -49,7 +49,10 @@ COMMANDS = {
     "qkv": [sys.executable, "-m", "qkv"],
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
 }
-ENV = {**os.environ, "MPLBACKEND": "Agg", "QKV_NO_PROGRESS": "1", "NO_MKDOCS_2_WARNING": "1"}
+# the commands run as a user's would: without the test suite's own switches (tests/device.py
+# turns on Triton's interpreter on a machine without CUDA)
+ENV = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QKV_TEST_DEVICE")}
+ENV.update(MPLBACKEND="Agg", QKV_NO_PROGRESS="1", NO_MKDOCS_2_WARNING="1")
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _ATTR = re.compile(r'(\w+)="([^"]*)"')
