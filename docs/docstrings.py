@@ -70,8 +70,8 @@ def _doctests(text: str) -> str:
 
 
 def _literal_blocks(text: str) -> str:
-    text = re.sub(r"(?m)^(\s*)::\s*$", "", text)  # a lone "::" line introduces the block
-    return re.sub(r"(?m)(\S)::\s*$", r"\1:", text)
+    text = re.sub(r"(?m)^[ \t]*::[ \t]*$", "", text)  # a lone "::" line introduces the block
+    return re.sub(r"(?m)(\S)::[ \t]*$", r"\1:", text)
 
 
 def markdown(obj: griffe.Object, text: str) -> str:
