@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import doctest
 import io
+import logging
 import os
 import random
 import re
@@ -173,8 +174,20 @@ COMMAND_LINES = [c for p in PAGES for c in commands(p)]
 NOT_RUN_BLOCKS = [b for p in PAGES for b in blocks(p) if b.not_run is not None]
 
 
+@pytest.fixture
+def _logging_kept():
+    """Logging as it was before a page's examples (one may call ``logging.basicConfig``)."""
+    root, handlers, levels = logging.getLogger(), logging.getLogger().handlers[:], {}
+    for name in ("", "qkv"):
+        levels[name] = logging.getLogger(name).level
+    yield
+    root.handlers[:] = handlers
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
 @pytest.mark.parametrize("page", PYTHON_PAGES)
-def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _logging_kept: None) -> None:
     """A page's python (and pycon) blocks, in order, in one namespace, in a temporary folder."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
