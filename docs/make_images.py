@@ -1,4 +1,4 @@
-"""Make the README's pictures: docs/images/heatmap.png, html_report.png and compare_page.png.
+"""Make the documentation's pictures (README and docs pages): docs/images/heatmap.png, html_report.png and compare_page.png.
 
     python docs/make_images.py
 
