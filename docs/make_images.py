@@ -1,4 +1,5 @@
-"""Make the documentation's pictures (README and docs pages): docs/images/heatmap.png, html_report.png and compare_page.png.
+"""Make the documentation's pictures (the README's and the docs pages'): docs/images/heatmap.png,
+html_report.png and compare_page.png.
 
     python docs/make_images.py
 
