@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import threading
 import webbrowser
@@ -48,24 +49,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"qkv studio: warning: listening on {args.host} lets other machines reach this studio and run "
               "its models; use it only on a network you trust", file=sys.stderr)
         hosts += (args.host,) if args.host not in ("0.0.0.0", "::") else ("*",)
+    # bind here, so a taken port is one clear line (and port 0's choice is known before serving)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:  # the port is taken, the interface does not exist
+        sock.close()
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; pick another --port "
+                         "(0: any free one)") from None
+    port = sock.getsockname()[1]
     app = create_app(Studio(args.model), hosts=hosts, lang=args.lang)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}/"
 
-    def announce() -> None:  # once the socket is bound (port 0 picks one): print it, open it
+    def announce() -> None:  # once uvicorn serves: print the address, open it
         while not server.started and not server.should_exit:
             threading.Event().wait(0.05)
-        if not server.started:
-            return
-        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}/"
-        print(f"qkv studio: serving on {url} (Ctrl-C stops it)", flush=True)
-        if not args.no_browser:
-            webbrowser.open(url)
+        if server.started:
+            print(f"qkv studio: serving on {url} (Ctrl-C stops it)", flush=True)
+            if not args.no_browser:
+                webbrowser.open(url)
 
     threading.Thread(target=announce, daemon=True).start()
     try:
-        server.run()
-    except OSError as e:  # the port is taken, the interface does not exist
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully, then re-raises the signal
+        print("qkv studio: stopped", flush=True)
+    finally:
+        sock.close()
     return 0
