@@ -48,7 +48,7 @@ test-slow: setup
 
 # The documentation site, built offline into build/site (strict: a warning is an error).
 docs: setup
-	$(PY) -m mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 bench: setup
 	$(PY) bench/attention_cpu.py

@@ -76,6 +76,7 @@ __all__ = [
 ]
 
 NAME = "qkv"
+"""The attention implementation's name in transformers: ``attn_implementation="qkv"``."""
 
 Observer = Callable[["HFAttentionCall"], Any]
 

@@ -1,4 +1,4 @@
-"""What tests share: the accuracy rule of docs/accuracy.md as assertions, input factories, the
+"""What tests share: the accuracy rule of docs/guarantees.md as assertions, input factories, the
 masking scenarios, parameter grids, the test device, and the bundled model (or a skip).
 
 Tests import these (``from .helpers import …``); ``conftest.py`` holds only pytest's hooks and

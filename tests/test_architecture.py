@@ -1,7 +1,7 @@
 """The package's shape, checked from its source: layers, import circles, private names, long functions.
 
-The layers, low to high (a module imports only its own layer or lower ones; the README's layout
-section describes the same tree):
+The layers, low to high (a module imports only its own layer or lower ones; docs/architecture.md
+describes the same tree):
 
     0  nonfinite, overflow, allocation,    rules and mechanisms every layer may use
        locale, hooks, elementwise, extras

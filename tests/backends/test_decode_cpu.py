@@ -1,5 +1,5 @@
 """The CPU decoding kernel (qkv/csrc/decode.c via qkv.backends.decode_cpu) against the float64
-oracle, under the accuracy rule (docs/accuracy.md): a few query rows per head against a long
+oracle, under the accuracy rule (docs/guarantees.md): a few query rows per head against a long
 cache, every mask it takes, caches read in place (views, broadcast heads), bfloat16 and
 float16 caches, sinks, and the exact merge of key parts."""
 

@@ -1,6 +1,6 @@
 """The built-in score functions (softcap, ALiBi, T5 relative bias) on the chunked backend's C
 tile loops (qkv/csrc/flash_impl.h), forward and backward, against the float64 oracle under the
-project's rule (docs/accuracy.md): err(C loops) ≤ 2× (outputs) or 3× (gradients) err(math, same
+project's rule (docs/guarantees.md): err(C loops) ≤ 2× (outputs) or 3× (gradients) err(math, same
 dtype) + floor. Every case asserts that the C loops ran; a Python callable keeps the torch
 formulation, which the C loops must agree with."""
 

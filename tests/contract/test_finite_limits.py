@@ -1,5 +1,5 @@
 """Arguments at the edges of float32, float64 and int64: every finite value answers exactly (the
-rule of docs/accuracy.md, against the float64 oracle on the rounded inputs) on every backend that
+rule of docs/guarantees.md, against the float64 oracle on the rounded inputs) on every backend that
 takes the call, or is refused by name with the fix.
 
 - sinks above FLT_MAX·ln 2 ≈ 2.36e38, which in the kernels' base-2 units overflow float32: the

@@ -4,7 +4,7 @@ them, against the float64 oracle, forward and backward.
 The score functions are the ones FlexAttention's documentation and attention-gym show:
 softcapping, ALiBi, relative position bias (plain and T5-bucketed), document masking and a
 prefix-LM written as score functions, and a bias table captured from the closure; sinks as in
-GPT-OSS. Tolerances follow the project's rule (docs/accuracy.md): the candidate's error is
+GPT-OSS. Tolerances follow the project's rule (docs/guarantees.md): the candidate's error is
 within 2× (outputs) or 3× (gradients) the math backend's in the same dtype, plus a floor.
 """
 
