@@ -136,17 +136,21 @@ class Studio:
         s = self.slot(model_id)
         if s.kind == "toy":
             return self._toy_analysis(text, focus)
+        import torch
+
         from ..analysis import explain
+        from ..analysis.explain import encode
 
         with s.lock:
             self._check_length(s, text, pair)
             ex = explain(text, _index(focus), _index(target), model=s.model, model_path=s.path, pair=pair,
                          max_map_tokens=LIMITS["max_tokens"])
-            assert ex.maps is not None and ex.vectors is not None  # within max_tokens: maps and q/k kept
+            assert ex.maps is not None  # within max_tokens: the maps are kept
+            stats = _recorded_stats(s.model, _inputs(torch, encode(s.model, text, pair)), ex.tokens)
         return {
             "model": s.describe(), "tokens": ex.tokens, "segments": ex.segments,
             "layers": ex.num_layers, "heads": ex.num_heads,
-            "maps": _maps(ex.maps), "stats": _head_stats(ex.vectors, ex.scale, ex.tokens, causal=s.kind == "decoder"),
+            "maps": _maps(ex.maps), "stats": stats,
             "focus": ex.focus_index, "target": ex.target_index,
             "top_heads": [{"layer": l, "head": h, "weight": round(w, 4)} for l, h, w in ex.top_heads(8)],
             "notes": [word(n, lang) for n in ex.notes],
@@ -279,14 +283,18 @@ class Studio:
         t = _toy_trace(text)
         heads = t.heads or [t]
         maps = np.stack([h.weights for h in heads])[None]  # (1, H, N, N)
-        q = np.stack([h.q for h in heads])[None]  # (1, H, N, d_k)
-        k = np.stack([h.k for h in heads])[None]
-        vectors = np.stack([q, k], axis=1)  # (1, 2, H, N, d_k)
+        import torch
+
+        from ..inspect import attention_stats
+
+        q = torch.from_numpy(np.stack([h.q for h in heads]))[None]  # (1, H, N, d_k)
+        k = torch.from_numpy(np.stack([h.k for h in heads]))[None]
+        stats = _summary({"0": attention_stats(q, k, scale=t.scale, backend="torch")}, t.tokens)
         f = 0 if focus is None else focus
         if not -t.n <= f < t.n:
             raise StudioError(f"focus={focus} is not a token index of this text (0 to {t.n - 1})")
         return {"model": self.slots[TOY].describe(), "tokens": t.tokens, "segments": None, "layers": 1, "heads": len(heads),
-                "maps": _maps(maps), "stats": _head_stats(vectors, t.scale, t.tokens, causal=False),
+                "maps": _maps(maps), "stats": stats,
                 "focus": f % t.n, "target": int(np.argmax(maps[0, :, f % t.n].max(0))), "top_heads": [], "notes": []}
 
     def _check_length(self, s: ModelSlot, text: str, pair: Optional[str]) -> None:
@@ -337,18 +345,32 @@ def _maps(maps: np.ndarray) -> dict[str, Any]:
     return {"shape": list(maps.shape), "data": encode_weights(np.asarray(maps, dtype=np.float64))}
 
 
-def _head_stats(vectors: np.ndarray, scale: Optional[float], tokens: Sequence[str], causal: bool) -> list[dict[str, Any]]:
-    """Each head's statistics, from its own q and k ``vectors (L, 2, H, N, D)``: one
-    :func:`qkv.inspect.attention_stats` pass per layer, classified by :func:`qkv.inspect.head_summary`."""
+def _recorded_stats(model: Any, run: tuple[Any, Any, Any], tokens: Sequence[str]) -> list[dict[str, Any]]:
+    """Each head's statistics over every query row, recorded from the model's own attention calls
+    (:func:`qkv.inspect.record` for qkv.nn models, :func:`qkv.inspect.record_stats` for Hugging
+    Face ones: tile by tile, no map rebuilt) and classified by :func:`qkv.inspect.head_summary`."""
     import torch
 
-    from ..inspect import attention_stats, head_summary
+    from ..analysis.ablation import edited_module, final_states
+    from ..inspect import record, record_stats
 
-    per_layer = {}
-    for layer in range(vectors.shape[0]):
-        q = torch.from_numpy(np.ascontiguousarray(vectors[layer, 0], dtype=np.float32))[None]  # (1, H, N, D)
-        k = torch.from_numpy(np.ascontiguousarray(vectors[layer, 1], dtype=np.float32))[None]
-        per_layer[str(layer)] = attention_stats(q, k, scale=scale, is_causal=causal, backend="torch")
+    ids, mask, types = run
+    with torch.inference_mode():
+        if hasattr(model, "hf_tokenizer"):
+            with record_stats() as calls:
+                final_states(model, ids, mask, types)
+            per_layer = {str(i): st for i, st in enumerate(calls)}
+        else:
+            with record(edited_module(model), "*.weights", stats=True, reuse_lse=True) as rec:
+                final_states(model, ids, mask, types)
+            per_layer = {str(i): rec.stats[m] for i, m in enumerate(rec.modules)}
+    return _summary(per_layer, tokens)
+
+
+def _summary(per_layer: dict[str, Any], tokens: Sequence[str]) -> list[dict[str, Any]]:
+    """:func:`qkv.inspect.head_summary` of ``{"<layer>": AttentionStats}`` as the page's rows, by layer and head."""
+    from ..inspect import head_summary
+
     rows = []
     for r in head_summary(per_layer, tokens=list(tokens)):
         rows.append({"layer": int(r["module"]), "head": int(r["head"]), "kind": r["kind"],
