@@ -74,15 +74,16 @@ def _count(value: Any, name: str, n: int, what: str, model_name: str) -> int:
     return int(value)
 
 
-def encode_text(model: Any, text: str) -> tuple[list[int], list[str]]:
-    """Word-piece ids and strings of ``text``, with [CLS]/[SEP] and no padding or truncation."""
+def encode_text(model: Any, text: str, pair: Optional[str] = None) -> tuple[list[int], list[str], list[int]]:
+    """Word-piece ids, strings and segment ids of ``text`` (and ``pair``, the second text of a
+    sentence pair: ``[CLS] text [SEP] pair [SEP]``), with no padding or truncation."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(model.tokenizer.to_str())  # a copy: the model's own keeps its padding settings
     tok.no_padding()
     tok.no_truncation()
-    enc = tok.encode(text)
-    return list(enc.ids), list(enc.tokens)
+    enc = tok.encode(text) if pair is None else tok.encode(text, pair)
+    return list(enc.ids), list(enc.tokens), list(enc.type_ids)
 
 
 def trace_model(
@@ -92,6 +93,7 @@ def trace_model(
     layer: int,
     head: int,
     max_tokens: int = MAX_TOKENS,
+    pair: Optional[str] = None,
 ) -> Trace:
     """Trace head ``head`` of layer ``layer`` of a BERT model on ``text``, in float64.
 
@@ -100,8 +102,9 @@ def trace_model(
     ``##ing``, ``[SEP]``). Shapes for all-MiniLM-L6-v2: ``x (N, 384)``, ``w_q, w_k, w_v
     (384, 32)``, ``b_q, b_k, b_v (32,)``; the trace's ``weights (N, N)`` equal the model's own
     weights for that head (up to float32 rounding of the hidden states). ``meta`` records the
-    model, layer and head. Raises ValueError naming ``layer``, ``head``, ``text`` or
-    ``max_tokens`` when one is out of range.
+    model, layer and head. ``pair``: a second text, traced as the sentence pair the model reads
+    (``[CLS] text [SEP] pair [SEP]`` with its segment ids). Raises ValueError naming ``layer``,
+    ``head``, ``text``, ``pair`` or ``max_tokens`` when one is out of range.
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
@@ -115,7 +118,9 @@ def trace_model(
     cfg = m.config
     layer = _count(layer, "layer", cfg.num_hidden_layers, "layers", name)
     head = _count(head, "head", cfg.num_attention_heads, "heads per layer", name)
-    ids, tokens = encode_text(m, text)
+    if pair is not None and (not isinstance(pair, str) or not pair.strip()):
+        raise ValueError(f"pair={pair!r} must be a non-empty string (the second text of a sentence pair) or None")
+    ids, tokens, types = encode_text(m, text, pair)
     limit = min(int(max_tokens), int(cfg.max_position_embeddings))
     if len(ids) > limit:
         why = (f"max_tokens={max_tokens}: every step keeps N × N matrices to print; shorten the text or raise max_tokens"
@@ -135,7 +140,8 @@ def trace_model(
     kv = head // (attn.num_heads // attn.num_kv_heads)  # the key/value head this query head reads
     input_ids = torch.tensor([ids], dtype=torch.long, device=m.device)  # (1, N)
     with torch.inference_mode():
-        out = m(input_ids, torch.ones_like(input_ids), output_hidden_states=True)
+        segments = torch.tensor([types], dtype=torch.long, device=m.device) if pair is not None else None  # (1, N)
+        out = m(input_ids, torch.ones_like(input_ids), segments, output_hidden_states=True)
     x = out.hidden_states[layer][0].double().cpu().numpy()  # (N, d_model): what enters layer `layer`
 
     def columns(linear: Any, h: int) -> tuple[np.ndarray, Optional[np.ndarray]]:

@@ -156,26 +156,35 @@ class Studio:
             "notes": [word(n, lang) for n in ex.notes],
         }
 
-    def head(self, model_id: str, text: str, *, layer: int, head: int, token: int = 0, lang: str = "en") -> dict[str, Any]:
-        """One head in the float64 glass box: every step's matrix and the story of ``token``."""
+    def head(self, model_id: str, text: str, *, layer: int, head: int, token: int = 0, pair: Optional[str] = None,
+             lang: str = "en") -> dict[str, Any]:
+        """One head in the float64 glass box (of ``text``, or of the sentence pair ``text``,
+        ``pair``): every step's matrix and the story of query ``token``."""
         check_lang(lang)
         _check_text(text, "text")
+        if pair is not None:
+            _check_text(pair, "pair")
         s = self.slot(model_id)
         if s.kind == "toy":
+            if pair is not None:
+                raise StudioError("the toy model reads one text; clear the second text or pick a pretrained model")
             t = _toy_trace(text)
             if not 0 <= layer < 1 or not 0 <= head < t.num_heads:
                 raise StudioError(f"the toy model has 1 layer and {t.num_heads} heads; layer={layer}, head={head} is not one")
+            one = t.heads[head] if t.heads else t
         else:
+            if hasattr(s.model, "hf_tokenizer"):
+                raise StudioError(f"the glass box traces the BERT-style models qkv rebuilds (qkv.models); {s.name} runs "
+                                  "through transformers: its maps, statistics and interventions work, one head's "
+                                  "step-by-step numbers do not", 422)
             from ..glass import trace_model
 
             with s.lock:
-                self._check_length(s, text, None)
+                self._check_length(s, text, pair)
                 try:
-                    t = trace_model(text, s.model, layer=layer, head=head, max_tokens=LIMITS["max_tokens"])
+                    one = trace_model(text, s.model, layer=layer, head=head, max_tokens=LIMITS["max_tokens"], pair=pair)
                 except (ValueError, NotImplementedError, TypeError) as e:
                     raise StudioError(str(e)) from None
-            head = 0
-        one = t.heads[head] if t.heads else t
         if not -one.n <= token < one.n:
             raise StudioError(f"token={token} is not a token index of this text (0 to {one.n - 1})")
         return {"layer": layer, "head": head, "token": token % one.n, "trace": one.to_dict(),

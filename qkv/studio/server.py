@@ -5,7 +5,7 @@ Routes (JSON in and out; an error is ``{"error": "<words for the page>"}`` with 
     GET  /                 the page (scripts and styles inline, no network)
     GET  /api/models       the models offered and the request limits
     POST /api/analyze      {model, text, pair?, focus?, target?, lang}
-    POST /api/head         {model, text, layer, head, token, lang}
+    POST /api/head         {model, text, pair?, layer, head, token, lang}
     POST /api/intervene    {model, text, heads: [[layer, head], ...], mode, source?, focus?, temperature, lang}
     POST /api/compare      {model, text, other, focus?, lang}
     GET  /api/tutorial     ?lang=en|zh
@@ -75,6 +75,7 @@ class Head(Strict):
     layer: int = Field(ge=0, le=1000)
     head: int = Field(ge=0, le=1000)
     token: int = 0
+    pair: Optional[Text] = None
     lang: Lang = "en"
 
 
@@ -158,7 +159,7 @@ def create_app(studio: Studio, *, hosts: Sequence[str] = LOCAL_HOSTS, lang: str 
 
     @app.post("/api/head")
     def head(r: Head) -> Any:
-        return studio.head(r.model, r.text, layer=r.layer, head=r.head, token=r.token, lang=r.lang)
+        return studio.head(r.model, r.text, layer=r.layer, head=r.head, token=r.token, pair=r.pair, lang=r.lang)
 
     @app.post("/api/intervene")
     def intervene(r: Intervene) -> Any:

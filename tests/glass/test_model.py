@@ -35,7 +35,7 @@ def _model_maps(model, text: str, layer: int) -> tuple[list[str], np.ndarray]:
     """The model's own weights of every head of ``layer``, rebuilt by qkv.inspect.attention_map."""
     from qkv.glass.model import encode_text
 
-    ids, tokens = encode_text(model, text)
+    ids, tokens, _ = encode_text(model, text)
     input_ids = torch.tensor([ids])  # (1, N)
     with torch.no_grad(), record(model, ["*.q", "*.k"]) as rec:
         model(input_ids, torch.ones_like(input_ids))

@@ -250,3 +250,15 @@ def test_a_taken_port_is_one_clear_line() -> None:
                               capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_head_of_a_sentence_pair_is_traced_as_the_pair(client: TestClient) -> None:
+    from qkv.glass import trace_model
+
+    body = {"model": "minilm", "text": "Alice met Bob.", "pair": "She smiled at him.", "layer": 3, "head": 4, "token": 6}
+    got = client.post("/api/head", json=body).json()
+    t = trace_model("Alice met Bob.", layer=3, head=4, pair="She smiled at him.")
+    assert got["head"] == 4 and got["trace"]["tokens"] == t.tokens and t.tokens.count("[SEP]") == 2
+    assert np.array_equal(np.array(got["trace"]["steps"]["weights"]), t.weights)
+    overview = client.post("/api/analyze", json={"model": "minilm", "text": "Alice met Bob.", "pair": "She smiled at him."}).json()
+    assert np.abs(weights(overview["maps"])[3, 4] - t.weights).max() < 1e-4  # the map beside it: the same pair

@@ -681,16 +681,17 @@
     const s = statOf(state.layer, state.head);
     $("head-kind").textContent = s ? say("head_summary", { name: headName(state.layer, state.head), kind: kindWord(s.kind),
       e: fmt(s.entropy, 2), d: fmt(s.mean_distance, 2), s: fmt(s.sink, 2) }) : "";
-    // the glass box reads the first text alone: a pair's second text has no rows there
-    let token = state.token !== null ? state.token : ownFocus();
-    if (token === null || token >= ownCount()) token = 0;
-    const body = { model: state.model, text: state.text, layer: state.layer, head: state.head, token, lang: state.lang };
+    // the glass box reads what the overview read: the text, or the sentence pair
+    const pair = a.segments ? analyzeBody().pair : null;
+    let token = state.token !== null ? state.token : (pair ? a.focus : ownFocus());
+    if (token === null || token >= a.tokens.length) token = 0;
+    const body = { model: state.model, text: state.text, pair, layer: state.layer, head: state.head, token, lang: state.lang };
     const key = JSON.stringify(body);
     // same head, another token: redraw the numbers now (the trace has every row), the story follows
     const same = state.headData && state.headData.qkvBase === JSON.stringify({ ...body, token: 0, lang: "" });
     if (same) renderGlass(token);
     else clearHead();  // another head or text: no numbers of the old one stay on screen
-    if (state.headKey === key && state.headData) { message("head-message", a.segments ? t("pair_note") : ""); return; }
+    if (state.headKey === key && state.headData) { message("head-message", ""); return; }
     message("head-message", t("working"), "busy");
     let data;
     try {
@@ -701,9 +702,8 @@
     }
     if (!data) return;
     data.qkvBase = JSON.stringify({ ...body, token: 0, lang: "" });
-    data.qkvHead = body.head;  // the head asked for (the answer's own "head" indexes its one-head trace)
     state.headData = data; state.headKey = key;
-    message("head-message", a.segments ? t("pair_note") : "");
+    message("head-message", "");
     if (state.view === "head") renderGlass(data.token);
   }
   function clearHead() {
@@ -719,7 +719,7 @@
     state.step = Math.min(state.step, names.length - 1);
     // the big map, from the trace's own float64 weights, the query row outlined
     drawLarge($("big"), matrixPixels(s.weights, SEQ, (v) => v), toks, toks, token);
-    $("big-caption").textContent = say("big_caption", { name: headName(d.layer, d.qkvHead), t: toks[token], i: token });
+    $("big-caption").textContent = say("big_caption", { name: headName(d.layer, d.head), t: toks[token], i: token });
     // query token picker
     const qbox = clear($("query-tokens"));
     toks.forEach((tok, i) => {
@@ -793,7 +793,7 @@
     out.appendChild(det);
     box.dataset.token = String(token);
     box.dataset.layer = String(d.layer);
-    box.dataset.head = String(d.qkvHead);
+    box.dataset.head = String(d.head);
     state.glassNames = names;
     state.glassValues = { t: tokName, d: dk, r: root, fn: tr.score_mod ? tr.score_mod.kind || "" : "" };
     applyStep();
