@@ -265,6 +265,7 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, size):
     assert res.stdout.startswith("built (") and native.verified(lib) and lib.read_bytes() == good
 
 
+@pytest.mark.slow  # builds the library twice (16 s on two cores): the CI's slow tier runs it
 def test_a_foreign_library_is_rebuilt_and_one_without_kernels_is_skipped(tmp_path):
     lib = _cached(tmp_path)
     cc = shutil.which(os.environ.get("CC") or "cc") or "gcc"
@@ -313,6 +314,7 @@ def _python(env: dict[str, str], code: list[str]) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, *code], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
+@pytest.mark.slow  # two sanitizer builds and a sweep (about a minute): the CI's slow tier runs it
 def test_the_sanitizers_report_a_planted_overflow_and_nothing_in_a_sweep(tmp_path, request):
     """One sanitized build, two runs: a bad access planted in the kernels must be reported (else
     the sweep proves nothing), then a seeded sweep through every C entry point must report none."""
