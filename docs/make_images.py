@@ -10,7 +10,6 @@ screenshot Selenium with Debian's chromium and chromium-driver (/usr/bin/chromiu
 
 from __future__ import annotations
 
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -19,38 +18,21 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from chromium import headless_chromium  # noqa: E402  (docs/chromium.py, beside this script)
 from qkv.analysis import compare, explain  # noqa: E402
 from qkv.viz import save_compare_html, save_html, save_png  # noqa: E402
 from qkv.analysis.explain import SENTENCE  # noqa: E402
 
 OUT = ROOT / "docs" / "images"
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars")
-
-
 def screenshot(page: Path, dest: Path, hover: Optional[str] = "q-8", size: str = "1400,900") -> None:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
-    profile = tempfile.mkdtemp(prefix="qkv-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = "/usr/bin/chromium"
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--window-size={size}")
-    options.add_argument(f"--user-data-dir={profile}")
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
-    try:
+    with headless_chromium(size) as driver:
         driver.get(page.as_uri())
         if hover:
             ActionChains(driver).move_to_element(driver.find_element(By.ID, hover)).perform()  # e.g. "she"
         driver.save_screenshot(str(dest))
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def main() -> None:

@@ -129,11 +129,7 @@ class Studio:
     def analyze(self, model_id: str, text: str, *, pair: Optional[str] = None, focus: Optional[int] = None,
                 target: Optional[int] = None, lang: str = "en") -> dict[str, Any]:
         """Every head's map and statistics for ``text`` (and ``pair``, a second text of a sentence pair)."""
-        check_lang(lang)
-        _check_text(text, "text")
-        if pair is not None:
-            _check_text(pair, "pair")
-        s = self.slot(model_id)
+        s = self._asked(model_id, lang, text=text, pair=pair)
         if s.kind == "toy":
             return self._toy_analysis(text, focus)
         import torch
@@ -160,11 +156,7 @@ class Studio:
              lang: str = "en") -> dict[str, Any]:
         """One head in the float64 glass box (of ``text``, or of the sentence pair ``text``,
         ``pair``): every step's matrix and the story of query ``token``."""
-        check_lang(lang)
-        _check_text(text, "text")
-        if pair is not None:
-            _check_text(pair, "pair")
-        s = self.slot(model_id)
+        s = self._asked(model_id, lang, text=text, pair=pair)
         if s.kind == "toy":
             if pair is not None:
                 raise StudioError("the toy model reads one text; clear the second text or pick a pretrained model")
@@ -195,17 +187,13 @@ class Studio:
                   lang: str = "en") -> dict[str, Any]:
         """Knock ``heads`` out (``mode`` "zero" or "mean") or patch them from ``source``
         (``mode`` "patch"): the output's change and every head's map after it."""
-        check_lang(lang)
-        _check_text(text, "text")
         if mode not in ("zero", "mean", "patch"):
             raise StudioError(f"mode={mode!r} is not an intervention; use 'zero', 'mean' or 'patch'")
-        if mode == "patch":
-            if source is None:
-                raise StudioError("mode='patch' needs source: the text whose head outputs are patched in")
-            _check_text(source, "source")
+        if mode == "patch" and source is None:
+            raise StudioError("mode='patch' needs source: the text whose head outputs are patched in")
         if len(heads) > LIMITS["max_heads"]:
             raise StudioError(f"{len(heads)} heads at once; the studio knocks out at most {LIMITS['max_heads']}")
-        s = self.slot(model_id)
+        s = self._asked(model_id, lang, text=text, source=source if mode == "patch" else None)
         if s.kind == "toy":
             raise StudioError("the toy model has no output to change; pick a pretrained model to intervene")
         import torch
@@ -254,10 +242,8 @@ class Studio:
 
     def compare(self, model_id: str, text: str, other: str, *, focus: Optional[int] = None, lang: str = "en") -> dict[str, Any]:
         """``text`` and ``other`` head by head: both maps, the change per head, the aligned tokens."""
-        check_lang(lang)
-        _check_text(text, "text")
-        _check_text(other, "other")
-        s = self.slot(model_id)
+        _check_text(other, "other")  # required (the optional texts below may be None)
+        s = self._asked(model_id, lang, text=text)
         if s.kind == "toy":
             raise StudioError("comparing runs a pretrained model; pick one other than the toy model")
         from ..analysis import compare
@@ -287,6 +273,16 @@ class Studio:
                            "text": t.to_string(lang=lang)} for name, t, token in steps]}
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _asked(self, model_id: str, lang: str, *, text: Any, **optional: Any) -> ModelSlot:
+        """Every request's first checks: the language, ``text`` and each optional text given
+        (None: not given), then the model (loaded once)."""
+        check_lang(lang)
+        _check_text(text, "text")
+        for name, value in optional.items():
+            if value is not None:
+                _check_text(value, name)
+        return self.slot(model_id)
 
     def _toy_analysis(self, text: str, focus: Optional[int]) -> dict[str, Any]:
         t = _toy_trace(text)
