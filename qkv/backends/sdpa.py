@@ -49,15 +49,23 @@ def empty_rows_are_zero(device_type: str) -> bool:
     return known
 
 
+RECOMPUTE_DRIFT_LIMIT = 1 / 128
+"""Largest ``D · eps · score bound`` for which torch's CPU backward stays within the accuracy
+rule. Measured on N(0,1) float32 inputs, D = 80, 97 keys and 5 queries, with the scale swept: at
+0.0087 dV's error is 1.0e-5, at 0.0131 it is 3.0e-5, and at 0.0162 it is 5.0e-5 to 6.5e-5,
+past the rule's 4.5e-5. So 1/128 ≈ 0.0078 leaves twice the margin."""
+
+
 def backward_recompute_drifts(call: AttentionCall) -> bool:
     """Could torch's CPU backward recompute this call's weights wrongly? It takes each weight as
     ``exp(score - lse)`` with the score computed again, in another order than the forward's: the
-    two roundings differ by up to about ``D · eps`` times the scores' bound (:func:`qkv.overflow.score_bound`),
-    and once that reaches 1 a weight can be e times too large, or inf where it passes ~88 (the
-    gradients then hold NaN; measured: float32 NaN from scale 1e10 on N(0,1) inputs, float64
-    from 1e20, garbage dQ from 1e6)."""
+    two roundings differ by up to about ``D · eps`` times the scores' bound (:func:`qkv.overflow.score_bound`).
+    A weight is then off by that much relative to itself, which the gradients carry beyond the
+    accuracy rule from :data:`RECOMPUTE_DRIFT_LIMIT` on. Once it reaches 1, a weight can be e
+    times too large, or inf where it passes ~88, and the gradients then hold NaN. Measured: float32
+    NaN from scale 1e10 on N(0,1) inputs, float64 from 1e20, garbage dQ from 1e6."""
     bound = score_bound(call.query, call.key, call.scale)
-    return bound is not None and call.d * torch.finfo(call.dtype).eps * bound >= 1.0
+    return bound is not None and call.d * torch.finfo(call.dtype).eps * bound >= RECOMPUTE_DRIFT_LIMIT
 
 
 def sdpa_is_causal(call: AttentionCall) -> Optional[bool]:
@@ -124,10 +132,10 @@ class SdpaBackend(Backend):
             )
         if call.device.type == "cpu" and call.requires_grad and backward_recompute_drifts(call):
             reasons.append(
-                "gradients of scores this large (|scale| * max|q| * max|k| * D with D * eps of the dtype beyond 1): "
+                "gradients of scores this large (|scale| * max|q| * max|k| * D with D * eps of the dtype beyond 1/128): "
                 "torch's CPU backward recomputes each weight as exp(score - lse) from scores it rounds in another "
-                "order, so a weight can come out e times too large or more, up to inf (NaN gradients from finite "
-                "inputs); use backend='auto'"
+                "order, so the weights drift past qkv's accuracy rule and, further out, come out e times too large "
+                "or more, up to inf (NaN gradients from finite inputs); use backend='auto'"
             )
         if call.rows_may_be_empty and not empty_rows_are_zero(call.device.type):
             reasons.append(f"torch SDPA on {call.device.type} returns NaN for fully masked rows")

@@ -269,6 +269,8 @@ class BoundScore:
         if self.form is None:
             with torch.enable_grad():  # the upcast is part of the graph, even inside a backward
                 read = tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors)
+            if all(r is o for r, o in zip(read, self.tensors)):  # the very tensors it reads already: nothing to swap
+                return self
             fn = rebind(self.fn, {id(o): r for o, r in zip(self.tensors, read)})
             return self if fn is None else replace(self, fn=fn, tensors=read)
         if self.form.rel is None:
