@@ -179,7 +179,11 @@ class Studio:
                     raise StudioError(str(e)) from None
         if not -one.n <= token < one.n:
             raise StudioError(f"token={token} is not a token index of this text (0 to {one.n - 1})")
-        return {"layer": layer, "head": head, "token": token % one.n, "trace": one.to_dict(),
+        trace = one.to_dict()
+        # the page shows X, Q, K, V and what follows; the projection matrices (3 · d_model · d_k
+        # numbers, most of the answer) stay here, as qkv.glass.trace_model gives them in Python
+        trace["params"] = {name: None for name in trace["params"]}
+        return {"layer": layer, "head": head, "token": token % one.n, "trace": trace,
                 "story": one.explain(lang, token=token % one.n), "scale": one.scale}
 
     def intervene(self, model_id: str, text: str, *, heads: Sequence[tuple[int, int]], mode: str = "zero",

@@ -5,8 +5,8 @@ page's numbers checked against the analyses they come from (``qkv.glass.trace_mo
 ``qkv.analysis.explain``), and its safety checked: markup stays text, the limit is a message,
 no console errors, no request leaves 127.0.0.1.
 
-The tests share one page and run in order (each leaves the page where the next one starts);
-the model loads once, in the server.
+The steps share one page and run in order, as one test (each leaves the page where the next one
+starts); the model loads once, in the server.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def tokens(driver: Any) -> list[str]:
     return driver.execute_script("return [...document.querySelectorAll('#tokens .tok')].map(e => e.textContent)")
 
 
-def test_the_tutorial_comes_first_with_the_worked_example(page: Any) -> None:
+def step_the_tutorial_comes_first_with_the_worked_example(page: Any) -> None:
     wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#tut-mats [data-mat=weights] td"), "the tutorial's weights")
     assert by_id(page, "view-tutorial").is_displayed() and not by_id(page, "view-heads").is_displayed()
     cells = page.find_elements(By.CSS_SELECTOR, "#tut-mats [data-mat=weights] tbody tr:first-child td")
@@ -119,7 +119,7 @@ def test_the_tutorial_comes_first_with_the_worked_example(page: Any) -> None:
     assert not [n for n in names if "/api/analyze" in n]
 
 
-def test_typing_a_sentence_draws_every_head(page: Any) -> None:
+def step_typing_a_sentence_draws_every_head(page: Any) -> None:
     Select(by_id(page, "model")).select_by_value("minilm")
     type_text(page, TEXT)
     wait(page, lambda d: tokens(d) == TOKENS, "the word pieces of the sentence")
@@ -142,7 +142,7 @@ def test_typing_a_sentence_draws_every_head(page: Any) -> None:
     Select(by_id(page, "sort")).select_by_value("order")
 
 
-def test_choosing_she_highlights_the_heads_linking_her_to_alice(page: Any, served: tuple[str, Studio]) -> None:
+def step_choosing_she_highlights_the_heads_linking_her_to_alice(page: Any, served: tuple[str, Studio]) -> None:
     from qkv.analysis import explain
 
     seen = analyses(page)
@@ -161,7 +161,7 @@ def test_choosing_she_highlights_the_heads_linking_her_to_alice(page: Any, serve
     assert best.get_attribute("data-rank") == "0" and best.find_element(By.CSS_SELECTOR, ".card-badge").text
 
 
-def test_one_head_steps_to_the_softmax_of_trace_model(page: Any, served: tuple[str, Studio]) -> None:
+def step_one_head_steps_to_the_softmax_of_trace_model(page: Any, served: tuple[str, Studio]) -> None:
     from qkv.glass import trace_model
 
     best = page.find_element(By.CSS_SELECTOR, "#grid .card.linked[data-rank='0']")
@@ -185,7 +185,7 @@ def test_one_head_steps_to_the_softmax_of_trace_model(page: Any, served: tuple[s
     assert '"she"' in by_id(page, "head-story").text
 
 
-def test_knocking_a_head_out_changes_the_output_and_undo_restores_it(page: Any) -> None:
+def step_knocking_a_head_out_changes_the_output_and_undo_restores_it(page: Any) -> None:
     by_id(page, "tab-intervene").click()
     wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#iv-grid .card[data-drawn]"), "the intervention's maps")
     assert similarity(page) == "1"
@@ -202,7 +202,7 @@ def test_knocking_a_head_out_changes_the_output_and_undo_restores_it(page: Any) 
     assert not page.find_elements(By.CSS_SELECTOR, "#iv-grid .card.off")
 
 
-def test_the_page_switches_to_chinese_without_reloading(page: Any) -> None:
+def step_the_page_switches_to_chinese_without_reloading(page: Any) -> None:
     marker = page.execute_script("return window.qkvTestMarker = Math.random()")
     by_id(page, "lang-zh").click()
     wait(page, lambda d: by_id(d, "tab-intervene").text == catalogue("studio.tab_intervene", "zh"), "the Chinese labels")
@@ -213,7 +213,7 @@ def test_the_page_switches_to_chinese_without_reloading(page: Any) -> None:
     wait(page, lambda d: by_id(d, "tab-intervene").text == catalogue("studio.tab_intervene", "en"), "the English labels")
 
 
-def test_markup_in_the_text_is_shown_as_text(page: Any) -> None:
+def step_markup_in_the_text_is_shown_as_text(page: Any) -> None:
     by_id(page, "tab-heads").click()
     markup = "<img src=x onerror=alert(1)>"
     type_text(page, markup)
@@ -224,7 +224,7 @@ def test_markup_in_the_text_is_shown_as_text(page: Any) -> None:
     assert by_id(page, "text").get_attribute("value") == markup
 
 
-def test_a_text_over_the_limit_is_a_message_in_the_page(page: Any) -> None:
+def step_a_text_over_the_limit_is_a_message_in_the_page(page: Any) -> None:
     type_text(page, "a" * 1200)
     wait(page, lambda d: f"at most {LIMITS['max_chars']}" in by_id(d, "status").text, "the limit's message")
     status = by_id(page, "status")
@@ -232,10 +232,24 @@ def test_a_text_over_the_limit_is_a_message_in_the_page(page: Any) -> None:
     assert "over" in by_id(page, "count").get_attribute("class").split()
 
 
-def test_no_console_errors_and_no_request_leaves_the_machine(page: Any, served: tuple[str, Studio]) -> None:
+def step_no_console_errors_and_no_request_leaves_the_machine(page: Any, served: tuple[str, Studio]) -> None:
     severe = [e["message"] for e in page.get_log("browser") if e["level"] == "SEVERE"]
     # the one refusal the tests provoke: Chromium logs a 413 answer as a failed resource
     expected = [m for m in severe if "/api/analyze" in m and "status of 413" in m]
     assert severe == expected and len(expected) <= 1, severe
     names = page.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert names and all(n.startswith(served[0] + "/") for n in names), names
+
+
+def test_a_learners_path_through_the_studio(page: Any, served: tuple[str, Studio]) -> None:
+    """The steps above, in order, as one test: each leaves the page where the next one starts, so
+    they must not be split between test workers."""
+    step_the_tutorial_comes_first_with_the_worked_example(page)
+    step_typing_a_sentence_draws_every_head(page)
+    step_choosing_she_highlights_the_heads_linking_her_to_alice(page, served)
+    step_one_head_steps_to_the_softmax_of_trace_model(page, served)
+    step_knocking_a_head_out_changes_the_output_and_undo_restores_it(page)
+    step_the_page_switches_to_chinese_without_reloading(page)
+    step_markup_in_the_text_is_shown_as_text(page)
+    step_a_text_over_the_limit_is_a_message_in_the_page(page)
+    step_no_console_errors_and_no_request_leaves_the_machine(page, served)
