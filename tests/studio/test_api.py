@@ -223,7 +223,7 @@ def test_the_command_serves_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         assert line and line[0].startswith("qkv studio: serving on http://127.0.0.1:"), line
         import urllib.request
 
-        with urllib.request.urlopen(line[0].split("serving on ")[1].split()[0] + "api/models", timeout=30) as r:
+        with urllib.request.urlopen(line[0].split("serving on ")[1].split()[0] + "api/models", timeout=SUBPROCESS_TIMEOUT) as r:
             assert json.load(r)["models"][0]["id"] == "toy"
     finally:
         proc.send_signal(signal.SIGINT)
