@@ -61,9 +61,10 @@ def check_function(fn: Any, name: str, params: tuple[str, ...], returns: str, hi
 def per_element(fn: Callable[..., Any], shape: torch.Size, *args: Tensor) -> Tensor:
     """``fn`` called once per element of ``shape``, as FlexAttention calls it: every argument
     expanded to ``shape``, flattened, and mapped over with ``torch.vmap`` (0-d tensors each). An
-    empty ``shape`` gives an empty tensor of the first argument's dtype without calling ``fn``."""
+    empty ``shape`` gives the first argument expanded to it, without calling ``fn``: empty, of its
+    dtype, and still in its graph (an empty output of a differentiable call requires grad too)."""
     if math.prod(shape) == 0:  # nothing to call it on (vmap needs one element at least)
-        return args[0].new_empty(shape)
+        return args[0].expand(shape).clone()
     flat = [t.expand(shape).reshape(-1) for t in args]
     out = torch.vmap(fn)(*flat)
     if not isinstance(out, Tensor):

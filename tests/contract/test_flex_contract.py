@@ -266,6 +266,13 @@ def test_empty_sizes_with_per_element_functions(shape):
     for backend in ("math", "chunked", "auto"):
         out = qkv.attention(q, k, v, score_mod=fn, mask_mod=mask, backend=backend)
         assert out.shape == (b, h, nq, 4) and not out.abs().sum()
+        # an empty output of a differentiable call is still in the graph (found by the long fuzz:
+        # seed 1875211854, case 18962, where the math path's empty scores lost it)
+        qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+        out = qkv.attention(qg, kg, v, score_mod=fn, is_causal=True, backend=backend)
+        assert out.requires_grad, backend
+        out.sum().backward()
+        assert qg.grad.shape == qg.shape and not qg.grad.abs().sum()
 
 
 def test_per_element_functions_under_torch_func_transforms():
