@@ -135,14 +135,13 @@ class Studio:
         import torch
 
         from ..analysis import explain
-        from ..analysis.explain import encode
 
         with s.lock:
-            self._check_length(s, text, pair)
+            enc = self._check_length(s, text, pair)
             ex = explain(text, _index(focus), _index(target), model=s.model, model_path=s.path, pair=pair,
                          max_map_tokens=LIMITS["max_tokens"])
             assert ex.maps is not None  # within max_tokens: the maps are kept
-            stats = _recorded_stats(s.model, _inputs(torch, encode(s.model, text, pair)), ex.tokens)
+            stats = _recorded_stats(s.model, _inputs(torch, enc), ex.tokens)
         return {
             "model": s.describe(), "tokens": ex.tokens, "segments": ex.segments,
             "layers": ex.num_layers, "heads": ex.num_heads,
@@ -205,20 +204,18 @@ class Studio:
         from ..analysis import ablation_effect, check_heads, explain
         from ..analysis.ablation import edited_module, final_states
         from ..analysis.compare import map_change
-        from ..analysis.explain import encode
         from ..inspect import ablate, capture_outputs, patch_from
 
         with s.lock:
-            self._check_length(s, text, None)
+            enc = self._check_length(s, text, None)
             try:
                 chosen = check_heads([tuple(h) for h in heads], *_shape(s.model))
             except ValueError as e:
                 raise StudioError(str(e)) from None
-            enc = encode(s.model, text)
             run = _inputs(torch, enc)
             module = edited_module(s.model)
             if mode == "patch":
-                other = encode(s.model, source or "")
+                other = self._check_length(s, source or "", None)
                 if len(other.ids) != len(enc.ids):
                     raise StudioError(f"patching needs texts of the same length: source has {len(other.ids)} "
                                       f"word pieces, text has {len(enc.ids)}")
@@ -306,13 +303,17 @@ class Studio:
                 "maps": _maps(maps), "stats": stats,
                 "focus": f % t.n, "target": int(np.argmax(maps[0, :, f % t.n].max(0))), "top_heads": [], "notes": []}
 
-    def _check_length(self, s: ModelSlot, text: str, pair: Optional[str]) -> None:
+    def _check_length(self, s: ModelSlot, text: str, pair: Optional[str]) -> Any:
+        """``text`` (and ``pair``) as the model's word pieces (:func:`qkv.analysis.explain.encode`),
+        refused beyond ``LIMITS["max_tokens"]``."""
         from ..analysis.explain import encode
 
-        n = len(encode(s.model, text, pair).ids)
+        enc = encode(s.model, text, pair)
+        n = len(enc.ids)
         if n > LIMITS["max_tokens"]:
             raise StudioError(f"the text has {n} word pieces; the studio shows at most {LIMITS['max_tokens']} "
                               "(every view keeps layers × heads × N² weights): shorten it", 413)
+        return enc
 
 
 def _check_text(value: Any, name: str) -> None:

@@ -101,7 +101,6 @@ class Compare(Strict):
 def create_app(studio: Studio, *, hosts: Sequence[str] = LOCAL_HOSTS, lang: str = "en") -> Any:
     """The ASGI app serving ``studio``; ``hosts``: the names the Host header may carry ("*": any)."""
     app = fastapi.FastAPI(title="qkv studio", docs_url=None, redoc_url=None, openapi_url=None)
-    allowed = set(hosts)
 
     @app.middleware("http")
     async def guard(request: Any, call_next: Any) -> Any:
@@ -109,7 +108,9 @@ def create_app(studio: Studio, *, hosts: Sequence[str] = LOCAL_HOSTS, lang: str 
         if origin is not None and origin != "null":
             from urllib.parse import urlsplit
 
-            if urlsplit(origin).hostname not in {h.strip("[]") for h in allowed}:
+            # same origin only: the page's own requests carry the address it was loaded from, which
+            # is the Host header already checked (also when --host serves another interface)
+            if urlsplit(origin).netloc != request.headers.get("host"):
                 return JSONResponse({"error": "requests from other sites are refused"}, status_code=403)
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
@@ -120,7 +121,7 @@ def create_app(studio: Studio, *, hosts: Sequence[str] = LOCAL_HOSTS, lang: str 
         return response
 
     # added last, so it runs first: a foreign Host header never reaches a route
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=sorted(h.strip("[]") for h in allowed))
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=sorted({h.strip("[]") for h in hosts}))
 
     @app.exception_handler(StudioError)
     async def studio_error(request: Any, e: StudioError) -> Any:

@@ -181,6 +181,11 @@ def test_other_hosts_and_other_origins_are_refused() -> None:
     r = local.post("/api/analyze", json={"model": "toy", "text": "a b"}, headers={"origin": "http://attacker.example"})
     assert r.status_code == 403
     assert local.post("/api/analyze", json={"model": "toy", "text": "a b"}, headers={"origin": "http://127.0.0.1:8765"}).status_code == 200
+    other_port = local.post("/api/analyze", json={"model": "toy", "text": "a b"}, headers={"origin": "http://127.0.0.1:9999"})
+    assert other_port.status_code == 403  # another local server's page is another site
+    lan = TestClient(create_app(Studio(bundled=False), hosts=("*",)), base_url="http://192.168.1.5:8765")  # --host 0.0.0.0
+    assert lan.post("/api/analyze", json={"model": "toy", "text": "a b"}, headers={"origin": "http://192.168.1.5:8765"}).status_code == 200
+    assert lan.post("/api/analyze", json={"model": "toy", "text": "a b"}, headers={"origin": "http://attacker.example"}).status_code == 403
 
 
 def test_the_page_is_offline_and_strict() -> None:
@@ -262,3 +267,17 @@ def test_a_head_of_a_sentence_pair_is_traced_as_the_pair(client: TestClient) -> 
     assert np.array_equal(np.array(got["trace"]["steps"]["weights"]), t.weights)
     overview = client.post("/api/analyze", json={"model": "minilm", "text": "Alice met Bob.", "pair": "She smiled at him."}).json()
     assert np.abs(weights(overview["maps"])[3, 4] - t.weights).max() < 1e-4  # the map beside it: the same pair
+
+
+def test_another_interface_is_served_only_when_asked_and_with_a_warning() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen([sys.executable, "-m", "qkv", "studio", "--no-browser", "--port", "0", "--host", "0.0.0.0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
+    reader.start()
+    reader.join(SUBPROCESS_TIMEOUT)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=SUBPROCESS_TIMEOUT)
+    assert line and line[0].startswith("qkv studio: serving on http://127.0.0.1:"), line
+    assert "warning: listening on 0.0.0.0 lets other machines reach this studio" in err and proc.returncode == 0, err
