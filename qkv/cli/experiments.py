@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ..experiments import EXPERIMENTS, get, run_many
+from ..experiments.judge import FAILED, HELD, NOT_SHOWN
+from ..locale import LANGUAGES, text
 from .args import UsageError, int_at_least, output_dir
 
 
@@ -34,6 +36,9 @@ def add_parser(sub: Any) -> None:
     rp.add_argument("--quick", action="store_true", help="small settings: seconds per experiment")
     # NumPy's legacy seeding (used by some experiments) takes 0 .. 2**32 - 1
     rp.add_argument("--seed", type=int_at_least(0, 2**32 - 1), default=0, help="random seed, 0 to 2**32-1 (default 0)")
+    rp.add_argument("--lang", choices=LANGUAGES, default="en",
+                    help="language of the verdicts, the report's frame and this command's lines (default en; "
+                    "each experiment's claim, setup and result are written in English)")
     rp.set_defaults(run=_cmd_run)
 
 
@@ -45,21 +50,29 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    """Run the experiments and print one line each. The exit status says whether every experiment
+    ran (0), not what it found: a verdict depends on the claim and, for timings, on the machine."""
     names = EXPERIMENTS if args.name == "all" else [args.name]
     out = Path(args.out)
+    lang = args.lang
     t0 = time.perf_counter()
     try:
         out.mkdir(parents=True, exist_ok=True)  # before the first experiment, not after it
-        results = run_many(names, out, quick=args.quick, seed=args.seed,
-                           progress=lambda n: print(f"running {n}…", file=sys.stderr))
+        results = run_many(names, out, quick=args.quick, seed=args.seed, lang=lang,
+                           progress=lambda n: print(text("experiments.cli.running", lang, name=n), file=sys.stderr))
     except OSError as e:
         if e.filename is None:  # not about a file: a bug to report, with its traceback
             raise
         raise UsageError(f"cannot write to --out {args.out}: {e.strerror or e} ({e.filename})") from None
+    state_words = {HELD: text("experiments.verdict.held", lang), NOT_SHOWN: text("experiments.verdict.not_shown", lang),
+                   FAILED: text("experiments.verdict.failed", lang)}
     for r in results:
-        if r.held and r.not_shown:  # says what the full run would add, so it does not read as a failure
-            print(f"{r.name:16} {'not shown':12} ({r.seconds:.1f} s)  {r.verdict}; the parts tested held. {r.result}")
-        else:
-            print(f"{r.name:16} {r.verdict:12} ({r.seconds:.1f} s)  {r.result}")
-    print(f"report: {out / 'report.md'} and {out / 'report.html'} ({time.perf_counter() - t0:.0f} s)")
-    return 0 if all(r.held for r in results) else 1  # "not shown in quick mode" is not a failure
+        detail = ""
+        if r.state == NOT_SHOWN:  # says what was not shown and why, so it does not read as a failure
+            detail = f"{r.verdict_in(lang)}; {text('experiments.cli.parts_held', lang)} "
+        print(f"{r.name:16} {state_words[r.state]:12} ({r.seconds:.1f} s)  {detail}{r.result}")
+    counts = {state: sum(r.state == state for r in results) for state in (HELD, NOT_SHOWN, FAILED)}
+    print(text("experiments.cli.summary", lang, held=counts[HELD], not_shown=counts[NOT_SHOWN], failed=counts[FAILED]))
+    print(text("experiments.cli.report", lang, md=out / "report.md", html=out / "report.html",
+               seconds=f"{time.perf_counter() - t0:.0f}"))
+    return 0

@@ -2,7 +2,9 @@
 
 Each experiment is a module with ``NAME``, ``TITLE``, ``CLAIM`` and
 ``run(out: Path, quick: bool = False, seed: int = 0) -> Result``; it writes PNG figures and a CSV
-into ``out`` and returns a :class:`Result` whose ``held`` verdict is computed from its numbers.
+into ``out`` and returns a :class:`Result` whose verdict is computed from its numbers: held, not
+shown (with what it needs, or the numbers that stayed within this machine's noise), or did not
+hold (:mod:`qkv.experiments.judge`: counts where the claim is a count, timings with a margin).
 ``qkv experiments run NAME --out DIR`` runs one (or ``all``) and writes ``report.md`` and a
 self-contained ``report.html`` next to them (:mod:`qkv.experiments.report`).
 
@@ -18,6 +20,7 @@ from types import ModuleType
 from typing import Dict, List, Optional
 
 from ..extras import require
+from ..locale import check_lang
 from ._common import Result, single_thread
 
 # name → module path, in priority order; modules are imported only when run, so `list` stays light
@@ -56,14 +59,16 @@ def run(name: str, out: Path, quick: bool = False, seed: int = 0) -> Result:
 
 
 def run_many(names: List[str], out: Path, quick: bool = False, seed: int = 0,
-             progress: Optional[object] = None) -> List[Result]:
-    """Run several experiments, then write ``report.md`` / ``report.html`` into ``out``.
+             progress: Optional[object] = None, lang: str = "en") -> List[Result]:
+    """Run several experiments, then write ``report.md`` / ``report.html`` into ``out`` (its frame
+    and verdicts in ``lang``).
 
     The report covers every experiment whose ``<name>.json`` is in ``out``, in registry order, so
     experiments run one at a time into the same folder add up to one report.
     """
     from .report import write_report
 
+    check_lang(lang)  # before minutes of work, not after
     for package in ("matplotlib", "jinja2", "markdown_it", "tqdm"):  # before minutes of work, not after
         require(package, "qkv experiments", "experiments")
     results = []
@@ -71,7 +76,7 @@ def run_many(names: List[str], out: Path, quick: bool = False, seed: int = 0,
         if progress is not None:
             progress(name)  # type: ignore[operator]
         results.append(run(name, out, quick=quick, seed=seed))
-    write_report(load_results(Path(out)), Path(out))
+    write_report(load_results(Path(out)), Path(out), lang)
     return results
 
 

@@ -8,7 +8,6 @@ import math
 import os
 import random
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
@@ -16,6 +15,8 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 
 from ..extras import require
+from ..locale import text
+from .judge import FAILED, HELD, NOT_SHOWN
 
 DPI = 90  # modest, so the committed report stays small
 
@@ -24,10 +25,12 @@ DPI = 90  # modest, so the committed report stays small
 class Result:
     """What one experiment found: the claim, how it was tested, the numbers, and the verdict.
 
-    ``held`` is computed from ``metrics`` by the experiment, never written by hand. ``not_shown``
-    names the parts of the claim a ``--quick`` run is too small to test (what they need); then
-    ``held`` covers only the parts it did test, and the verdict is "not shown in quick mode".
-    ``figures`` and ``csv`` are paths relative to the output folder.
+    ``held`` is computed from ``metrics`` by the experiment, never written by hand: False only when
+    a measurement contradicts the claim beyond its noise (:mod:`qkv.experiments.judge`). Two lists
+    name the parts of the claim that were not shown, each with what it would need: ``not_shown``,
+    the parts a ``--quick`` run is too small to test, and ``within_noise``, the timed parts whose
+    effect was not larger than this machine's noise (with the numbers). Then ``held`` covers only
+    the parts that were shown. ``figures`` and ``csv`` are paths relative to the output folder.
     """
 
     name: str
@@ -42,22 +45,37 @@ class Result:
     seconds: float = 0.0
     quick: bool = False
     not_shown: List[str] = field(default_factory=list)
+    within_noise: List[str] = field(default_factory=list)
+
+    @property
+    def state(self) -> str:
+        """``held``, ``not shown`` or ``did not hold`` (:data:`qkv.experiments.judge.STATES`)."""
+        if not self.held:
+            return FAILED
+        return NOT_SHOWN if self.not_shown or self.within_noise else HELD
+
+    def verdict_in(self, lang: str) -> str:
+        """The verdict in words: held; DID NOT HOLD; or what was not shown and why, e.g.
+        ``not shown in quick mode (needs …; run without --quick)``, ``not shown on this machine (…)``.
+
+        A part that was tested and failed outranks the parts that were not shown."""
+        if not self.held:
+            return text("experiments.verdict.failed", lang)
+        parts = []
+        if self.within_noise:
+            parts.append(text("experiments.verdict.machine", lang, what=text("experiments.verdict.sep", lang).join(self.within_noise)))
+        if self.not_shown:
+            parts.append(text("experiments.verdict.quick", lang, needs=text("experiments.verdict.sep", lang).join(self.not_shown)))
+        return text("experiments.verdict.sep", lang).join(parts) if parts else text("experiments.verdict.held", lang)
 
     @property
     def verdict(self) -> str:
-        """``held``, ``DID NOT HOLD``, or ``not shown in quick mode (needs …; run without --quick)``.
-
-        A part that was tested and failed outranks the parts a quick run could not test.
-        """
-        if not self.held:
-            return "DID NOT HOLD"
-        if self.not_shown:
-            return f"not shown in quick mode (needs {'; '.join(self.not_shown)}; run without --quick)"
-        return "held"
+        """:meth:`verdict_in` English."""
+        return self.verdict_in("en")
 
     def to_dict(self) -> Dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["verdict"] = self.verdict  # for readers of the JSON; derived, so load() drops it
+        d["state"], d["verdict"] = self.state, self.verdict  # for readers of the JSON; derived, so load() drops them
         return d
 
     def save(self, out: Path) -> Path:
@@ -72,6 +90,7 @@ class Result:
     def load(cls, path: Path) -> "Result":
         d = json.loads(Path(path).read_text(encoding="utf-8"))
         d.pop("verdict", None)
+        d.pop("state", None)
         return cls(**d)
 
 
@@ -194,3 +213,50 @@ def largest_tensor_bytes(fn: Any) -> int:
     with Largest() as mode:
         fn()
     return mode.largest
+
+
+def sequential_steps(fn: Any) -> int:
+    """The longest chain of dependent torch operations ``fn()`` runs: its critical path, in operator
+    calls, which no amount of parallel hardware can overlap. Exact: counted, not timed, so the same
+    on a quiet and a busy machine.
+
+    Each operation's output is one step deeper than its deepest tensor input (inputs made outside
+    ``fn``, such as weights, are at depth 0). An operation that runs a whole loop inside one call
+    (a fused RNN kernel) counts as one step, so a recurrence is counted as written: one cell call
+    per position.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.weak import WeakTensorKeyDictionary
+
+    class Depth(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.depth = WeakTensorKeyDictionary()
+            self.longest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            kwargs = kwargs or {}
+            inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            step = 1 + max((self.depth.get(t, 0) for t in inputs), default=0)
+            result = func(*args, **kwargs)
+            for t in torch.utils._pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor):  # an in-place result is one of the inputs: now deeper
+                    self.depth[t] = max(step, self.depth.get(t, 0))
+            self.longest = max(self.longest, step)
+            return result
+
+    with Depth() as mode:
+        fn()
+    return mode.longest
+
+
+def flop_count(fn: Any) -> int:
+    """Floating-point operations of the matrix products ``fn()`` issues through torch (2 per
+    multiply-add), counted by torch's ``FlopCounterMode``: exact, and blind to work done inside a
+    native kernel it does not know (qkv's C kernels), so count the path that runs in torch ops."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())

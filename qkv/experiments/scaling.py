@@ -90,8 +90,6 @@ def _variance(gen: Any, dks: list[int], samples: int) -> tuple[list[float], list
         dots = torch.cat(sums)
         var_raw.append(float(dots.var()))
         var_scaled.append(float((dots / math.sqrt(dk)).var()))
-    rel_err = [abs(v / dk - 1) for v, dk in zip(var_raw, dks)]
-    rel_err_scaled = [abs(v - 1) for v in var_scaled]
     return var_raw, var_scaled
 
 
