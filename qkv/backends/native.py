@@ -16,8 +16,9 @@ Without a compiler, or with ``QKV_NATIVE=0``, :func:`library` returns None and c
 their torch formulation; :func:`status` says why (``qkv info`` prints it).
 
 A cached library is loaded only when the SHA-256 written beside it at build time matches its
-bytes, so a truncated copy (a full disk, a killed build) or a foreign file is rebuilt, never
-mapped (a truncated ELF kills the process with SIGBUS); one that lacks a kernel is rebuilt once.
+bytes and its ELF headers point inside the file (:func:`elf_fits`), so a truncated copy (a full
+disk, a killed build, even with its checksum rewritten to match) or a foreign file is rebuilt,
+never mapped (a truncated ELF kills the process with SIGBUS); one that lacks a kernel is rebuilt once.
 
 The C code trusts its arguments, so every size, bound and pointer offset is made safe here,
 in Python, before a call: :func:`tile_sizes` (per-thread tile buffers), :func:`band_args`
@@ -35,6 +36,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -96,11 +98,61 @@ def _checksum_path(lib: Path) -> Path:
 
 
 def verified(lib: Path) -> bool:
-    """Does ``lib`` hold exactly the bytes its build recorded beside it?"""
+    """Does ``lib`` hold exactly the bytes its build recorded beside it, and do they make a whole
+    ELF file (:func:`elf_fits`: a checksum rewritten to match a truncated copy vouches for it)?"""
     try:
-        return _checksum_path(lib).read_text().strip() == _digest(lib)
+        return _checksum_path(lib).read_text().strip() == _digest(lib) and elf_fits(lib)
     except OSError:
         return False
+
+
+# ELF header fields (offset, size) by class: 1 = 32-bit, 2 = 64-bit (the System V ABI's tables)
+_ELF_HEADER = {
+    1: {"size": 52, "phoff": (0x1C, 4), "shoff": (0x20, 4), "phentsize": (0x2A, 2), "phnum": (0x2C, 2),
+        "shentsize": (0x2E, 2), "shnum": (0x30, 2), "p_offset": (4, 4), "p_filesz": (16, 4),
+        "sh_type": (4, 4), "sh_offset": (16, 4), "sh_size": (20, 4)},
+    2: {"size": 64, "phoff": (0x20, 8), "shoff": (0x28, 8), "phentsize": (0x36, 2), "phnum": (0x38, 2),
+        "shentsize": (0x3A, 2), "shnum": (0x3C, 2), "p_offset": (8, 8), "p_filesz": (32, 8),
+        "sh_type": (4, 4), "sh_offset": (24, 8), "sh_size": (32, 8)},
+}  # fmt: skip
+_SHT_NOBITS = 8  # a section that takes no bytes of the file (.bss)
+
+
+def elf_fits(lib: Path) -> bool:
+    """Does every part the ELF headers of ``lib`` point to lie inside the file: the program and
+    section header tables, each segment's bytes (``p_offset + p_filesz``) and each section's?
+    The loader maps those ranges, and touching one past the end of the file raises SIGBUS,
+    which no Python code can catch. A file that is not ELF passes where libraries are not ELF
+    (macOS), and fails elsewhere."""
+    try:
+        data = lib.read_bytes()
+    except OSError:
+        return False
+    if data[:4] != b"\x7fELF":
+        return not sys.platform.startswith("linux")
+    layout = _ELF_HEADER.get(data[4]) if len(data) > 5 and data[5] in (1, 2) else None
+    if layout is None or len(data) < layout["size"]:
+        return False
+    order = "little" if data[5] == 1 else "big"
+
+    def field(at: int, name: str) -> int:
+        offset, size = layout[name]
+        return int.from_bytes(data[at + offset : at + offset + size], order)
+
+    size = len(data)
+    phoff, phnum, phentsize = field(0, "phoff"), field(0, "phnum"), field(0, "phentsize")
+    shoff, shnum, shentsize = field(0, "shoff"), field(0, "shnum"), field(0, "shentsize")
+    if phoff + phnum * phentsize > size or (shoff and shoff + shnum * shentsize > size):
+        return False
+    for i in range(phnum):
+        at = phoff + i * phentsize
+        if field(at, "p_offset") + field(at, "p_filesz") > size:
+            return False
+    for i in range(shnum if shoff else 0):
+        at = shoff + i * shentsize
+        if field(at, "sh_type") != _SHT_NOBITS and field(at, "sh_offset") + field(at, "sh_size") > size:
+            return False
+    return True
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

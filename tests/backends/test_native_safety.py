@@ -265,6 +265,40 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, size):
     assert res.stdout.startswith("built (") and native.verified(lib) and lib.read_bytes() == good
 
 
+# each rebuilds the library; 40000 bytes end inside its code, whose mapping then raises SIGBUS, and
+# one byte less leaves only the section headers short (the loader would map every segment whole)
+@pytest.mark.parametrize("size", [40000, pytest.param(-1, marks=pytest.mark.slow)])
+def test_a_truncated_library_whose_checksum_was_rewritten_is_rebuilt_not_loaded(tmp_path, size):
+    """The checksum vouches for the truncated bytes, so only the ELF headers tell: their tables
+    and segments point past the end of the file, where mapping them raises SIGBUS (a crash of the
+    process, which is why the load runs in a process of its own)."""
+    lib = _cached(tmp_path)
+    good = lib.read_bytes()
+    lib.write_bytes(good[:size])
+    (tmp_path / (lib.name + ".sha256")).write_text(hashlib.sha256(lib.read_bytes()).hexdigest())
+    assert not native.elf_fits(lib)
+    res = _fresh_process(tmp_path, "import torch, qkv; print(qkv.attention(*[torch.randn(1,1,4,8, requires_grad=True)]*3).sum())")
+    assert res.returncode == 0, f"exit {res.returncode} (-7 is SIGBUS): {res.stderr[-2000:]}"
+    assert res.stdout.startswith("built ("), res.stdout
+    assert native.verified(lib) and lib.read_bytes() == good
+
+
+def test_elf_fits_reads_the_headers_of_real_libraries(tmp_path):
+    lib = native.library_path()
+    assert lib is not None and native.elf_fits(lib)
+    good = lib.read_bytes()
+    for size in (0, 4, 63, 64, len(good) // 2, len(good) - 1):
+        part = tmp_path / f"part{size}.so"
+        part.write_bytes(good[:size])
+        assert not native.elf_fits(part), size
+    torch_lib = Path(torch.__file__).parent / "lib"
+    for other in sorted(torch_lib.glob("libtorch*.so"))[:3]:  # ELF files qkv did not build
+        assert native.elf_fits(other), other
+    text = tmp_path / "text.so"
+    text.write_bytes(b"not a library")
+    assert native.elf_fits(text) is (not sys.platform.startswith("linux"))
+
+
 @pytest.mark.slow  # builds the library twice (16 s on two cores): the CI's slow tier runs it
 def test_a_foreign_library_is_rebuilt_and_one_without_kernels_is_skipped(tmp_path):
     lib = _cached(tmp_path)
