@@ -28,12 +28,16 @@ def add_parser(sub: Any) -> None:
         "attention, open one head in the float64 glass box, knock heads out or patch them, compare two texts.",
     )
     p.add_argument("--model", metavar="DIR", action="append", type=_model_dir, default=[],
-                   help="a local checkpoint folder to offer (repeatable); the toy model and the bundled "
-                   "all-MiniLM-L6-v2 are always offered")
+                   help="a local checkpoint folder to offer (repeatable; the page opens on the first); the bundled "
+                   "all-MiniLM-L6-v2 and the tutorial's toy model are always offered")
     p.add_argument("--port", type=int_at_least(0, 65535), default=8765, help="port (default 8765; 0 picks a free one)")
     p.add_argument("--host", default="127.0.0.1",
-                   help="interface to listen on (default 127.0.0.1, this machine only); another one exposes "
-                   "the studio to the network")
+                   help="interface to listen on (default 127.0.0.1, this machine only; ::1 for IPv6); another one "
+                   "exposes the studio to the network")
+    p.add_argument("--allow-host", metavar="NAME", action="append", default=[],
+                   help="another name the studio may be reached by, as the browser's address bar spells it "
+                   "(repeatable); it always answers to localhost, the --host address and, off loopback, this "
+                   "machine's own names and addresses; any other Host header is refused (DNS rebinding)")
     p.add_argument("--no-browser", action="store_true", help="print the address without opening a browser")
     p.add_argument("--lang", choices=("en", "zh"), default="en", help="the page's first language (switchable on it)")
     p.set_defaults(run=run)
@@ -42,26 +46,32 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     uvicorn = require("uvicorn", "qkv studio")
     from ..studio import Studio
-    from ..studio.server import LOCAL_HOSTS, create_app
+    from ..studio.server import create_app, host_name, is_loopback, reachable_hosts
 
-    hosts = tuple(LOCAL_HOSTS)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"qkv studio: warning: listening on {args.host} lets other machines reach this studio and run "
-              "its models; use it only on a network you trust", file=sys.stderr)
-        hosts += (args.host,) if args.host not in ("0.0.0.0", "::") else ("*",)
+    host = args.host.strip().strip("[]")  # "[::1]" as a URL spells it: the address ::1
+    for name in args.allow_host:
+        if not host_name(name) or any(c in host_name(name) for c in "/ *?#@"):
+            raise UsageError(f"--allow-host {name!r} is not a host name or address; give one as the address bar "
+                             "spells it, e.g. --allow-host mybox.local")
+    hosts = reachable_hosts(host, args.allow_host)
+    if not is_loopback(host):
+        print(f"qkv studio: warning: listening on {host} lets other machines reach this studio and run its models; "
+              f"use it only on a network you trust. It answers to these names only: {', '.join(hosts)} "
+              "(add one with --allow-host NAME); any other Host header is refused.", file=sys.stderr)
     # bind here, so a taken port is one clear line (and port 0's choice is known before serving)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        sock.bind((host, args.port))
     except OSError as e:  # the port is taken, the interface does not exist
         sock.close()
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; pick another --port "
+        shown_host = f"[{host}]" if ":" in host else host
+        raise UsageError(f"cannot listen on {shown_host}:{args.port}: {e.strerror or e}; pick another --port "
                          "(0: any free one)") from None
     port = sock.getsockname()[1]
     app = create_app(Studio(args.model), hosts=hosts, lang=args.lang)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}/"
+    url = _url(host, port)
 
     def announce() -> None:  # once uvicorn serves: print the address, open it
         while not server.started and not server.should_exit:
@@ -79,3 +89,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _url(host: str, port: int) -> str:
+    """The address to open: a wildcard bind's loopback address of the same family, IPv6 in brackets."""
+    shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{shown}]:{port}/" if ":" in shown else f"http://{shown}:{port}/"

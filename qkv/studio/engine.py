@@ -22,15 +22,16 @@ see another request's forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ..locale import check_lang, word
+from ..locale import Note, check_lang, messages, text
 from ..viz.pages import encode_weights
 
 __all__ = ["Studio", "StudioError", "LIMITS", "ModelSlot"]
@@ -41,14 +42,41 @@ LIMITS = {"max_chars": 1000, "max_tokens": 128, "max_heads": 64}
 
 TOY = "toy"
 BUNDLED = "minilm"
+TOY_WORDS = 16
+"""Words the toy model reads (its matrices are printed in full)."""
 
 
 class StudioError(ValueError):
-    """A request the studio cannot answer, with the words the page shows and an HTTP status."""
+    """A request the studio cannot answer: the words the page shows (a :class:`~qkv.locale.Note`,
+    so in any language: :meth:`text`), an HTTP status, and ``model``: the id of a model that
+    answers it instead, when there is one (the page offers it as one click)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+    def __init__(self, message: Union[Note, str], status: int = 400, *, model: Optional[str] = None) -> None:
+        super().__init__(str(message))
+        self.message, self.status, self.model = message, status, model
+
+    def text(self, lang: str) -> str:
+        """The refusal in ``lang``."""
+        return page_words(self.message, lang)
+
+
+def page_words(message: Any, lang: str) -> str:
+    """``message`` as the page says it in ``lang``: a :class:`~qkv.locale.Note` by its page
+    wording (``studio.<key>`` when the catalogue has one: the command line's notes name its
+    options, the page names its own controls), its nested notes likewise; any other string as it is."""
+    if not isinstance(message, Note):
+        return str(message)
+    own = messages(lang, "studio.")
+
+    def value(v: Any) -> Any:
+        if isinstance(v, Note):
+            return page_words(v, lang)
+        if isinstance(v, tuple) and v and all(isinstance(x, Note) for x in v):
+            return text("list.sep", lang).join(page_words(x, lang) for x in v)
+        return v
+
+    key = "studio." + message.key if message.key in own else message.key
+    return text(key, lang, **{k: value(v) for k, v in message.values.items()})
 
 
 @dataclass
@@ -82,32 +110,48 @@ class Studio:
     """The models a studio serves and the questions it answers (see the module docstring).
 
     ``model_dirs``: local checkpoint directories (the architectures ``qkv explain --model``
-    reads), each offered by an id made from its folder name; the toy glass-box model and, when
-    installed, the bundled all-MiniLM-L6-v2 come first.
+    reads), each offered by an id made from its folder name. They come first, then the bundled
+    all-MiniLM-L6-v2 when it is installed, then the toy glass-box model (the tutorial's, which
+    reads at most 16 words); the first is :attr:`default`, the one the page opens on.
     """
 
     def __init__(self, model_dirs: Sequence[str] = (), *, bundled: Optional[bool] = None) -> None:
-        self.slots: dict[str, ModelSlot] = {TOY: ModelSlot(TOY, "toy glass-box model", None, "toy")}
-        if bundled if bundled is not None else _bundled_installed():
-            self.slots[BUNDLED] = ModelSlot(BUNDLED, "all-MiniLM-L6-v2", None, "encoder")
+        toy = ModelSlot(TOY, "toy glass-box model", None, "toy")
+        real = ModelSlot(BUNDLED, "all-MiniLM-L6-v2", None, "encoder") \
+            if (bundled if bundled is not None else _bundled_installed()) else None
+        taken = {TOY, BUNDLED}
+        given: list[ModelSlot] = []
         for d in model_dirs:
             path = os.path.abspath(os.fspath(d))
             base = re.sub(r"[^a-z0-9]+", "-", os.path.basename(os.path.normpath(path)).lower()).strip("-") or "model"
             mid, n = base, 2
-            while mid in self.slots:
+            while mid in taken:
                 mid, n = f"{base}-{n}", n + 1
-            self.slots[mid] = ModelSlot(mid, os.path.basename(os.path.normpath(path)), path)
+            taken.add(mid)
+            given.append(ModelSlot(mid, os.path.basename(os.path.normpath(path)), path))
+        self.slots: dict[str, ModelSlot] = {s.id: s for s in [*given, *([real] if real else []), toy]}
 
     # -- models ---------------------------------------------------------------------------------
+
+    @property
+    def default(self) -> str:
+        """The id of the model the page opens on: the first one given, else the bundled one, else the toy."""
+        return next(iter(self.slots))
 
     def models(self) -> list[dict[str, Any]]:
         """Every model offered, in order: id, name, kind, whether loaded, the load error if any."""
         return [s.describe() for s in self.slots.values()]
 
+    def alternative(self, model_id: str) -> Optional[ModelSlot]:
+        """A pretrained model other than ``model_id`` that has not failed to load (the bundled one
+        first): what a refusal offers instead."""
+        order = sorted(self.slots.values(), key=lambda s: s.id != BUNDLED)
+        return next((s for s in order if s.id not in (TOY, model_id) and s.error is None), None)
+
     def slot(self, model_id: str) -> ModelSlot:
         """The model ``model_id`` (ids only: a request never names a file), loaded once."""
         if model_id not in self.slots:
-            raise StudioError(f"model {model_id!r} is not one of this studio's models ({', '.join(self.slots)})", 404)
+            raise StudioError(Note("studio.err.unknown_model", model=repr(model_id), models=", ".join(self.slots)), 404)
         s = self.slots[model_id]
         if s.id == TOY or s.model is not None:
             return s
@@ -121,7 +165,9 @@ class Studio:
                 except Exception as e:  # reported in the page; the server keeps serving the other models
                     s.error = f"{type(e).__name__}: {e}"
         if s.error is not None:
-            raise StudioError(f"model {s.name!r} could not be loaded: {s.error}", 503)
+            other = self.alternative(s.id)
+            raise StudioError(Note("studio.err.model_failed", name=s.name, error=s.error), 503,
+                              model=other.id if other else None)
         return s
 
     # -- the questions --------------------------------------------------------------------------
@@ -131,6 +177,8 @@ class Studio:
         """Every head's map and statistics for ``text`` (and ``pair``, a second text of a sentence pair)."""
         s = self._asked(model_id, lang, text=text, pair=pair)
         if s.kind == "toy":
+            if pair is not None:
+                raise self._toy_refusal("studio.err.toy_pair")
             return self._toy_analysis(text, focus)
         import torch
 
@@ -138,6 +186,8 @@ class Studio:
 
         with s.lock:
             enc = self._check_length(s, text, pair)
+            _check_index(focus, "focus", len(enc.ids))
+            _check_index(target, "target", len(enc.ids))
             ex = explain(text, _index(focus), _index(target), model=s.model, model_path=s.path, pair=pair,
                          max_map_tokens=LIMITS["max_tokens"])
             assert ex.maps is not None  # within max_tokens: the maps are kept
@@ -148,7 +198,7 @@ class Studio:
             "maps": _maps(ex.maps), "stats": stats,
             "focus": ex.focus_index, "target": ex.target_index,
             "top_heads": [{"layer": l, "head": h, "weight": round(w, 4)} for l, h, w in ex.top_heads(8)],
-            "notes": [word(n, lang) for n in ex.notes],
+            "notes": [page_words(n, lang) for n in ex.notes],
         }
 
     def head(self, model_id: str, text: str, *, layer: int, head: int, token: int = 0, pair: Optional[str] = None,
@@ -158,32 +208,30 @@ class Studio:
         s = self._asked(model_id, lang, text=text, pair=pair)
         if s.kind == "toy":
             if pair is not None:
-                raise StudioError("the toy model reads one text; clear the second text or pick a pretrained model")
-            t = _toy_trace(text)
-            if not 0 <= layer < 1 or not 0 <= head < t.num_heads:
-                raise StudioError(f"the toy model has 1 layer and {t.num_heads} heads; layer={layer}, head={head} is not one")
+                raise self._toy_refusal("studio.err.toy_pair")
+            t = _toy_trace(text, self._toy_refusal)
+            _check_head(layer, head, 1, t.num_heads, Note("studio.toy_model"))
+            _check_index(token, "token", t.n)
             one = t.heads[head] if t.heads else t
         else:
             if hasattr(s.model, "hf_tokenizer"):
-                raise StudioError(f"the glass box traces the BERT-style models qkv rebuilds (qkv.models); {s.name} runs "
-                                  "through transformers: its maps, statistics and interventions work, one head's "
-                                  "step-by-step numbers do not", 422)
+                raise StudioError(Note("studio.err.glass_hf", name=s.name), 422)
             from ..glass import trace_model
 
+            _check_head(layer, head, *_shape(s.model), s.name)
             with s.lock:
-                self._check_length(s, text, pair)
+                enc = self._check_length(s, text, pair)
+                _check_index(token, "token", len(enc.ids))
                 try:
                     one = trace_model(text, s.model, layer=layer, head=head, max_tokens=LIMITS["max_tokens"], pair=pair)
                 except (ValueError, NotImplementedError, TypeError) as e:
-                    raise StudioError(str(e)) from None
-        if not -one.n <= token < one.n:
-            raise StudioError(f"token={token} is not a token index of this text (0 to {one.n - 1})")
+                    raise StudioError(Note("studio.err.analysis", message=str(e))) from None
         trace = one.to_dict()
         # the page shows X, Q, K, V and what follows; the projection matrices (3 · d_model · d_k
         # numbers, most of the answer) stay here, as qkv.glass.trace_model gives them in Python
         trace["params"] = {name: None for name in trace["params"]}
-        return {"layer": layer, "head": head, "token": token % one.n, "trace": trace,
-                "story": one.explain(lang, token=token % one.n), "scale": one.scale}
+        return {"layer": layer, "head": head, "token": token, "trace": trace,
+                "story": one.explain(lang, token=token), "scale": one.scale}
 
     def intervene(self, model_id: str, text: str, *, heads: Sequence[tuple[int, int]], mode: str = "zero",
                   source: Optional[str] = None, focus: Optional[int] = None, temperature: float = 1.0,
@@ -191,34 +239,36 @@ class Studio:
         """Knock ``heads`` out (``mode`` "zero" or "mean") or patch them from ``source``
         (``mode`` "patch"): the output's change and every head's map after it."""
         if mode not in ("zero", "mean", "patch"):
-            raise StudioError(f"mode={mode!r} is not an intervention; use 'zero', 'mean' or 'patch'")
+            raise StudioError(Note("studio.err.mode", mode=repr(mode)))
         if mode == "patch" and source is None:
-            raise StudioError("mode='patch' needs source: the text whose head outputs are patched in")
+            raise StudioError(Note("studio.err.patch_source"))
+        if not heads:
+            raise StudioError(Note("studio.err.no_heads"))
         if len(heads) > LIMITS["max_heads"]:
-            raise StudioError(f"{len(heads)} heads at once; the studio knocks out at most {LIMITS['max_heads']}")
+            raise StudioError(Note("studio.err.too_many_heads", n=len(heads), max=LIMITS["max_heads"]))
         s = self._asked(model_id, lang, text=text, source=source if mode == "patch" else None)
         if s.kind == "toy":
-            raise StudioError("the toy model has no output to change; pick a pretrained model to intervene")
+            raise self._toy_refusal("studio.err.toy_intervene")
         import torch
 
-        from ..analysis import ablation_effect, check_heads, explain
+        from ..analysis import ablation_effect, explain
         from ..analysis.ablation import edited_module, final_states
         from ..analysis.compare import map_change
         from ..inspect import ablate, capture_outputs, patch_from
 
+        L, H = _shape(s.model)
+        for ref in heads:
+            _check_head_pair(ref, L, H, s.name)
+        chosen = sorted({(int(l), int(h)) for l, h in heads})
         with s.lock:
             enc = self._check_length(s, text, None)
-            try:
-                chosen = check_heads([tuple(h) for h in heads], *_shape(s.model))
-            except ValueError as e:
-                raise StudioError(str(e)) from None
+            _check_index(focus, "focus", len(enc.ids))
             run = _inputs(torch, enc)
             module = edited_module(s.model)
             if mode == "patch":
                 other = self._check_length(s, source or "", None)
                 if len(other.ids) != len(enc.ids):
-                    raise StudioError(f"patching needs texts of the same length: source has {len(other.ids)} "
-                                      f"word pieces, text has {len(enc.ids)}")
+                    raise StudioError(Note("studio.err.patch_length", m=len(other.ids), n=len(enc.ids)))
                 with capture_outputs(module) as got:
                     final_states(s.model, *_inputs(torch, other))
 
@@ -238,30 +288,31 @@ class Studio:
                               "clean": [{"token": t, "p": round(float(np.exp(p)), 6)} for t, p in effect.next_token["clean_top"]],
                               "changed": [{"token": t, "p": round(float(np.exp(p)), 6)} for t, p in effect.next_token["ablated_top"]]}}
         return {"heads": [list(h) for h in chosen], "mode": mode, "tokens": clean.tokens, "focus": clean.focus_index,
-                "effect": effect.to_dict(), "output": out, "lines": effect.to_lines(lang),
+                "effect": effect.to_dict(), "output": out, "lines": _effect_lines(effect, lang),
                 "maps": _maps(after.maps), "change": np.round(map_change(clean.maps, after.maps), 6).tolist()}
 
     def compare(self, model_id: str, text: str, other: str, *, focus: Optional[int] = None, lang: str = "en") -> dict[str, Any]:
         """``text`` and ``other`` head by head: both maps, the change per head, the aligned tokens."""
-        _check_text(other, "other")  # required (the optional texts below may be None)
-        s = self._asked(model_id, lang, text=text)
+        s = self._asked(model_id, lang, text=text, other=other)
         if s.kind == "toy":
-            raise StudioError("comparing runs a pretrained model; pick one other than the toy model")
+            raise self._toy_refusal("studio.err.toy_compare")
         from ..analysis import compare
 
         with s.lock:
-            self._check_length(s, text, None)
-            self._check_length(s, other, None)
+            enc = self._check_length(s, text, None)
+            self._check_length(s, other, None, "other")
+            _check_index(focus, "focus", len(enc.ids))
             try:
                 c = compare(text, other, _index(focus), model=s.model, model_path=s.path, max_map_tokens=LIMITS["max_tokens"])
             except ValueError as e:
-                raise StudioError(str(e)) from None
+                raise StudioError(Note("studio.err.analysis", message=str(e))) from None
         assert c.a.maps is not None and c.b.maps is not None
+        worded = dataclasses.replace(c, notes=[page_words(n, lang) for n in c.notes])
         return {"a": {"tokens": c.a.tokens, "focus": c.a.focus_index, "maps": _maps(c.a.maps)},
                 "b": {"tokens": c.b.tokens, "focus": c.b.focus_index, "maps": _maps(c.b.maps)},
                 "layers": c.num_layers, "heads": c.num_heads, "alignment": [list(p) for p in c.pairs],
                 "distance": np.round(c.distance, 6).tolist(), "top_changes": c.to_dict()["top_changes"],
-                "report": c.to_string(lang=lang)}
+                "notes": worded.notes, "report": worded.to_string(lang=lang)}
 
     def tutorial(self, lang: str = "en") -> dict[str, Any]:
         """The toy model's walk-through: the worked example (112 and 96), a causal mask, two heads."""
@@ -281,12 +332,20 @@ class Studio:
         check_lang(lang)
         _check_text(text, "text")
         for name, value in optional.items():
-            if value is not None:
+            if value is not None or name == "other":  # other: required
                 _check_text(value, name)
         return self.slot(model_id)
 
+    def _toy_refusal(self, key: str, **values: Any) -> StudioError:
+        """The toy model cannot answer this: the refusal, offering the pretrained model that can."""
+        other = self.alternative(TOY)
+        if other is None:
+            return StudioError(Note(key + "_alone", **values))
+        return StudioError(Note(key, real=other.name, **values), model=other.id)
+
     def _toy_analysis(self, text: str, focus: Optional[int]) -> dict[str, Any]:
-        t = _toy_trace(text)
+        t = _toy_trace(text, self._toy_refusal)
+        _check_index(focus, "focus", t.n)
         heads = t.heads or [t]
         maps = np.stack([h.weights for h in heads])[None]  # (1, H, N, N)
         import torch
@@ -297,13 +356,11 @@ class Studio:
         k = torch.from_numpy(np.stack([h.k for h in heads]))[None]
         stats = _summary({"0": attention_stats(q, k, scale=t.scale, backend="torch")}, t.tokens)
         f = 0 if focus is None else focus
-        if not -t.n <= f < t.n:
-            raise StudioError(f"focus={focus} is not a token index of this text (0 to {t.n - 1})")
         return {"model": self.slots[TOY].describe(), "tokens": t.tokens, "segments": None, "layers": 1, "heads": len(heads),
                 "maps": _maps(maps), "stats": stats,
-                "focus": f % t.n, "target": int(np.argmax(maps[0, :, f % t.n].max(0))), "top_heads": [], "notes": []}
+                "focus": f, "target": int(np.argmax(maps[0, :, f].max(0))), "top_heads": [], "notes": []}
 
-    def _check_length(self, s: ModelSlot, text: str, pair: Optional[str]) -> Any:
+    def _check_length(self, s: ModelSlot, text: str, pair: Optional[str], name: str = "text") -> Any:
         """``text`` (and ``pair``) as the model's word pieces (:func:`qkv.analysis.explain.encode`),
         refused beyond ``LIMITS["max_tokens"]``."""
         from ..analysis.explain import encode
@@ -311,18 +368,57 @@ class Studio:
         enc = encode(s.model, text, pair)
         n = len(enc.ids)
         if n > LIMITS["max_tokens"]:
-            raise StudioError(f"the text has {n} word pieces; the studio shows at most {LIMITS['max_tokens']} "
-                              "(every view keeps layers × heads × N² weights): shorten it", 413)
+            raise StudioError(Note("studio.err.too_many_tokens", field=_field(name if pair is None else "pair_both"), n=n,
+                                   max=LIMITS["max_tokens"]), 413)
         return enc
+
+
+_FIELDS = {"text": "text", "pair": "second", "source": "second", "other": "second", "pair_both": "both"}
+
+
+def _field(name: str) -> Note:
+    """A request's text named as the page names it: "the text", "the second text"."""
+    return Note(f"studio.field.{_FIELDS.get(name, 'text')}")
 
 
 def _check_text(value: Any, name: str) -> None:
     if not isinstance(value, str):
-        raise StudioError(f"{name} must be a string, got {type(value).__name__}")
+        raise StudioError(Note("studio.err.text_type", field=_field(name), got=type(value).__name__))
     if not value.strip():
-        raise StudioError(f"{name} is empty: type a sentence")
+        raise StudioError(Note("studio.err.empty", field=_field(name)))
     if len(value) > LIMITS["max_chars"]:
-        raise StudioError(f"{name} has {len(value)} characters; the studio reads at most {LIMITS['max_chars']}: shorten it", 413)
+        raise StudioError(Note("studio.err.too_many_chars", field=_field(name), n=len(value), max=LIMITS["max_chars"]), 413)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: JSON's "\ud800" decodes to one, no tokenizer reads it
+        raise StudioError(Note("studio.err.unicode", field=_field(name), code=f"{ord(value[e.start]):04X}",
+                               i=e.start)) from None
+
+
+def _check_index(i: Optional[int], name: str, n: int) -> None:
+    """``i`` (None: not chosen) must number one of the ``n`` tokens, counting from 0."""
+    if i is not None and not (isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < n):
+        raise StudioError(Note(f"studio.err.{name}", i=_shown(i), last=n - 1))
+
+
+def _check_head(layer: Any, head: Any, layers: int, heads: int, name: str) -> None:
+    for value, what, count in ((layer, "layer", layers), (head, "head", heads)):
+        if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < count):
+            raise StudioError(Note(f"studio.err.{what}", i=_shown(value), name=name, last=count - 1))
+
+
+def _check_head_pair(ref: Any, layers: int, heads: int, name: str) -> None:
+    ok = isinstance(ref, (tuple, list)) and len(ref) == 2 and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in ref)
+    if not ok or not (0 <= ref[0] < layers and 0 <= ref[1] < heads):
+        shown = f"L{_shown(ref[0])} H{_shown(ref[1])}" if ok else _shown(ref)
+        raise StudioError(Note("studio.err.head_pair", head=shown, name=name, layers=layers - 1, heads=heads - 1))
+
+
+def _shown(value: Any) -> str:
+    """A requested value as a refusal quotes it: at most 24 characters (10**20 stays readable)."""
+    s = str(value)
+    return s if len(s) <= 24 else s[:21] + "…"
 
 
 def _index(i: Optional[int]) -> Optional[str]:
@@ -330,13 +426,35 @@ def _index(i: Optional[int]) -> Optional[str]:
     return None if i is None else f"#{int(i)}"
 
 
-def _toy_trace(text: str) -> Any:
+def _toy_trace(text: str, refuse: Any) -> Any:
     from ..glass import sentence_trace, split_words
 
     words = split_words(text)
-    if len(words) > 16:
-        raise StudioError(f"the toy model reads at most 16 words (its matrices are printed in full); this text has {len(words)}")
+    if len(words) > TOY_WORDS:
+        raise refuse("studio.err.toy_words", n=len(words), max=TOY_WORDS)
     return sentence_trace(text, heads=2)
+
+
+def _effect_lines(effect: Any, lang: str) -> list[str]:
+    """An intervention's effect in the page's words (the command line's report names ``--ablate``
+    modes; the page says what its own controls did)."""
+    def say(key: str, **values: Any) -> str:
+        return text("studio.line." + key, lang, **values)
+
+    heads = text("list.sep", lang).join(text("studio.head_name", lang, l=l, h=h) for l, h in effect.heads)
+    mean, mx, at = effect.others()
+    out = [say(f"title_{effect.mode}", heads=heads),
+           say("focus", tok=effect.tokens[effect.focus_index], d=f"{effect.focus_distance:.4f}")]
+    if at >= 0:
+        out.append(say("others", mean=f"{mean:.4f}", max=f"{mx:.4f}", tok=effect.tokens[at], i=at))
+    out.append(say("embedding", d=f"{effect.embedding_distance:.4f}"))
+    nt = effect.next_token
+    if nt is not None:
+        top = lambda xs: text("list.sep", lang).join(f"{t} {np.exp(p):.3f}" for t, p in xs)  # noqa: E731
+        out += [say("next", tok=effect.tokens[effect.focus_index], kl=f"{nt['kl']:.4f}", top=nt["clean_top"][0][0],
+                    delta=f"{nt['delta_logprob']:+.4f}"),
+                say("before", tokens=top(nt["clean_top"])), say("after", tokens=top(nt["ablated_top"]))]
+    return out
 
 
 def _shape(model: Any) -> tuple[int, int]:

@@ -11,6 +11,7 @@
   const LIMITS = JSON.parse(document.getElementById("qkv-limits").textContent);
   const $ = (id) => document.getElementById(id);
   const DEBOUNCE_MS = 300;
+  const CARD_LABELS = 16;  // a card's map has token labels up to this many tokens (beyond, they would not be legible)
   const VIEWS = ["tutorial", "heads", "head", "intervene", "compare"];
 
   // ---- state: everything the page shows is drawn from here ---------------------------------
@@ -21,6 +22,8 @@
     text: "", second: "", pair: false,
     focus: null, target: null, pick: "focus",      // token indices chosen by clicking; null: the server picks
     analysis: null, maps: null,                     // the last /api/analyze answer and its decoded maps
+    asked: null,                                    // the request that answer answers: every view asks about its texts
+    failed: false,                                  // the last analysis was refused (its words are in the status line)
     sort: "order", filter: "all",
     layer: 0, head: 0, token: null, step: 0,        // the open head; token null: the focus token
     headData: null, headKey: "",
@@ -106,7 +109,7 @@
 
   // ---- the server: one channel per question, only the latest answer of each is used ----------
   class ApiError extends Error {
-    constructor(text, status) { super(text); this.status = status; }
+    constructor(text, status, model) { super(text); this.status = status; this.model = model || null; }
   }
   const latest = {};        // channel -> sequence number of its newest request
   const pending = new Set();
@@ -117,8 +120,10 @@
     pending.add(channel);
     document.body.classList.add("busy");
     try {
-      const init = body === undefined ? { headers: { Accept: "application/json" } }
-        : { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };
+      // the server words its refusals in the page's language (a request's own lang field wins)
+      const headers = { Accept: "application/json", "Accept-Language": state.lang };
+      const init = body === undefined ? { headers }
+        : { method: "POST", headers: { ...headers, "Content-Type": "application/json" }, body: JSON.stringify(body) };
       let response;
       try {
         response = await fetch(path, init);
@@ -129,7 +134,7 @@
       let data = null;
       try { data = await response.json(); } catch (e) { data = null; }
       if (seq !== latest[channel]) return null;
-      if (!response.ok) throw new ApiError((data && data.error) || `HTTP ${response.status}`, response.status);
+      if (!response.ok) throw new ApiError((data && data.error) || `HTTP ${response.status}`, response.status, data && data.model);
       return data;
     } finally {
       if (seq === latest[channel]) pending.delete(channel);
@@ -147,6 +152,17 @@
     if (e.status === 413) return `${t("err_limit")} ${e.message}`;
     if (e.status === 503) return `${t("err_model")} ${e.message}`;
     return e.message;
+  }
+  /** A view's message line showing the refusal ``e``; when the server named a model that answers
+   * the request instead, a button switches to it (one click). */
+  function showError(id, e) {
+    message(id, errorText(e), "error");
+    const other = e.model && state.models.find((m) => m.id === e.model && m.id !== state.model);
+    if (other) {
+      const b = button("switch", say("switch_model", { name: other.name }), () => switchModel(other.id));
+      b.dataset.model = other.id;
+      $(id).append(" ", b);
+    }
   }
 
   // ---- maps: (L, H, Nq, Nk) weights as 16-bit integers, decoded when first drawn -------------
@@ -226,33 +242,40 @@
     });
   }
 
-  /** Draw ``src`` (1 px per cell) large on ``canvas`` with token labels when they fit, and the
-   * query row ``hi`` outlined. Remembers its geometry so a click can find the row. */
-  function drawLarge(canvas, src, rowLabels, colLabels, hi, size = 440) {
+  /** Draw ``src`` (1 px per cell) on ``canvas`` with token labels when they fit, and the query
+   * row ``hi`` outlined. ``size``: the map's side in CSS pixels. Big maps (``fit`` false) size the
+   * canvas to whole cells; a card's canvas (``fit`` true) keeps the square its style gives it and
+   * its labels are small. Remembers its geometry, so a click or a hover can find the cell. */
+  function drawMap(canvas, src, rowLabels, colLabels, hi, size = 440, fit = false) {
     const rows = src.height, cols = src.width, n = Math.max(rows, cols, 1);
-    const cell = Math.max(2, Math.min(30, Math.floor(size / n)));
-    const labelled = n <= 48 && rowLabels && colLabels;
+    const font = fit ? 8 : 12, most = fit ? 6 : 12;
+    const labelled = !!(rowLabels && colLabels) && n <= (fit ? CARD_LABELS : 48);
     const ctx0 = canvas.getContext("2d");
-    ctx0.font = "12px system-ui, sans-serif";
-    const clip = (s) => (s.length > 12 ? s.slice(0, 11) + "…" : s);
+    ctx0.font = `${font}px system-ui, sans-serif`;
+    const clip = (s) => (s.length > most ? s.slice(0, most - 1) + "…" : s);
     const widest = (ls) => Math.max(0, ...ls.map((s) => ctx0.measureText(clip(s)).width));
-    const left = labelled ? Math.ceil(widest(rowLabels)) + 8 : 0, top = labelled ? Math.ceil(widest(colLabels)) + 8 : 0;
-    const w = left + cols * cell, h = top + rows * cell, dpr = window.devicePixelRatio || 1;
+    let left = labelled ? Math.ceil(widest(rowLabels)) + (fit ? 3 : 8) : 0, top = labelled ? Math.ceil(widest(colLabels)) + (fit ? 3 : 8) : 0;
+    let cell;
+    if (fit) {  // one square: the labels take at most a third of it
+      left = top = Math.min(Math.max(left, top), Math.floor(size / 3));
+      cell = (size - left) / n;
+    } else cell = Math.max(2, Math.min(30, Math.floor(size / n)));
+    const w = fit ? size : left + cols * cell, h = fit ? size : top + rows * cell, dpr = window.devicePixelRatio || 1;
     canvas.width = Math.round(w * dpr); canvas.height = Math.round(h * dpr);
-    canvas.style.width = `${w}px`; canvas.style.height = `${h}px`;
+    if (!fit) { canvas.style.width = `${w}px`; canvas.style.height = `${h}px`; }
     const ctx = canvas.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(src, left, top, cols * cell, rows * cell);
     if (labelled) {
-      ctx.font = "12px system-ui, sans-serif";
+      ctx.font = `${font}px system-ui, sans-serif`;
       ctx.fillStyle = "#333";
       ctx.textBaseline = "middle";
       ctx.textAlign = "right";
-      rowLabels.forEach((s, i) => ctx.fillText(clip(s), left - 4, top + (i + 0.5) * cell));
+      rowLabels.forEach((s, i) => ctx.fillText(clip(s), left - 2, top + (i + 0.5) * cell));
       colLabels.forEach((s, j) => {
         ctx.save();
-        ctx.translate(left + (j + 0.5) * cell, top - 4);
+        ctx.translate(left + (j + 0.5) * cell, top - 2);
         ctx.rotate(-Math.PI / 2);
         ctx.textAlign = "left";
         ctx.fillText(clip(s), 0, 0);
@@ -264,15 +287,44 @@
       ctx.lineWidth = 2;
       ctx.strokeRect(left + 1, top + hi * cell + 1, cols * cell - 2, cell - 2);
     }
-    canvas.qkvGeometry = { left, top, cell, rows, cols };
+    canvas.qkvGeometry = { left, top, cell, rows, cols, w, h };
+    canvas.dataset.labels = labelled ? "1" : "";
   }
-  function rowAt(canvas, event) {  // the row of a large map under a click, or null
+  /** The (row, column) of a drawn map under the mouse, or null. */
+  function cellAt(canvas, event) {
     const g = canvas.qkvGeometry;
     if (!g) return null;
-    const r = canvas.getBoundingClientRect(), y = event.clientY - r.top - g.top;
-    const i = Math.floor(y / g.cell);
+    const r = canvas.getBoundingClientRect(), scale = r.width / g.w || 1;
+    const x = (event.clientX - r.left) / scale - g.left, y = (event.clientY - r.top) / scale - g.top;
+    const i = Math.floor(y / g.cell), j = Math.floor(x / g.cell);
+    return i >= 0 && i < g.rows && j >= 0 && j < g.cols ? [i, j] : null;
+  }
+  function rowAt(canvas, event) {  // the row of a map under a click (its label included), or null
+    const g = canvas.qkvGeometry;
+    if (!g) return null;
+    const r = canvas.getBoundingClientRect(), scale = r.width / g.w || 1;
+    const i = Math.floor(((event.clientY - r.top) / scale - g.top) / g.cell);
     return i >= 0 && i < g.rows ? i : null;
   }
+  /** Hovering a map shows the cell's words in the tip (``canvas.qkvCell(i, j)``: its line). */
+  function hoverable(canvas) {
+    canvas.addEventListener("mousemove", (ev) => {
+      const c = ev.currentTarget.qkvCell ? cellAt(ev.currentTarget, ev) : null;
+      tip(c && ev.currentTarget.qkvCell(c[0], c[1]), ev);
+    });
+    canvas.addEventListener("mouseleave", () => tip(null));
+  }
+  function tip(text, ev) {
+    const e = $("tip");
+    if (!text) { e.hidden = true; return; }
+    e.textContent = text;
+    e.hidden = false;
+    const x = Math.min(ev.clientX + 14, window.innerWidth - e.offsetWidth - 8);
+    e.style.left = `${Math.max(4, x)}px`;
+    e.style.top = `${ev.clientY + 16}px`;
+  }
+  /** The tip line of a weight: head ``name``, query ``i`` and key ``j`` of ``toks``. */
+  const cellWords = (name, qs, ks, i, j, w) => say("hover_cell", { name, q: qs[i], qi: i, k: ks[j], ki: j, w: fmt(w) });
   function drawLegends() {
     for (const [id, lut] of [["legend-seq", SEQ], ["legend-div", DIV]]) {
       const c = $(id), ctx = c.getContext("2d"), img = ctx.createImageData(c.width, 1);
@@ -292,18 +344,27 @@
     }
   }, { rootMargin: "150px" });
   function drawCard(card) {
-    const maps = card.qkvMaps;
+    const maps = card.qkvMaps, toks = card.qkvTokens;
     if (!maps || card.qkvDrawn === maps) return;
-    const src = headPixels(maps, +card.dataset.layer, +card.dataset.head), cv = card.querySelector("canvas");
-    cv.width = src.width; cv.height = src.height;
-    cv.getContext("2d").drawImage(src, 0, 0);
+    const l = +card.dataset.layer, h = +card.dataset.head;
+    const src = headPixels(maps, l, h), cv = card.querySelector("canvas");
+    const side = Math.round(cv.getBoundingClientRect().width);
+    if (toks && maps.Nq <= CARD_LABELS && side > 0) drawMap(cv, src, toks, toks, null, side, true);
+    else {  // one pixel per weight, scaled by the card's style
+      cv.width = src.width; cv.height = src.height;
+      cv.getContext("2d").drawImage(src, 0, 0);
+      cv.qkvGeometry = { left: 0, top: 0, cell: 1, rows: src.height, cols: src.width, w: src.width, h: src.height };
+      cv.dataset.labels = "";
+    }
+    cv.qkvCell = toks ? (i, j) => cellWords(headName(l, h), toks, toks, i, j, maps.at(l, h, i, j)) : null;
     card.qkvDrawn = maps;
     card.dataset.drawn = "1";
   }
-  /** Show ``maps`` on every card of ``grid``; those on screen are drawn now, the rest when scrolled to. */
-  function setCardMaps(grid, maps) {
+  /** Show ``maps`` (of ``tokens``) on every card of ``grid``; those on screen are drawn now, the rest when scrolled to. */
+  function setCardMaps(grid, maps, tokens) {
     for (const card of grid.querySelectorAll(".card")) {
       card.qkvMaps = maps;
+      card.qkvTokens = tokens;
       if (card.qkvDrawn !== maps) delete card.dataset.drawn;
       if (onScreen.has(card)) drawCard(card);
     }
@@ -322,8 +383,9 @@
       card.dataset.layer = String(l);
       card.dataset.head = String(h);
       card.id = `${grid.id}-${l}-${h}`;
-      card.append(el("canvas", "mini"), el("span", "card-name"), el("span", "card-kind"), el("span", "card-stats"),
-                  el("span", "card-badge"));
+      const mini = el("canvas", "mini");
+      hoverable(mini);
+      card.append(mini, el("span", "card-name"), el("span", "card-kind"), el("span", "card-stats"), el("span", "card-badge"));
       card.addEventListener("click", (ev) => onClick(l, h, ev));
       grid.appendChild(card);
       observer.observe(card);
@@ -335,6 +397,7 @@
   // ---- views ---------------------------------------------------------------------------------
   function show(view) {
     state.view = view;
+    saveUrl();
     for (const v of VIEWS) {
       $(`view-${v}`).hidden = v !== view;
       const tab = $(`tab-${v}`);
@@ -493,12 +556,27 @@
     return { model: state.model, text: state.text, pair: state.pair && state.second.trim() ? state.second : null,
              focus: state.focus, target: state.target, lang: state.lang };
   }
+  /** Whether the analysis on screen answers the texts and model in the boxes now (a token
+   * clicked in it is then a token of these texts). */
+  function current() {
+    const b = analyzeBody(), a = state.asked;
+    return !!(b && a && state.analysis && b.model === a.model && b.text === a.text && b.pair === a.pair);
+  }
+  /** What a view without an analysis says: nothing after a refusal (the status line says why). */
+  const waiting = () => (state.failed ? "" : state.text.trim() ? t("working") : t("type_first"));
+  function forget() {
+    state.analysis = null; state.maps = null; state.asked = null;
+    state.iv = null; state.ivMaps = null; state.ivKey = "";
+    state.cmp = null; state.cmpKey = "";
+    state.headData = null; state.headKey = "";
+  }
   async function runAnalyze() {
     const body = analyzeBody();
+    saveUrl();
     if (!body) {
       drop("analyze");
-      document.body.classList.remove("failed");
-      state.analysis = null; state.maps = null;
+      state.failed = false;
+      forget();
       renderTokens(); message("status", "");
       refreshView();
       return;
@@ -508,13 +586,18 @@
     try {
       data = await ask("analyze", "/api/analyze", body);
     } catch (e) {
-      message("status", errorText(e), "error");
+      // the refusal replaces the last answer: no tokens, maps or hints of another text stay on screen
+      state.failed = true;
+      forget();
+      renderTokens();
+      refreshView();
+      showError("status", e);
       if (e.status === 503) { modelError(e.message); loadModels(); }  // the picker marks the model that failed
-      document.body.classList.add("failed");
       return;
     }
     if (!data) return;  // a newer request is on its way
-    document.body.classList.remove("failed");
+    state.failed = false;
+    state.asked = body;
     state.analysis = data;
     state.maps = new Maps(data.maps);
     const info = modelInfo();
@@ -539,17 +622,30 @@
     e.hidden = !line;
   }
   async function loadModels() {
+    let data;
     try {
-      const data = await ask("models", "/api/models");
+      data = await ask("models", "/api/models");
       if (!data) return;
       state.models = data.models;
     } catch (e) {
       message("status", errorText(e), "error");
       return;
     }
-    if (!state.model && state.models.length) state.model = state.models[0].id;
+    // the page opens on the server's choice (the real model when there is one), unless the address names another
+    if (!state.models.some((m) => m.id === state.model) && state.models.length) state.model = data.default || state.models[0].id;
     fillModels();
     modelError(null);
+  }
+  /** Use model ``id``: what was computed with the previous one is forgotten, the text runs again. */
+  function switchModel(id) {
+    state.model = id;
+    $("model").value = id;
+    forget();
+    state.focus = null; state.target = null; state.token = null;
+    state.off = []; state.history = []; state.cmpChosen = false;
+    state.layer = 0; state.head = 0;
+    modelError(null);
+    runAnalyze();
   }
   function fillModels() {
     const label = (m) => (m.error ? say("model_failed", { name: m.name }) : m.id === "toy" ? t("toy_model") : m.name);
@@ -559,7 +655,7 @@
   function renderTokens() {
     const box = clear($("tokens")), a = state.analysis;
     const line = $("focus-line"), notes = clear($("notes"));
-    if (!a) { line.textContent = state.text.trim() ? "" : t("type_first"); return; }
+    if (!a) { line.textContent = state.text.trim() || state.failed ? "" : t("type_first"); return; }
     a.tokens.forEach((tok, i) => {
       const b = button("tok", tok);
       b.dataset.index = String(i);
@@ -576,6 +672,7 @@
     for (const n of a.notes || []) notes.appendChild(el("li", null, n));
   }
   function chooseToken(i, what) {
+    if (!current()) return;  // the tokens on screen are another text's (its answer is on its way): no stale index
     if (what === "target") state.target = i;
     else { state.focus = i; state.target = null; state.token = null; }
     runAnalyze();
@@ -607,7 +704,7 @@
   function renderHeads() {
     const a = state.analysis, grid = $("grid");
     if (!a) {
-      message("heads-empty", state.text.trim() ? t("working") : t("type_first"));
+      message("heads-empty", waiting());
       clear(grid); grid.dataset.shape = ""; clear($("linked")); $("heads-summary").textContent = "";
       return;
     }
@@ -645,7 +742,7 @@
       r.card.hidden = !pass;
       if (pass) shown += 1;
     });
-    setCardMaps(grid, state.maps);
+    setCardMaps(grid, state.maps, a.tokens);
     $("heads-summary").textContent = say("heads_summary", { shown, n: rows.length, L: a.layers, H: a.heads, N: a.tokens.length });
     // the heads linking focus → target, strongest first
     const box = clear($("linked"));
@@ -676,16 +773,17 @@
                             "weights", "output"];
   async function ensureHead() {
     const a = state.analysis;
-    if (!a) { message("head-message", state.text.trim() ? t("working") : t("type_first")); clearHead(); return; }
+    saveUrl();
+    if (!a) { message("head-message", waiting()); clearHead(); return; }
     fillHeadSelects();
     const s = statOf(state.layer, state.head);
     $("head-kind").textContent = s ? say("head_summary", { name: headName(state.layer, state.head), kind: kindWord(s.kind),
       e: fmt(s.entropy, 2), d: fmt(s.mean_distance, 2), s: fmt(s.sink, 2) }) : "";
     // the glass box reads what the overview read: the text, or the sentence pair
-    const pair = a.segments ? analyzeBody().pair : null;
+    const asked = state.asked, pair = a.segments ? asked.pair : null;
     let token = state.token !== null ? state.token : (pair ? a.focus : ownFocus());
     if (token === null || token >= a.tokens.length) token = 0;
-    const body = { model: state.model, text: state.text, pair, layer: state.layer, head: state.head, token, lang: state.lang };
+    const body = { model: asked.model, text: asked.text, pair, layer: state.layer, head: state.head, token, lang: state.lang };
     const key = JSON.stringify(body);
     // same head, another token: redraw the numbers now (the trace has every row), the story follows
     const same = state.headData && state.headData.qkvBase === JSON.stringify({ ...body, token: 0, lang: "" });
@@ -697,7 +795,7 @@
     try {
       data = await ask("head", "/api/head", body);
     } catch (e) {
-      message("head-message", errorText(e), "error");
+      showError("head-message", e);
       return;
     }
     if (!data) return;
@@ -709,7 +807,7 @@
   function clearHead() {
     clear($("glass")); clear($("steps")); clear($("query-tokens")); clear($("head-story"));
     $("step-explain").textContent = ""; $("big-caption").textContent = "";
-    const c = $("big"); c.width = 1; c.height = 1; c.qkvGeometry = null;
+    const c = $("big"); c.width = 1; c.height = 1; c.qkvGeometry = null; c.qkvCell = null;
   }
   /** The open head's glass box for query ``token``: the big map, the step buttons, every step
    * up to the current one (later steps stay hidden until stepped to), the story. */
@@ -718,7 +816,8 @@
     const names = STEP_NAMES(s);
     state.step = Math.min(state.step, names.length - 1);
     // the big map, from the trace's own float64 weights, the query row outlined
-    drawLarge($("big"), matrixPixels(s.weights, SEQ, (v) => v), toks, toks, token);
+    drawMap($("big"), matrixPixels(s.weights, SEQ, (v) => v), toks, toks, token);
+    $("big").qkvCell = (i, j) => cellWords(headName(d.layer, d.head), toks, toks, i, j, s.weights[i][j]);
     $("big-caption").textContent = say("big_caption", { name: headName(d.layer, d.head), t: toks[token], i: token });
     // query token picker
     const qbox = clear($("query-tokens"));
@@ -838,7 +937,7 @@
     $("clear").disabled = !state.off.length;
     $("temp-box").hidden = !(a && a.model.kind === "decoder");
     if (!a) {
-      message("iv-message", state.text.trim() ? t("working") : t("type_first"));
+      message("iv-message", waiting());
       clear($("iv-output")); clear($("iv-lines"));
       return;
     }
@@ -852,7 +951,7 @@
     }
     markOff();
     if (state.mode === "patch" && !state.second.trim()) { message("iv-message", t("iv_need_second"), "error"); return; }
-    const body = { model: state.model, text: state.text, heads: state.off, mode: state.mode,
+    const body = { model: state.asked.model, text: state.asked.text, heads: state.off, mode: state.mode,
                    source: state.mode === "patch" ? state.second : null, focus: outputFocus(), temperature: state.temperature,
                    lang: state.lang };
     const key = JSON.stringify(body);
@@ -862,7 +961,7 @@
     try {
       data = await ask("intervene", "/api/intervene", body);
     } catch (e) {
-      message("iv-message", errorText(e), "error");
+      showError("iv-message", e);
       return;
     }
     if (!data) return;
@@ -907,7 +1006,7 @@
       card.classList.toggle("changed", change > 0.01);
       card.title = say(off ? "iv_card_on" : "iv_card_off", { name: headName(l, h), c: fmt(change) });
     }
-    setCardMaps(grid, state.ivMaps || state.maps);
+    setCardMaps(grid, state.ivMaps || state.maps, iv ? iv.tokens : a.tokens);
     if (isToy()) return;
     // the output's change: the sentence embedding's similarity (an encoder) or the next token (a decoder)
     if (a.model.kind !== "decoder") {
@@ -949,11 +1048,11 @@
   // ---- 5. two texts side by side -------------------------------------------------------------
   async function ensureCompare() {
     const a = state.analysis;
-    if (!a) { message("cmp-message", state.text.trim() ? t("working") : t("type_first")); return; }
+    if (!a) { message("cmp-message", waiting()); clear($("cmp-rank")); return; }
     if (isToy()) { message("cmp-message", t("needs_pretrained")); return; }
     if (!state.second.trim()) { message("cmp-message", t("cmp_need_second")); return; }
     fillHeadSelects();
-    const body = { model: state.model, text: state.text, other: state.second, focus: ownFocus(), lang: state.lang };
+    const body = { model: state.asked.model, text: state.asked.text, other: state.second, focus: ownFocus(), lang: state.lang };
     const key = JSON.stringify(body);
     if (state.cmpKey === key && state.cmp) { message("cmp-message", ""); renderCompare(); return; }
     message("cmp-message", t("working"), "busy");
@@ -961,11 +1060,11 @@
     try {
       data = await ask("compare", "/api/compare", body);
     } catch (e) {
-      message("cmp-message", errorText(e), "error");
+      showError("cmp-message", e);
       return;
     }
     if (!data) return;
-    state.cmp = data; state.cmpKey = key;
+    state.cmp = data; state.cmpKey = key; state.cmpAsked = body;
     state.cmpMaps = { a: new Maps(data.a.maps), b: new Maps(data.b.maps) };
     if (!state.cmpChosen && data.top_changes.length) {  // until one is chosen: the head that moved most
       state.cmpLayer = data.top_changes[0].layer; state.cmpHead = data.top_changes[0].head;
@@ -990,16 +1089,20 @@
       box.appendChild(chip);
     }
     const ta = c.a.tokens, tb = c.b.tokens;
-    drawLarge($("cmp-a"), headPixels(m.a, l, h), ta, ta, c.a.focus, 360);
-    drawLarge($("cmp-b"), headPixels(m.b, l, h), tb, tb, c.b.focus, 360);
-    $("cmp-a-caption").textContent = say("cmp_a", { name: headName(l, h), text: state.text });
-    $("cmp-b-caption").textContent = say("cmp_b", { name: headName(l, h), text: state.second });
+    drawMap($("cmp-a"), headPixels(m.a, l, h), ta, ta, c.a.focus, 360);
+    drawMap($("cmp-b"), headPixels(m.b, l, h), tb, tb, c.b.focus, 360);
+    $("cmp-a").qkvCell = (i, j) => cellWords(headName(l, h), ta, ta, i, j, m.a.at(l, h, i, j));
+    $("cmp-b").qkvCell = (i, j) => cellWords(headName(l, h), tb, tb, i, j, m.b.at(l, h, i, j));
+    $("cmp-a-caption").textContent = say("cmp_a", { name: headName(l, h), text: state.cmpAsked.text });
+    $("cmp-b-caption").textContent = say("cmp_b", { name: headName(l, h), text: state.cmpAsked.other });
     // B − A on the aligned tokens: plain subtraction of the two drawn maps
     const pairs = c.alignment, diff = pairs.map(([qa, qb]) => pairs.map(([ka, kb]) => m.b.at(l, h, qb, kb) - m.a.at(l, h, qa, ka)));
     let most = 0;
     for (const row of diff) for (const v of row) most = Math.max(most, Math.abs(v));
     const scale = most > 0 ? most : 1, labels = pairs.map(([ia, ib]) => (ta[ia] === tb[ib] ? ta[ia] : `${ta[ia]}/${tb[ib]}`));
-    drawLarge($("cmp-d"), matrixPixels(diff, DIV, (v) => 0.5 + v / (2 * scale)), labels, labels, null, 360);
+    drawMap($("cmp-d"), matrixPixels(diff, DIV, (v) => 0.5 + v / (2 * scale)), labels, labels, null, 360);
+    $("cmp-d").qkvCell = (i, j) => say("hover_diff", { name: headName(l, h), q: labels[i], k: labels[j],
+                                                       w: `${diff[i][j] > 0 ? "+" : ""}${fmt(diff[i][j])}` });
     $("cmp-d-caption").textContent = say("cmp_diff", { name: headName(l, h), m: fmt(most), dist: fmt(c.distance[l][h]) });
     $("cmp-d").dataset.max = String(most);
     $("cmp-report").textContent = c.report;
@@ -1009,15 +1112,7 @@
   function wire() {
     for (const v of VIEWS) $(`tab-${v}`).addEventListener("click", () => { if (v !== "tutorial") state.switched = true; show(v); });
     for (const b of document.querySelectorAll(".langs button")) b.addEventListener("click", () => setLang(b.dataset.lang));
-    $("model").addEventListener("change", (e) => {
-      state.model = e.target.value;
-      state.analysis = null; state.maps = null; state.focus = null; state.target = null; state.token = null;
-      state.off = []; state.history = []; state.iv = null; state.ivKey = ""; state.cmp = null; state.cmpKey = ""; state.cmpChosen = false;
-      state.headData = null; state.headKey = "";
-      state.layer = 0; state.head = 0;
-      modelError(null);
-      runAnalyze();
-    });
+    $("model").addEventListener("change", (e) => switchModel(e.target.value));
     const typed = debounce(() => {
       state.text = $("text").value;
       state.focus = null; state.target = null; state.token = null;
@@ -1026,11 +1121,17 @@
     $("text").addEventListener("input", () => { counter("count", $("text").value); typed(); });
     const typedSecond = debounce(() => {
       state.second = $("second").value;
-      if (state.pair) runAnalyze(); else refreshView();
+      if (!state.pair) { saveUrl(); refreshView(); return; }
+      // a sentence pair's second text moved: indices into it are stale, those into the first text hold
+      const own = current() ? ownCount() : 0;
+      if (state.focus !== null && state.focus >= own) { state.focus = null; state.target = null; }
+      if (state.target !== null && state.target >= own) state.target = null;
+      if (state.token !== null && state.token >= own) state.token = null;
+      runAnalyze();
     }, DEBOUNCE_MS);
     $("second").addEventListener("input", () => { counter("count-second", $("second").value); typedSecond(); });
     $("pair").addEventListener("change", (e) => {
-      state.pair = e.target.checked; state.focus = null; state.target = null;
+      state.pair = e.target.checked; state.focus = null; state.target = null; state.token = null;
       runAnalyze();
     });
     for (const [id, what] of [["pick-focus", "focus"], ["pick-target", "target"]]) {
@@ -1051,6 +1152,7 @@
       state.step = Math.min((state.glassNames || [1]).length - 1, state.step + 1);
       applyStep(true);
     });
+    for (const id of ["big", "cmp-a", "cmp-b", "cmp-d"]) hoverable($(id));
     $("big").addEventListener("click", (ev) => { const i = rowAt($("big"), ev); if (i !== null) { state.token = i; ensureHead(); } });
     // the tutorial
     $("tut-prev").addEventListener("click", () => tutMove(-1));
@@ -1097,17 +1199,58 @@
     counter("count", $("text").value);
     counter("count-second", $("second").value);
     if (analyzeBody()) runAnalyze();  // its notes are worded by the server; the current view follows
-    else { renderTokens(); refreshView(); }
+    else { saveUrl(); renderTokens(); refreshView(); }
+  }
+
+  // ---- the address: the texts and the view, so a reload or a shared link restores them --------
+  // They live in the fragment (#text=…&view=…), which never reaches the server or its logs.
+  let written = "";
+  function saveUrl() {
+    const p = new URLSearchParams();
+    if (state.text) p.set("text", state.text);
+    if (state.second) p.set("second", state.second);
+    if (state.pair) p.set("pair", "1");
+    if (state.model) p.set("model", state.model);
+    if (state.focus !== null) p.set("focus", String(state.focus));
+    if (state.target !== null) p.set("target", String(state.target));
+    p.set("view", state.view);
+    if (state.view === "head") { p.set("layer", String(state.layer)); p.set("head", String(state.head)); }
+    p.set("lang", state.lang);
+    const fresh = !state.text && !state.second && state.view === "tutorial";  // nothing to restore: a bare address
+    const hash = fresh ? "" : `#${p.toString()}`;
+    if (hash === location.hash) return;
+    written = hash;
+    history.replaceState(null, "", hash || location.pathname + location.search);
+  }
+  /** The state the address names (before anything is drawn or asked). */
+  function restoreUrl() {
+    const p = new URLSearchParams(location.hash.slice(1));
+    const index = (k) => (/^\d{1,6}$/.test(p.get(k) || "") ? +p.get(k) : null);
+    const text = (k) => (p.get(k) || "").slice(0, LIMITS.max_chars);
+    state.text = text("text"); state.second = text("second"); state.pair = p.get("pair") === "1";
+    $("text").value = state.text; $("second").value = state.second; $("pair").checked = state.pair;
+    if (p.get("model")) state.model = p.get("model");  // kept only if the server offers it (loadModels)
+    if (state.text.trim()) { state.focus = index("focus"); state.target = index("target"); }
+    if (p.get("lang") in WORDS) { state.lang = p.get("lang"); document.body.dataset.lang = state.lang; }
+    if (VIEWS.includes(p.get("view"))) {
+      state.view = p.get("view");
+      state.switched = state.view !== "tutorial";  // the analysis does not move a restored view
+    }
+    if (index("layer") !== null && index("head") !== null) { state.layer = index("layer"); state.head = index("head"); }
+    written = location.hash;
   }
 
   // ---- start ---------------------------------------------------------------------------------
+  restoreUrl();
   applyWords();
   fillHeadControls();
   drawLegends();
-  counter("count", "");
-  counter("count-second", "");
+  counter("count", state.text);
+  counter("count-second", state.second);
   renderTokens();
   wire();
-  show("tutorial");
-  loadModels();
+  show(state.view);
+  loadModels().then(() => { if (analyzeBody()) runAnalyze(); });
+  // an address edited by hand, or a shared link opened in this tab: start again from it
+  window.addEventListener("hashchange", () => { if (location.hash !== written) location.reload(); });
 })();
