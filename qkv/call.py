@@ -470,8 +470,10 @@ def _check_attn_mask(attn_mask: Any, q: torch.Tensor, scores_shape: tuple[int, .
     return attn_mask
 
 
-def _check_key_padding(key_padding_mask: Any, q: torch.Tensor, want: tuple[int, ...]) -> None:
-    """A bool ``(..., Nk)`` tensor on the query's device."""
+def _check_key_padding(key_padding_mask: Any, q: torch.Tensor, want: tuple[int, ...]) -> torch.Tensor:
+    """A bool ``(..., Nk)`` tensor on the query's device; one flag for every key (a last dim of 1,
+    broadcast as any mask's) is spread to ``Nk`` flags, as the backends index them per key (a
+    copy: a few bools a batch entry, and compiled FlexAttention refuses a zero-stride buffer)."""
     if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
         got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
         raise TypeError(
@@ -483,11 +485,15 @@ def _check_key_padding(key_padding_mask: Any, q: torch.Tensor, want: tuple[int, 
             f"key_padding_mask is on {key_padding_mask.device} but query is on {q.device}; "
             "move it with key_padding_mask.to(query.device)"
         )
-    if not _fits(tuple(key_padding_mask.shape), want):
+    if key_padding_mask.dim() == 0 or not _fits(tuple(key_padding_mask.shape), want):
         raise ValueError(
             f"key_padding_mask of shape {_shape(key_padding_mask.shape)} should be (batch, key_len) = "
             f"{_shape(want)}: one flag per key, True where the key is real"
         )
+    if key_padding_mask.shape[-1] != want[-1]:
+        lead = tuple(key_padding_mask.shape[:-1])
+        key_padding_mask = key_padding_mask.reshape(*lead, 1).expand(*lead, want[-1]).contiguous()  # (..., Nk)
+    return key_padding_mask
 
 
 def _padding_from_mask(
@@ -549,7 +555,7 @@ def validate(
     elif attn_mask is not None:
         attn_mask = _check_attn_mask(attn_mask, q, (*batch, hq, nq, nk))
     if key_padding_mask is not None:
-        _check_key_padding(key_padding_mask, q, (*batch, nk))
+        key_padding_mask = _check_key_padding(key_padding_mask, q, (*batch, nk))
     attn_mask, key_padding_mask = _padding_from_mask(attn_mask, key_padding_mask, q, nk)
     if mask_mod is not None:
         attn_mask, block_sparse = _with_mask_mod(mask_mod, attn_mask, block_sparse, batch, hq, nq, nk, q.device)

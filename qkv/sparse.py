@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import math
 from typing import Any, Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -119,7 +120,7 @@ class BlockSparseMask:
     def to_string(self, max_blocks: int = 48) -> str:
         """An ASCII picture of the layout (█ computed, · skipped); large layouts are shown at a
         coarser grid where a cell is computed if any block under it is."""
-        lay = self.layout.reshape(-1, *self.layout.shape[-2:]).any(0).cpu()
+        lay = self.layout.flatten(0, -3).any(0).cpu() if self.layout.dim() > 2 else self.layout.cpu()
         step = max(1, -(-max(lay.shape) // max_blocks))
         if step > 1:
             r, c = -(-lay.shape[0] // step), -(-lay.shape[1] // step)
@@ -282,9 +283,15 @@ def _allowed(mask_mod: MaskMod, b: Tensor, h: Tensor, rows: Tensor, cols: Tensor
     if math.prod(shape) == 0:  # no pair to ask about
         return torch.zeros(shape, dtype=torch.bool, device=rows.device)
     out = call_elementwise(mask_mod, shape, b, h, rows, cols)
+    if isinstance(out, (bool, np.bool_)):  # a constant, as FlexAttention takes it: every pair, or none
+        out = torch.tensor(bool(out), device=rows.device)
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"mask_mod returned {type(out).__name__}; it must return a bool tensor (True = may attend) or a constant True/False"
+        )
     if out.dtype != torch.bool:
         raise TypeError(f"mask_mod returned {out.dtype} values; it must return bool (True = may attend)")
-    return out
+    return out.reshape((1,) * (len(shape) - out.dim()) + tuple(out.shape))  # (B|1, H|1, R|1, C|1), however few dims
 
 
 def from_mask_mod(

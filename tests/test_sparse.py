@@ -275,6 +275,31 @@ def test_empty_sizes_on_the_layout_path(shape):
             assert q.grad.shape == q.shape
 
 
+@pytest.mark.parametrize("nq, nk", [(0, 40), (40, 0), (0, 0)])
+def test_layouts_over_no_query_rows_or_no_keys(nq, nk):
+    """A layout with no blocks in one direction: described, densified, and walked (no rows to walk)."""
+    for layout in (sparse.from_dense(torch.ones(2, 1, nq, nk, dtype=torch.bool), 16),
+                   sparse.from_mask_mod(lambda b, h, i, j: i >= j, 2, 1, nq, nk, block_size=16)):  # fmt: skip
+        assert layout.to_string().startswith(f"{layout.name}: {nq}×{nk}") and layout.density == 0.0
+        assert layout.to_dense().shape[-2:] == (nq, nk)
+        q, k = torch.randn(2, 1, nq, 8, requires_grad=True), torch.randn(2, 1, nk, 8, requires_grad=True)
+        out, lse = qkv.attention(q, k, k, attn_mask=layout, backend="chunked", return_lse=True)
+        assert out.shape == (2, 1, nq, 8) and (out == 0).all() and torch.isneginf(lse).all()
+        out.sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and (k.grad == 0).all()
+
+
+@pytest.mark.parametrize("value", [True, False], ids=["True", "False"])
+def test_a_mask_function_returning_a_constant_is_every_pair_or_none(value):
+    """FlexAttention takes a mask_mod returning a Python bool (or a 0-d tensor, as its noop_mask)."""
+    for fn in (lambda b, h, i, j: value, lambda b, h, i, j: b.new_full((), value, dtype=torch.bool)):
+        layout = sparse.from_mask_mod(fn, 2, 3, 40, 50, block_size=16)
+        assert layout.layout.shape[-2:] == (3, 4) and bool(layout.layout.all()) is value  # (batch and heads broadcast)
+        assert torch.equal(layout.to_dense().expand(2, 3, 40, 50), torch.full((2, 3, 40, 50), value))
+    with pytest.raises(TypeError, match="mask_mod returned float; it must return a bool tensor"):
+        sparse.from_mask_mod(lambda b, h, i, j: 1.0, 2, 3, 40, 50)
+
+
 def test_nonfinite_inputs_follow_the_dense_mask_rule():
     layout = sparse.bigbird(96, 16, 1, 1, 1)
     q, k, v = (torch.randn(1, 2, 96, 8, requires_grad=True) for _ in range(3))

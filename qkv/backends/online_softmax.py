@@ -125,7 +125,7 @@ def _row_block(
                 exact = bool(torch.isneginf(m).any())
         else:
             p = units.exp_(s.sub_(m.unsqueeze(-1)))
-            if g == 1:
+            if g == 1 and dv:  # (view cannot infer -1 for Dv = 0, where there is nothing to add)
                 acc.view(-1, n, dv).baddbmm_(p.view(-1, n, k1 - k0), vb.flatten(0, 2))
             else:
                 acc += p @ vb

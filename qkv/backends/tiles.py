@@ -256,7 +256,7 @@ def layout_groups(call: AttentionCall) -> list[Selection]:
     0.31 and 0.31."""
     lay = call.grouped_layout()
     assert lay is not None
-    if lay[..., 0, 0].numel() == 1 or bool((lay == lay[:1, :1, :1]).all()):
+    if math.prod(lay.shape[:3]) == 1 or lay.numel() == 0 or bool((lay == lay[:1, :1, :1]).all()):  # (no block: Nq or Nk 0)
         return [None]
     return list(itertools.product(*(range(n) if n > 1 else (None,) for n in lay.shape[:3])))
 
@@ -288,7 +288,7 @@ def layout_rows(call: AttentionCall, split: bool = False, sel: Selection = None)
     assert lay is not None
     bq, bk = bs.block_size
     nq, nk, pm = call.nq, call.nk, call.positional
-    any_head = lay.reshape(-1, *lay.shape[-2:]).any(0).tolist()  # (Bq, Bk): one host sync
+    any_head = lay.flatten(0, -3).any(0).tolist()  # (Bq, Bk): one host sync (flatten: sizes may be 0)
     out: list[SparseRows] = []
     for i, row in enumerate(any_head):
         q0, q1 = i * bq, min(nq, (i + 1) * bq)

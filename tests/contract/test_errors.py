@@ -27,6 +27,8 @@ CASES = [
     ("mask dtype", lambda: qkv.attention(*qkv_((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), attn_mask=torch.ones(4, 4, dtype=torch.long)), TypeError, "bool mask"),
     ("padding float", lambda: qkv.attention(*qkv_((2, 2, 4, 8), (2, 2, 4, 8), (2, 2, 4, 8)), key_padding_mask=torch.ones(2, 4)), TypeError, "True = a real key"),
     ("padding shape", lambda: qkv.attention(*qkv_((2, 2, 4, 8), (2, 2, 5, 8), (2, 2, 5, 8)), key_padding_mask=torch.ones(2, 4, dtype=torch.bool)), ValueError, r"\(batch, key_len\) = \(2, 5\)"),
+    ("padding without a key dim", lambda: qkv.attention(*qkv_((2, 2, 4, 8), (2, 2, 5, 8), (2, 2, 5, 8)), key_padding_mask=torch.tensor(True)), ValueError, r"key_padding_mask of shape \(\) should be \(batch, key_len\)"),
+    ("mask_mod returning a number", lambda: qkv.attention(*qkv_((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), mask_mod=lambda b, h, i, j: 1), TypeError, "mask_mod returned int; it must return a bool tensor"),
     ("window", lambda: qkv.attention(*qkv_((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), window=(-2, 2)), ValueError, "non-negative"),
     ("window pair", lambda: qkv.attention(*qkv_((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), window=(1, 2, 3)), ValueError, "pair"),
     ("causal string", lambda: qkv.attention(*qkv_((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), is_causal="lower"), ValueError, "bottom_right"),
