@@ -42,6 +42,7 @@ from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.responses import HTMLResponse, Response  # noqa: E402
 from starlette.datastructures import Headers  # noqa: E402
 from starlette.exceptions import HTTPException  # noqa: E402
+from starlette.requests import Request  # noqa: E402
 
 __all__ = ["LOCAL_HOSTS", "MAX_BODY_BYTES", "Guard", "create_app", "host_name", "is_loopback", "machine_names",
            "page", "reachable_hosts"]
@@ -330,28 +331,28 @@ def create_app(studio: Studio, *, hosts: Sequence[str] = LOCAL_HOSTS, lang: str 
         return {"models": studio.models(), "default": studio.default, "limits": LIMITS}
 
     @app.post("/api/analyze")
-    def analyze(r: Analyze, request: fastapi.Request) -> Any:
+    def analyze(r: Analyze, request: Request) -> Any:
         request.state.lang = r.lang
         return studio.analyze(r.model, r.text, pair=r.pair, focus=r.focus, target=r.target, lang=r.lang)
 
     @app.post("/api/head")
-    def head(r: Head, request: fastapi.Request) -> Any:
+    def head(r: Head, request: Request) -> Any:
         request.state.lang = r.lang
         return studio.head(r.model, r.text, layer=r.layer, head=r.head, token=r.token, pair=r.pair, lang=r.lang)
 
     @app.post("/api/intervene")
-    def intervene(r: Intervene, request: fastapi.Request) -> Any:
+    def intervene(r: Intervene, request: Request) -> Any:
         request.state.lang = r.lang
         return studio.intervene(r.model, r.text, heads=r.heads, mode=r.mode, source=r.source, focus=r.focus,
                                 temperature=r.temperature, lang=r.lang)
 
     @app.post("/api/compare")
-    def compare(r: Compare, request: fastapi.Request) -> Any:
+    def compare(r: Compare, request: Request) -> Any:
         request.state.lang = r.lang
         return studio.compare(r.model, r.text, r.other, focus=r.focus, lang=r.lang)
 
     @app.get("/api/tutorial")
-    def tutorial(request: fastapi.Request, lang: Lang = "en") -> Any:
+    def tutorial(request: Request, lang: Lang = "en") -> Any:
         request.state.lang = lang
         return studio.tutorial(lang)
 
