@@ -34,7 +34,7 @@ import numpy as np
 from ..locale import Note, check_lang, messages, text
 from ..viz.pages import encode_weights
 
-__all__ = ["Studio", "StudioError", "LIMITS", "ModelSlot"]
+__all__ = ["Studio", "StudioError", "LIMITS", "ModelSlot", "page_words"]
 
 LIMITS = {"max_chars": 1000, "max_tokens": 128, "max_heads": 64}
 """What one request may ask: characters per text, word pieces per text (each view keeps
