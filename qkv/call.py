@@ -13,6 +13,7 @@ Backends receive tensors in the *grouped* layout ``(B, Hk, G, N, D)`` (keys and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -120,7 +121,15 @@ class AttentionCall:
     def requires_grad(self) -> bool:
         return torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (self.query, self.key, self.value, self.given_mask, self.sinks)
-        ) or (self.score_mod is not None and torch.is_grad_enabled() and bool(captured_tensors(self.score_mod)))
+        ) or (self.score_mod is not None and torch.is_grad_enabled() and bool(self.score_reads))
+
+    @functools.cached_property
+    def score_reads(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the score function reads that need gradients: a built-in's, or those a
+        Python callable reads when run once (:func:`~qkv.score_mods.base.captured_tensors`)."""
+        if self.score_mod is None:
+            return ()
+        return captured_tensors(self.score_mod, compute_dtype(self.dtype), self.device)
 
     @property
     def builtin_score(self) -> bool:
@@ -131,7 +140,8 @@ class AttentionCall:
         """The score function bound to this call's heads, lengths and causal alignment."""
         if self.score_mod is None:
             return None
-        return bind(self.score_mod, self.hq, self.group, self.nq, self.nk, self.alignment, compute_dtype(self.dtype))
+        reads = None if isinstance(self.score_mod, ScoreMod) else self.score_reads
+        return bind(self.score_mod, self.hq, self.group, self.nq, self.nk, self.alignment, compute_dtype(self.dtype), reads)
 
     @property
     def bool_mask(self) -> bool:
@@ -159,10 +169,10 @@ class AttentionCall:
 
     def score_tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors the score function reads: a built-in's (slopes, a table), or those a Python
-        callable captures that need gradients (what qkv can find of them)."""
+        callable reads that need gradients (:attr:`score_reads`)."""
         if isinstance(self.score_mod, ScoreMod):
             return tuple(self.score_mod.tensors())
-        return captured_tensors(self.score_mod) if self.score_mod is not None else ()
+        return self.score_reads
 
     def bias_bound(self) -> float:
         """The largest magnitude a built-in score function adds to a score (0 without one, and for

@@ -15,17 +15,16 @@ write ``torch.where(q_idx > kv_idx, ...)``.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import types
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["call_elementwise", "check_function", "per_element", "rebind", "runs_on_tiles"]
+__all__ = ["call_elementwise", "check_function", "per_element", "runs_on_tiles"]
 
 # How each function was found to run: True where calling it on broadcasting tiles gives what the
 # per-element call gives, False where it must be mapped. Keyed by a plain function's code (a
@@ -117,18 +116,23 @@ def _broadcasts(got: torch.Size, shape: torch.Size) -> bool:
         return False
 
 
-def call_elementwise(fn: Callable[..., Any], shape: torch.Size, *args: Tensor) -> Tensor:
+def call_elementwise(
+    fn: Callable[..., Any], shape: torch.Size, *args: Tensor, around: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None
+) -> Tensor:  # fmt: skip
     """``fn(*args)`` for arguments that broadcast to ``shape`` (a tile of scores, or of mask
     pairs), meaning what its per-element call means (see the module docstring). On a function's
     first call the tile result is compared with :func:`per_element` on the tile's corner. The
     result broadcasts to ``shape`` (its dtype the function's), except where the function fails
     per element too: then what it returned on the tile comes back for the caller to refuse, or
-    the per-element call's error is raised."""
+    the per-element call's error is raised. ``around(fn)``, where given, is what runs in
+    ``fn``'s place, on the tile or per element (a watch on what it reads); the way ``fn`` runs is
+    still remembered for ``fn``."""
+    run = fn if around is None else around(fn)
     verdict = _verdict(fn)
     if verdict is False:
-        return per_element(fn, shape, *args)
+        return per_element(run, shape, *args)
     try:
-        out = fn(*args)
+        out = run(*args)
     except _CALL_ERRORS:
         out = None
     fits = isinstance(out, Tensor) and _broadcasts(out.shape, shape)
@@ -137,7 +141,7 @@ def call_elementwise(fn: Callable[..., Any], shape: torch.Size, *args: Tensor) -
             _remember(fn, True)
         return out  # type: ignore[return-value]
     try:
-        mapped = per_element(fn, shape, *args)
+        mapped = per_element(run, shape, *args)
     except _CALL_ERRORS:
         if out is not None:
             return out  # wrong on tiles and per element: the caller says what is wrong with this result
@@ -145,42 +149,6 @@ def call_elementwise(fn: Callable[..., Any], shape: torch.Size, *args: Tensor) -
     if verdict is None:
         _remember(fn, False)
     return mapped
-
-
-def rebind(fn: Any, swap: dict[int, Tensor]) -> Any:
-    """A copy of ``fn`` that reads ``swap[id(t)]`` wherever it read tensor ``t`` — in its closure,
-    default arguments and the globals it names, a ``functools.partial``'s arguments, and nested
-    plain functions it captured — or None where ``fn`` is another kind of callable (a module, a
-    bound method, an object with ``__call__``), whose tensors cannot be swapped from outside."""
-    if isinstance(fn, functools.partial):
-        inner = rebind(fn.func, swap)
-        if inner is None:
-            return None
-        args = [swap.get(id(a), a) for a in fn.args]
-        return functools.partial(inner, *args, **{k: swap.get(id(a), a) for k, a in fn.keywords.items()})
-    if not isinstance(fn, types.FunctionType):
-        return None
-
-    def swapped(x: Any) -> Any:
-        if isinstance(x, Tensor):
-            return swap.get(id(x), x)
-        if isinstance(x, (types.FunctionType, functools.partial)):
-            return rebind(x, swap) or x
-        return x
-
-    cells = []
-    for cell in fn.__closure__ or ():
-        try:
-            cells.append(types.CellType(swapped(cell.cell_contents)))
-        except ValueError:  # an empty cell (a name assigned after the function was made)
-            cells.append(cell)
-    names = [n for n in fn.__code__.co_names if isinstance(fn.__globals__.get(n), Tensor) and id(fn.__globals__[n]) in swap]
-    glob = fn.__globals__ if not names else {**fn.__globals__, **{n: swap[id(fn.__globals__[n])] for n in names}}
-    defaults = None if fn.__defaults__ is None else tuple(swapped(d) for d in fn.__defaults__)
-    out = types.FunctionType(fn.__code__, glob, fn.__name__, defaults, tuple(cells) if fn.__closure__ else None)
-    out.__kwdefaults__ = None if fn.__kwdefaults__ is None else {k: swapped(d) for k, d in fn.__kwdefaults__.items()}
-    out.__qualname__ = fn.__qualname__
-    return out
 
 
 def runs_on_tiles(fn: Callable[..., Any], sizes: tuple[int, int, int, int], dtype: torch.dtype) -> bool:

@@ -38,7 +38,7 @@ import torch
 
 from .call import BackendName, check_sinks, check_tensor, compute_dtype
 from .masks.rules import Alignment, IsCausal, PositionalMask, parse_causal, parse_window
-from .score_mods.base import ScoreMod, captured_tensors, check_score_mod
+from .score_mods.base import ScoreMod, check_score_mod
 
 
 def _check_cu(name: str, cu: torch.Tensor, total: int, total_name: str) -> list[int]:
@@ -290,7 +290,7 @@ def _per_sequence(
 
         mod = score_mod
         if mod is not None and not isinstance(mod, ScoreMod):  # its batch index is the sequence's
-            mod = functools.partial(_sequence_score, score_mod, s, captured_tensors(score_mod))
+            mod = functools.partial(_sequence_score, score_mod, s)
         res = attention(
             qs, ks, vs, is_causal=is_causal, window=win, window_alignment=alignment,
             scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, backend=backend, score_mod=mod, sinks=sinks,
@@ -305,9 +305,8 @@ def _per_sequence(
     return out
 
 
-def _sequence_score(fn, seq: int, tensors, score, batch, head, q_idx, kv_idx):
-    """``fn`` called on sequence ``seq``'s tiles with that batch index; ``tensors`` (what ``fn``
-    reads that needs gradients) is there so that ``captured_tensors`` finds it on the partial."""
+def _sequence_score(fn, seq: int, score, batch, head, q_idx, kv_idx):
+    """``fn`` called on sequence ``seq``'s tiles with that batch index."""
     return fn(score, batch + seq, head, q_idx, kv_idx)
 
 

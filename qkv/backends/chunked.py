@@ -69,7 +69,6 @@ import torch
 from ..call import AttentionCall, compute_dtype
 from ..elementwise import runs_on_tiles
 from ..masks.tiles import MaskTiles
-from ..score_mods.base import captured_tensors
 from ..sinks import add_sinks, grouped_sinks
 from .base import Backend, follow_rule
 from .chunked_autograd import ChunkedAttention, scored_attention
@@ -97,7 +96,7 @@ class ChunkedBackend(Backend):
     def extra_reasons(self, call: AttentionCall) -> list[str]:
         if call.score_mod is None or call.builtin_score or torch._C._functorch.peek_interpreter_stack() is None:
             return []
-        if captured_tensors(call.score_mod):
+        if call.score_reads:
             return [
                 "under torch.func transforms (grad, jacrev, vmap) the tensors a Python score_mod reads cannot receive "
                 "gradients tile by tile; use loss.backward(), a built-in from qkv.score_mods, or backend='math'"

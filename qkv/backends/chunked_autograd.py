@@ -19,6 +19,7 @@ from ..call import accumulate_dtype
 from ..masks.tiles import MaskTiles
 from ..masks.rules import PositionalMask
 from ..score_mods.base import BoundScore, KernelForm
+from ..score_mods.reads import MissedReads
 from .base import half_to_float
 from .online_softmax import chunked_backward, chunked_forward, lse_from
 
@@ -216,5 +217,19 @@ class _ScoredAttention(torch.autograd.Function):
 
 @torch.compiler.disable  # a Python callable runs in eager mode: torch.compile breaks the graph here
 def scored_attention(q, k, v, tiles: MaskTiles, scale: float, plan: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse, _, _ = _ScoredAttention.apply(q, k, v, tiles, scale, plan, *tiles.score.tensors)  # type: ignore[union-attr]
-    return out, lse
+    """The tile loops with a Python score function. With gradients, every tile's reads are
+    watched (:mod:`qkv.score_mods.reads`): a tensor requiring grad that the call was not bound
+    with stops the forward, and the call runs again knowing it, so each receives its gradient."""
+    score = tiles.score
+    assert score is not None
+    if not torch.is_grad_enabled():
+        out, lse, _, _ = _ScoredAttention.apply(q, k, v, tiles, scale, plan)
+        return out, lse
+    known = score.tensors
+    while True:
+        watched = replace(tiles, score=score.watching(known))
+        try:
+            out, lse, _, _ = _ScoredAttention.apply(q, k, v, watched, scale, plan, *known)
+            return out, lse
+        except MissedReads as missed:
+            known = (*known, *missed.tensors)

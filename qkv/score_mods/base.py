@@ -27,15 +27,15 @@ an optional softcap followed by an optional bias that depends only on ``kv_idx -
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..elementwise import call_elementwise, check_function, rebind
+from ..elementwise import call_elementwise, check_function, per_element
 from ..masks.rules import Alignment, parse_alignment
+from .reads import MissedReads, Reads, probe_reads
 
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 """A score function as FlexAttention writes one: ``fn(score, batch, head, q_idx, kv_idx) -> score``."""
@@ -176,70 +176,18 @@ def check_score_mod(score_mod: Any) -> Optional[Any]:
     )  # fmt: skip
 
 
-def captured_tensors(fn: Any) -> tuple[Tensor, ...]:
+def captured_tensors(fn: Any, dtype: torch.dtype = torch.float32, device: Any = None) -> tuple[Tensor, ...]:
     """Tensors a score function reads that may need gradients: a built-in's own tensors; for a
-    plain function, the tensors in its closure, default arguments and the globals it names,
-    a ``functools.partial``'s arguments and a bound method's or ``nn.Module``'s attributes."""
+    Python callable, those it reads when called once on one element of ``dtype`` scores on
+    ``device`` (:func:`qkv.score_mods.reads.probe_reads`), however it reaches them. Tiles the
+    backends evaluate are watched too, so a read this probe could not see (a branch on a
+    tile's shape, say) still gets its gradient."""
     if isinstance(fn, ScoreMod):
         return tuple(t for t in fn.tensors() if t.requires_grad)
-    found: list[Tensor] = []
-    seen: set[int] = set()
-
-    def add(x: Any, depth: int = 0) -> None:
-        if isinstance(x, Tensor):
-            if x.requires_grad and id(x) not in seen:
-                seen.add(id(x))
-                found.append(x)
-        elif isinstance(x, torch.nn.Module):
-            for p in x.parameters():
-                add(p)
-        elif isinstance(x, (list, tuple)) and depth < 2:
-            for y in x:
-                add(y, depth + 1)
-        elif isinstance(x, dict) and depth < 2:
-            for y in x.values():
-                add(y, depth + 1)
-        elif isinstance(x, ScoreMod):
-            for t in x.tensors():
-                add(t)
-
-    def visit(f: Any, depth: int = 0) -> None:
-        if depth > 3:
-            return
-        if isinstance(f, functools.partial):
-            for a in (*f.args, *f.keywords.values()):
-                add(a)
-            visit(f.func, depth + 1)
-            return
-        if isinstance(f, torch.nn.Module):
-            add(f)
-        if inspect.ismethod(f):
-            add(f.__self__)
-            for v in vars(f.__self__).values() if hasattr(f.__self__, "__dict__") else ():
-                add(v)
-            f = f.__func__
-        code = getattr(f, "__code__", None)
-        for cell in getattr(f, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            add(value)
-            if inspect.isfunction(value) or isinstance(value, functools.partial):
-                visit(value, depth + 1)
-        for d in getattr(f, "__defaults__", None) or ():
-            add(d)
-        if code is not None:
-            g = getattr(f, "__globals__", {})
-            for name in code.co_names:
-                if name in g:
-                    add(g[name])
-        if not inspect.isfunction(f) and not inspect.ismethod(f) and hasattr(f, "__dict__"):
-            for v in vars(f).values():  # a callable object's attributes
-                add(v)
-
-    visit(fn)
-    return tuple(found)
+    score = torch.zeros((), dtype=dtype, device=device)
+    idx = tuple(torch.zeros((), dtype=torch.long, device=device) for _ in range(4))
+    one = torch.Size((1,))
+    return probe_reads(fn, (score, *idx), lambda watched: per_element(watched, one, *(t.reshape(1) for t in (score, *idx))))
 
 
 @dataclass(frozen=True)
@@ -254,25 +202,34 @@ class BoundScore:
     nq: int
     batch0: int = 0  # offsets of the current block in the full call's batch and key/value heads
     head0: int = 0
+    # a Python function: the tensors it holds, each read as the one in `tensors` at its place
+    # (a float32 upcast, a backward's leaf); empty where it reads `tensors` themselves
+    originals: tuple[Tensor, ...] = ()
+    watch: bool = False  # a Python function: a read requiring grad beyond these raises MissedReads
 
     def narrow(self, batch: slice, heads: slice) -> "BoundScore":
         return replace(self, batch0=self.batch0 + (batch.start or 0), head0=self.head0 + (heads.start or 0))
 
+    def watching(self, tensors: Sequence[Tensor]) -> "BoundScore":
+        """A Python function bound to read ``tensors`` (those it holds) and watched on every tile:
+        a tensor requiring grad that it reads beyond them raises :class:`MissedReads`."""
+        return replace(self, tensors=tuple(tensors), originals=(), watch=True)
+
     def with_tensors(self, tensors: Sequence[Tensor]) -> "BoundScore":
         """The same function reading ``tensors`` in place of its own: a built-in's ``rel``; for a
         Python function, ``tensors`` (16-bit ones upcast to float32, differentiably, so that
-        their gradients are summed in float32 as Flex sums them and rounded once) swapped into
-        its closure, defaults and globals (:func:`qkv.elementwise.rebind`), where it is a plain
-        function or a partial; :attr:`tensors` are then the upcast ones."""
+        their gradients are summed in float32 as Flex sums them and rounded once) read wherever
+        it reads the tensors it holds, however it reaches them (:class:`Reads` swaps them as
+        its torch operations receive them); :attr:`tensors` are then the upcast ones."""
         if not tensors:
             return self
         if self.form is None:
             with torch.enable_grad():  # the upcast is part of the graph, even inside a backward
                 read = tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors)
-            if all(r is o for r, o in zip(read, self.tensors)):  # the very tensors it reads already: nothing to swap
+            held = self.originals or self.tensors
+            if all(r is o for r, o in zip(read, held)):  # the very tensors it reads already: nothing to swap
                 return self
-            fn = rebind(self.fn, {id(o): r for o, r in zip(self.tensors, read)})
-            return self if fn is None else replace(self, fn=fn, tensors=read)
+            return replace(self, tensors=read, originals=held)
         if self.form.rel is None:
             return self
         return replace(self, form=KernelForm(self.form.softcap, tensors[0]), tensors=tuple(tensors))
@@ -304,8 +261,7 @@ class BoundScore:
         if self.form is not None:
             out = apply_form(self.form, s, head, q_idx, kv_idx, self.nq)
         else:
-            assert self.fn is not None
-            out = call_elementwise(self.fn, s.shape, s, batch, head, q_idx, kv_idx)
+            out = self._call(s, batch, head, q_idx, kv_idx)
         if not isinstance(out, Tensor):
             raise TypeError(f"score_mod returned {type(out).__name__}; it must return the new scores as a tensor")
         if out.shape != s.shape:
@@ -317,6 +273,20 @@ class BoundScore:
                     "return one score per (batch, head, query, key), e.g. score + bias[head, q_idx - kv_idx]"
                 ) from None
         return out.to(s.dtype) if out.dtype != s.dtype else out
+
+    def _call(self, s: Tensor, batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Any:
+        """The Python function on a tile, its reads swapped and watched where asked."""
+        assert self.fn is not None
+        held = self.originals or self.tensors
+        swap = {id(o): t for o, t in zip(self.originals, self.tensors) if o is not t}
+        if not (swap or self.watch) or torch.compiler.is_compiling():  # (a traced graph sees every read itself)
+            return call_elementwise(self.fn, s.shape, s, batch, head, q_idx, kv_idx)
+        seen = Reads(swap)
+        out = call_elementwise(self.fn, s.shape, s, batch, head, q_idx, kv_idx, around=seen.around)
+        missed = seen.missed(held) if self.watch else []
+        if missed:
+            raise MissedReads(missed)
+        return out
 
 
 def form_vjp(form: KernelForm, raw: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor, nq: int) -> tuple[Tensor, Callable[[Tensor], list[Tensor]]]:
@@ -345,15 +315,21 @@ def form_vjp(form: KernelForm, raw: Tensor, head: Tensor, q_idx: Tensor, kv_idx:
     return mod, chain
 
 
-def bind(score_mod: Any, heads: int, group: int, nq: int, nk: int, alignment: Alignment, dtype: torch.dtype) -> BoundScore:
-    """``score_mod`` for one call with ``heads`` query heads in groups of ``group``."""
+def bind(
+    score_mod: Any, heads: int, group: int, nq: int, nk: int, alignment: Alignment, dtype: torch.dtype,
+    reads: Optional[Sequence[Tensor]] = None,
+) -> BoundScore:  # fmt: skip
+    """``score_mod`` for one call with ``heads`` query heads in groups of ``group``, scores
+    computed in ``dtype``; ``reads``: what :func:`captured_tensors` found for a Python function
+    (found here when None)."""
     if isinstance(score_mod, ScoreMod):
         score_mod.check_heads(heads)
         form = score_mod.kernel_form(heads, nq, nk, alignment, dtype)
         rel = form.rel
         tensors = (rel,) if rel is not None and rel.requires_grad else ()
         return BoundScore(score_mod, form, tensors, group, nq)
-    return BoundScore(score_mod, None, captured_tensors(score_mod), group, nq)
+    found = captured_tensors(score_mod, dtype) if reads is None else tuple(reads)
+    return BoundScore(score_mod, None, found, group, nq)
 
 
 def alignment_arg(alignment: Any) -> Optional[Alignment]:
