@@ -119,6 +119,29 @@ def _kind(call: AttentionCall) -> tuple:
     return kind
 
 
+def _cpu_floats_per_vector() -> int:
+    """Floats in one vector register of the CPU kernels torch compiles (its ATen capability):
+    16 with AVX-512, 8 with AVX2 or 256-bit SVE, else taken as 4 (128-bit NEON, VSX)."""
+    cap = torch.backends.cpu.get_cpu_capability().upper()
+    return 16 if cap.startswith("AVX512") else 8 if cap in ("AVX2", "SVE256") else 4
+
+
+def _cpu_template_miscomputes(call: AttentionCall) -> bool:
+    """Would torch's compiled CPU FlexAttention kernel compute this call's scores wrong?
+
+    Its transposed micro-GEMM (``q·kᵀ`` in blocks of 16 keys) takes a shortcut for a block's
+    last keys when their count and the head dim are multiples of the CPU's vector and the head
+    dim is below 24, and that shortcut stores a whole 16-key block: past the last key it writes
+    whatever it read, over the next row's scores and the row maxima that follow the buffer. On a
+    CPU with 8-float vectors (AVX2) that is every call with ``Nk ≡ 8 (mod 16)`` and a head dim
+    of 8 or 16 (measured: 9 to 12 of 15 random calls wrong, errors up to 1.8, in float32 and
+    bfloat16; none at Nk ≡ 0 or a head dim of 20, 24, 32 or 64). AVX-512's 16-float vectors
+    never meet it. Seen in torch 2.13's ``CppMicroGemmFP32Vec`` (``GemmBlocking(1, 16, 1)``)."""
+    width = _cpu_floats_per_vector()
+    tail = call.nk % 16
+    return width < 16 and tail % width == 0 and tail != 0 and call.d % width == 0 and call.d < 24
+
+
 def _flat(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
     """``(..., H, N, D)`` → ``(B, H, N, D)``, the batch dims broadcast to ``batch`` and flattened
     (a view where the tensor already has them)."""
@@ -246,6 +269,12 @@ class FlexBackend(Backend):
                 reasons.append("compiled FlexAttention on the CPU does not return the lse")
             if call.dtype == torch.float64:
                 reasons.append("compiled FlexAttention on the CPU takes float32, float16 and bfloat16 only")
+            if _cpu_template_miscomputes(call):
+                reasons.append(
+                    f"torch's compiled CPU kernel computes wrong scores for {call.nk} keys (a last block of "
+                    f"{call.nk % 16}) with head dim {call.d} on this CPU's {_cpu_floats_per_vector()}-float vectors; "
+                    "backend='chunked' (or 'auto') runs the call"
+                )
         elif call.return_lse and call.requires_grad:
             reasons.append("return_lse=True with gradients: qkv does not route an lse gradient through FlexAttention")
         if call.batch_size * call.hq * call.nq * call.nk * call.d * call.dv == 0:

@@ -37,11 +37,11 @@ def _scaled(factor: float):
 
 
 def test_masks_alignments_gqa_and_value_dims():
-    q, k, _ = make_qkv(2, 4, 2, 40, 56, 16, seed=1)
-    v = torch.randn(2, 2, 56, 8)
+    q, k, _ = make_qkv(2, 4, 2, 40, 48, 16, seed=1)
+    v = torch.randn(2, 2, 48, 8)
     rel = lambda s, b, h, i, j: s + 0.05 * (i - j) * (h + 1)  # noqa: E731
     _check(q, k, v, is_causal="bottom_right", window=(12, None), enable_gqa=True, score_mod=rel)
-    kp = torch.rand(2, 56, generator=torch.Generator().manual_seed(2)) > 0.3
+    kp = torch.rand(2, 48, generator=torch.Generator().manual_seed(2)) > 0.3
     _check(q, k, v, key_padding_mask=kp, window=(5, 5), window_alignment="top_left", enable_gqa=True,
            score_mod=ALiBi(alibi_slopes(4)))  # fmt: skip
 
@@ -74,10 +74,10 @@ def test_mask_functions_and_flex_block_masks():
 
 @pytest.mark.slow
 def test_batch_dims_and_16_bit_inputs():
-    q = torch.randn(2, 3, 4, 24, 16).to(torch.bfloat16)  # two batch dims
-    k = torch.randn(1, 3, 4, 24, 16).to(torch.bfloat16)  # broadcast over the first
-    v = torch.randn(2, 3, 4, 24, 16).to(torch.bfloat16)
-    bias = torch.randn(24)
+    q = torch.randn(2, 3, 4, 32, 16).to(torch.bfloat16)  # two batch dims
+    k = torch.randn(1, 3, 4, 32, 16).to(torch.bfloat16)  # broadcast over the first
+    v = torch.randn(2, 3, 4, 32, 16).to(torch.bfloat16)
+    bias = torch.randn(32)
     _check(q, k, v, torch.bfloat16, is_causal=True, score_mod=lambda s, b, h, i, j: s + bias[j])
 
 
@@ -94,6 +94,29 @@ def test_what_it_declines_on_the_cpu_and_why(monkeypatch):
         qkv.attention(qg, k, v, backend="flex")
     monkeypatch.setenv(flex.COMPILE_ENV, "0")
     assert "compilation is off" in reasons()
+
+
+@pytest.mark.parametrize("width", [16, 8, 4])
+def test_it_declines_the_shapes_torchs_cpu_kernel_computes_wrong(monkeypatch, width):
+    """torch's compiled CPU kernel stores a whole 16-key block for a last block of keys whose
+    count and head dim are multiples of the CPU's vector (head dim < 24): on 8-float vectors
+    (AVX2), Nk ≡ 8 (mod 16) with head dim 8 or 16 gave wrong rows in most runs. flex declines
+    those calls, by name, for the vector width this CPU has; auto answers them on chunked."""
+    monkeypatch.setattr(flex, "_cpu_floats_per_vector", lambda: width)
+    cases = {(24, 16): width < 16, (56, 8): width < 16, (20, 16): width == 4, (48, 16): False, (24, 32): False, (24, 20): width == 4}
+    for (nk, d), declined in cases.items():
+        q, k, v = make_qkv(1, 2, 2, 16, nk, d, seed=8)
+        why = " ".join(FLEX.not_supported_reasons(validate(q, k, v)))
+        assert ("computes wrong scores" in why) == declined, (nk, d, width, why)
+    q, k, v = make_qkv(1, 2, 2, 24, 24, 16, seed=9)
+    if width < 16:
+        with pytest.raises(BackendError, match=f"wrong scores for 24 keys .* head dim 16 on this CPU's {width}-float vectors"):
+            qkv.attention(q, k, v, backend="flex")
+    monkeypatch.undo()  # this CPU's own width: auto takes flex only where its kernel is right
+    monkeypatch.setattr(dispatch, "FLEX_CPU_MIN_SCORES", 1)
+    fn = lambda s, b, h, i, j: s * 0.5  # noqa: E731
+    out = qkv.attention(q, k, v, score_mod=fn)
+    assert max_err(out, qkv.attention_ref(q, k, v, score_mod=fn)) < 1e-5
 
 
 def test_auto_takes_flex_for_a_python_score_function_without_gradients(monkeypatch):
@@ -115,7 +138,7 @@ def test_auto_takes_flex_for_a_python_score_function_without_gradients(monkeypat
 
 
 def test_a_loop_compiles_once_and_a_compiler_error_steps_aside(monkeypatch, caplog):
-    q, k, v = make_qkv(1, 2, 2, 24, 24, 16, seed=7)
+    q, k, v = make_qkv(1, 2, 2, 32, 32, 16, seed=7)
     before = len(flex.compile_log())
     for step in range(3):  # a function made anew each step, with the same code: one kernel
         qkv.attention(q, k, v, backend="flex", score_mod=_scaled(step + 1.0))
@@ -143,7 +166,7 @@ def test_a_loop_compiles_once_and_a_compiler_error_steps_aside(monkeypatch, capl
 def test_qkv_info_reports_the_compile_time():
     from qkv.info import compile_flex, report
 
-    q, k, v = make_qkv(1, 2, 2, 24, 24, 16)
+    q, k, v = make_qkv(1, 2, 2, 32, 32, 16)
     call = validate(q, k, v, score_mod=_scaled(0.5))  # the loop's kind of call: compiled once per worker
     assert "flex ran the call in" in compile_flex(call)
     assert "FlexAttention compiled for" in report(call) and "first calls (compilation included)" in report(call)
@@ -153,8 +176,8 @@ def test_qkv_info_reports_the_compile_time():
 def test_qkv_info_command_describes_a_score_function_and_times_its_compile(capsys):
     from qkv.cli import main
 
-    assert main(["info", "--shape", "1,2,24,16", "--score-mod", "python", "--compile"]) == 0
+    assert main(["info", "--shape", "1,2,32,16", "--score-mod", "python", "--compile"]) == 0
     out = capsys.readouterr().out
     assert "flex ran the call in" in out and "score_mod=<lambda>" in out and "flex     can run it" in out
-    assert main(["info", "--shape", "1,2,24,16", "--score-mod", "alibi", "--dtype", "float64", "--compile"]) == 0
+    assert main(["info", "--shape", "1,2,32,16", "--score-mod", "alibi", "--dtype", "float64", "--compile"]) == 0
     assert "flex cannot run this call: compiled FlexAttention on the CPU takes float32" in capsys.readouterr().out
