@@ -22,7 +22,10 @@ def add_parser(sub: Any) -> None:
         description="Each experiment measures one claim (the √d_k scaling, causal masking, cost against "
         "sequence length, cross-attention, parallelism, path length, head roles, tied query/key projections, "
         "block-sparse and linear attention) and writes PNG figures, a CSV and a report section "
-        "whose verdict is computed from the numbers.",
+        "whose verdict is computed from the numbers: held, not shown (a quick run too small for a part, or a "
+        "timed effect within this machine's noise, with the numbers), or DID NOT HOLD (a measurement that "
+        "contradicts the claim beyond its noise). The exit status is 0 when every experiment ran, whatever "
+        "the verdicts.",
     )
     ex = p.add_subparsers(dest="experiments_command", metavar="{list,run}")
     ex.required = True

@@ -147,6 +147,8 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     rows = [[n, times["math"][i], times["chunked"][i], mem["math"][i], mem["chunked"][i], flops[i]] for i, n in enumerate(ns)]
     write_csv(out / "cost.csv", ["N", "time_math_s", "time_chunked_s", "largest_tensor_math_bytes",
                                  "largest_tensor_chunked_bytes", "matmul_flops"], rows)
+    write_csv(out / "cost_rounds.csv", ["backend", "N", "round", "time_s"],
+              [[k, n, r, t] for (k, n), ts in timings.samples.items() for r, t in enumerate(ts)])
     load = f"load average {fmt(load_before)} → {fmt(load_after)} on {cores()} cores" if load_before is not None else f"{cores()} cores"
     result = (
         f"Matrix-product FLOPs (counted on the math path) grow as N^{f_exp:.2f} ({fmt(flops[-1])} at N = {ns[-1]}). "

@@ -125,7 +125,7 @@ def _figure(out: Path, ns_count: List[int], steps: dict, ns_time: List[int], bes
               title="Longest chain of dependent operations (exact)")
     for name in ("attention", "GRU", "LSTM", "torch GRU", "torch LSTM"):
         ax[1].loglog(ns_time, [1e3 * best[(name, n)] for n in ns_time], "o-" if "torch" not in name else "s--",
-                     color=colors[name], label=name + (" (fused)" if "torch" in name else ""))
+                     color=colors[name], label=name.replace("torch ", "torch nn.") if "torch" in name else name)
     ax[1].set(xlabel="sequence length n (positions)", ylabel="forward CPU time, 1 thread, min of rounds (ms)",
               title="Time where a step's arithmetic is small (batch 1, width 64)")
     label_lengths([ax[0]], ns_count)
@@ -141,7 +141,7 @@ def _setup_text(b: int, d: int, ns_count: List[int], ns_time: List[int], repeats
         "`torch.no_grad()`. Sequential steps: the longest chain of dependent torch operations, counted through a "
         "TorchDispatchMode (attention on its math path, so that every operation is seen), and matrix-product FLOPs "
         f"counted by torch's FlopCounterMode, at n = {', '.join(map(str, ns_count))}: exact, the same on any machine. "
-        f"Time: attention on the path qkv picks, the two step-by-step RNNs, and torch's fused `nn.GRU` and "
+        f"Time: attention on the path qkv picks, the two step-by-step RNNs, and torch's own `nn.GRU` and "
         f"`nn.LSTM` for comparison, at n = {', '.join(map(str, ns_time))}; one intra-op thread, the thread's CPU time, "
         f"{repeats} interleaved rounds after a warm-up, the minimum of each. Verdict: attention's steps equal at every "
         "n and each RNN's a fixed number per position (exact); and each RNN's time growth from the smallest to the "
@@ -160,7 +160,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     b, d = 1, 64
     ns_count = [8, 32, 128] if quick else [8, 16, 32, 64, 128, 256, 512]
     ns_time = [8, 32, 128] if quick else [8, 16, 32, 64, 128]
-    repeats = 9
+    repeats = 15  # a round is ~50 ms: many rounds make each minimum, and so the noise estimate, steady
     models = _models(d)
     timed = ("attention", "GRU", "LSTM", "torch GRU", "torch LSTM")
     bar = Progress(1 + repeats, "parallel")
@@ -210,7 +210,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
         f"(×{grow['attention'][0]:.2f}), GRU {1e3 * best[('GRU', lo)]:.2f} → {1e3 * best[('GRU', hi)]:.2f} ms "
         f"(×{grow['GRU'][0]:.2f}), LSTM {1e3 * best[('LSTM', lo)]:.2f} → {1e3 * best[('LSTM', hi)]:.2f} ms "
         f"(×{grow['LSTM'][0]:.2f}): the RNNs' growth is {time_ratio['GRU'][0]:.1f}× and {time_ratio['LSTM'][0]:.1f}× "
-        f"attention's (noise ±{time_ratio['GRU'][1]:.1f} and ±{time_ratio['LSTM'][1]:.1f}). torch's fused layers, for "
+        f"attention's (noise ±{time_ratio['GRU'][1]:.1f} and ±{time_ratio['LSTM'][1]:.1f}). torch's own layers, for "
         f"comparison: nn.GRU ×{grow['torch GRU'][0]:.2f} ({per_step_us('torch GRU'):.1f} µs per step), nn.LSTM "
         f"×{grow['torch LSTM'][0]:.2f} ({per_step_us('torch LSTM'):.1f} µs per step: oneDNN runs all n steps inside "
         "one call, so on a CPU a step costs only its arithmetic)."

@@ -224,6 +224,7 @@ def run(out: Path, quick: bool = False, seed: int = 0) -> Result:
     _figure(ns, plt, tasks, out, dens, actual, names, steps, times, acc)
 
     rows: list[list[Any]] = [["time_s", n, nm, actual[(n, nm)], times[(n, nm)]] for n in ns for nm in ["dense"] + names]
+    rows += [[f"time_s_round_{r}", n, nm, actual[(n, nm)], t] for (n, nm), ts in timings.samples.items() for r, t in enumerate(ts)]
     rows += [["largest_tensor_bytes", ns[0], nm, actual[(ns[0], nm)], b] for nm, b in mem.items()]
     rows += [["accuracy", 64, p, t, a] for p in PATTERNS for t, a in zip(tasks, acc[p])]
     write_csv(out / "sparse.csv", ["measure", "n", "case", "density_or_task", "value"], rows)

@@ -1,4 +1,6 @@
-"""The experiments run end to end with ``--quick`` settings and their claims hold.
+"""The experiments run end to end with ``--quick`` settings: their counts and seeded training
+results hold, and each timed verdict follows its numbers (timings themselves are not asserted: a
+busy machine changes them; ``test_judge.py`` tests the verdict rules on synthetic timings).
 
 Each quick run is seconds on two cores; the training ones use the same settings the CLI's
 ``--quick`` uses. Reproducibility is checked on the deterministic experiments by running twice.
@@ -200,7 +202,7 @@ def test_favor_converges_only_on_flat_scores_and_timings_are_judged(tmp_path: Pa
     assert wide[-1] > 0.5 and wide[-1] > 4 * errs[-1]  # spread scores: many features still miss
     assert m["acc"]["softmax"][0] > 0.9 and m["gaps"]["elu"] < 0.05 and m["gaps"]["favor"] < 0.05
     # quick sizes: no associative recall, and that comparison is reported as not shown, not failed
-    assert m["ns"][-1] == 2048 and m["tasks"] == ["back1"] and m["assoc_gaps"] == {}
+    assert m["ns"][-1] == 4096 and m["tasks"] == ["back1"] and m["assoc_gaps"] == {}
     assert any(x.startswith("800 training steps") for x in r.not_shown)
     assert m["favor_converges"] and m["quality_kept"]
     assert r.held == bool(m["linear_scales"] and m["favor_converges"] and m["quality_kept"])
