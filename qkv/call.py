@@ -126,8 +126,9 @@ class AttentionCall:
     @functools.cached_property
     def score_reads(self) -> tuple[torch.Tensor, ...]:
         """The tensors the score function reads that need gradients: a built-in's, or those a
-        Python callable reads when run once (:func:`~qkv.score_mods.base.captured_tensors`)."""
-        if self.score_mod is None:
+        Python callable reads when run once (:func:`~qkv.score_mods.base.captured_tensors`);
+        none without gradients, which are all they are found for."""
+        if self.score_mod is None or not torch.is_grad_enabled():
             return ()
         return captured_tensors(self.score_mod, compute_dtype(self.dtype), self.device)
 
