@@ -197,7 +197,8 @@ def attention(
         if out is not None:
             mask = attn_mask if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point() else None
             out = guard(query, key, value, out, mask=mask)[0]
-            if not (overflow.may_check(out) and overflow.nonfinite_result(out)):
+            # (a default scale is at most 1, which the bound takes as 1)
+            if not overflow.suspect(out, query, key, value, scale=1.0 if scale is None else scale, mask=mask):
                 return out  # (else the call goes the whole way below, which answers an overflow exactly)
     call = validate(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window=window, window_alignment=window_alignment,
@@ -213,7 +214,7 @@ def _run(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Optional[torc
     float64 where float32 scores would overflow (:mod:`qkv.overflow`)."""
     # (may_check first: off the CPU the bias bound would cost a host sync, and nothing is checked)
     if call.requires_grad and overflow.may_check(call.query) and overflow.scores_may_overflow(
-        call.query, call.key, call.scale, call.bias_bound()
+        call.query, call.key, call.scale, overflow.largest_finite(_bias64(call))
     ):
         return _in_float64(call, backend)  # a backward may overflow where the forward does not
     result = run(call, backend)
@@ -237,7 +238,14 @@ def _exact_beyond_float32(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(out, lse)``, or the float64 answer where float32 scores overflowed (:mod:`qkv.overflow`:
     ``auto`` returns it, a named backend raises BackendError)."""
-    if not overflow.suspect(out, call.query, call.key, call.value, call.score_tensors()):
+    seen = overflow.symptoms(out) if call.dtype != torch.float64 and overflow.may_check(out) else None
+    if not seen:  # the common case: one reduction over the output
+        return out, lse
+    mask = call.given_mask if call.given_mask is not None and call.given_mask.is_floating_point() else None
+    others = () if call.builtin_score else call.score_tensors()
+    if not overflow.suspect(
+        out, call.query, call.key, call.value, others, bias=_bias64(call), scale=call.scale, mask=mask, seen=seen
+    ):
         return out, lse
     exact, exact_lse = _in_float64(call, "auto")
     if backend != "auto":
@@ -245,6 +253,15 @@ def _exact_beyond_float32(
             _in_float64(call, backend)  # raises: a named backend refuses
         return out, lse
     return exact, exact_lse
+
+
+def _bias64(call: AttentionCall) -> Optional[torch.Tensor]:
+    """A built-in score function's bias ``rel (Hq, L)`` computed in float64 (where finite slopes
+    or tables stay finite, and a non-finite one marks its head for the non-finite rule), else None."""
+    if not isinstance(call.score_mod, ScoreMod):
+        return None
+    rel = call.score_mod.kernel_form(call.hq, call.nq, call.nk, call.alignment, torch.float64).rel
+    return None if rel is None else rel.detach()
 
 
 def attention_weights(

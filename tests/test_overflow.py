@@ -11,9 +11,9 @@ import torch
 import qkv
 from qkv.inspect import attention_with_stats
 from qkv.reference import attention_ref
-from qkv.score_mods import ALiBi
+from qkv.score_mods import ALiBi, RelativeBias
 
-from .helpers import FLOOR
+from .helpers import DEVICE, FLOOR
 
 F32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -185,3 +185,117 @@ def test_sdpa_refuses_gradients_whose_recomputed_weights_drift(dtype, scale):
             assert torch.allclose(t.grad.double(), r.grad, rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # without gradients the forward alone runs, and is exact
         qkv.attention(q, k, v, scale=scale, backend="sdpa")
+
+
+# ---- a row is empty because its masks leave it no key, never because its scores overflowed ----
+
+ROUNDS_TO_MINUS_INF = dict(  # every float32 score of the row is below -3.4e38: the oracle gives [1, 0]
+    q=[[[[1e20, 0.0]]]], k=[[[[-1e20, 0.0], [-2e20, 0.0]]]], v=[[[[1.0, 0.0], [0.0, 1.0]]]]
+)
+
+
+def _rounding_row(dtype=torch.float32, grad=False):
+    return [torch.tensor(ROUNDS_TO_MINUS_INF[n], dtype=dtype).requires_grad_(grad) for n in "qkv"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_whose_every_score_rounds_to_minus_inf_is_answered_not_emptied(dtype):
+    q, k, v = _rounding_row(dtype)
+    ref_out, ref_lse = _ref(q, k, v)
+    assert np.array_equal(ref_out.ravel(), [1.0, 0.0]) and ref_lse.ravel()[0] < -F32_MAX
+    assert torch.equal(qkv.attention(q, k, v).float(), torch.tensor([[[[1.0, 0.0]]]]))  # the fast path (torch SDPA gave 0)
+    out, lse = qkv.attention(q, k, v, return_lse=True)  # the lse lies beyond float32's range: -inf, as any overflow
+    assert torch.equal(out.float(), torch.tensor([[[[1.0, 0.0]]]])) and torch.isneginf(lse).all()
+    kp = torch.tensor([[True, True], [False, True], [False, False]])  # the last batch entry is empty by its mask
+    out = qkv.attention(q.expand(3, 1, 1, 2), k.expand(3, 1, 2, 2), v.expand(3, 1, 2, 2), key_padding_mask=kp)
+    assert torch.equal(out[:, 0, 0].float(), torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+    qs, ks, vs = (t * s for t, s in zip(_rounding_row(dtype), (0.1, 0.1, 1.0)))  # scores of -7e37 and -1.4e38 ...
+    qs = qs.expand(1, 1, 2, 2)
+    mask = torch.tensor([[-3e38, -3e38], [-3e38, float("-inf")]])  # ... that a float mask's -3e38 carries past float32
+    assert np.array_equal(_ref(qs, ks, vs, attn_mask=mask)[0].ravel(), [1.0, 0.0, 1.0, 0.0])
+    assert torch.equal(qkv.attention(qs, ks, vs, attn_mask=mask).float(), torch.tensor([[[[1.0, 0.0], [1.0, 0.0]]]]))
+    with pytest.raises(qkv.BackendError, match="rounds to -inf"):
+        qkv.attention(qs, ks, vs, attn_mask=mask, backend="math")
+    g = torch.Generator().manual_seed(0)  # a decoding call: one row against 600 keys (the CPU decoding kernel)
+    q = torch.zeros(1, 1, 1, 8).index_fill(-1, torch.tensor([0]), 1e20).to(dtype)
+    k = torch.zeros(1, 1, 600, 8)
+    k[..., 0] = -1e20 * (1 + torch.rand(1, 1, 600, generator=g))  # every score between -2e40 and -1e40
+    k, v = k.to(dtype), torch.randn(1, 1, 600, 8, generator=g).to(dtype)
+    ref_out, _ = _ref(q, k, v)
+    for backend in ("auto", "chunked"):
+        if backend == "auto":
+            assert torch.equal(qkv.attention(q, k, v).double(), torch.from_numpy(ref_out).to(dtype).double())
+        else:
+            with pytest.raises(qkv.BackendError, match="rounds to -inf"):
+                qkv.attention(q, k, v, backend=backend)
+
+
+def test_gradients_of_a_row_whose_scores_round_to_minus_inf():
+    """With gradients the bound is checked before the call runs (also at a small scale, where the
+    products q·k, which the C tiles compute before the scale, overflow and the scores do not)."""
+    for scale in (None, 1e-10):
+        q, k, v = _rounding_row(grad=True)
+        out = qkv.attention(q, k, v, scale=scale)
+        assert torch.equal(out.detach(), torch.tensor([[[[1.0, 0.0]]]]))
+        (out * torch.tensor([2.0, 3.0])).sum().backward()
+        assert torch.equal(v.grad, torch.tensor([[[[2.0, 3.0], [0.0, 0.0]]]])), scale  # all the weight on the first key
+        assert torch.equal(q.grad, torch.zeros_like(q)) and torch.equal(k.grad, torch.zeros_like(k))  # one-hot weights
+
+
+@pytest.mark.parametrize("backend", ["math", "chunked", "sdpa", "triton"])
+def test_a_named_backend_refuses_a_row_whose_scores_round_to_minus_inf(backend):
+    q, k, v = (t.to(DEVICE) if backend == "triton" else t for t in _rounding_row())
+    if backend == "triton" and DEVICE != "cpu":
+        pytest.skip("on a GPU nothing is read back: the kernels' rows are returned as computed")
+    for grad in (False, True):
+        with pytest.raises(qkv.BackendError, match=r"an empty row of zeros where every score rounds to -inf.*backend='auto'"):
+            qkv.attention(*(t.clone().requires_grad_(grad) for t in (q, k, v)), backend=backend)
+
+
+def test_rows_empty_by_their_masks_stay_empty_beside_huge_scores():
+    """Huge scores and a masked row: float64 agrees the row is empty, so a named backend answers."""
+    q, k, v = _inputs(torch.float32, sigma=1e18)  # scores up to ~1e37: past the bound, not past float32
+    mask = torch.ones(5, 7, dtype=torch.bool)
+    mask[2] = False
+    ref_out, _ = _ref(q, k, v, attn_mask=mask)
+    for backend in ("auto", "math", "chunked", "sdpa"):
+        out = qkv.attention(q, k, v, attn_mask=mask, backend=backend)
+        assert (out[:, :, 2] == 0).all() and np.abs(out.double().numpy() - ref_out).max() < 1e-6, backend
+
+
+# ---- one bad head: the non-finite rule marks it, the others are answered exactly ----
+
+BAD_HEAD = {
+    "ALiBi slope NaN": (lambda dt: ALiBi(torch.tensor([float("nan"), 0.5, 0.25], dtype=dt)), 0),
+    "ALiBi slope inf": (lambda dt: ALiBi(torch.tensor([0.5, float("inf"), 0.25], dtype=dt)), 1),
+    "RelativeBias entry NaN": (lambda dt: RelativeBias(_table(dt, bad=(1, 2))), 2),  # bucket 1: offset 1, reached
+    "RelativeBias entry NaN, not reached": (lambda dt: RelativeBias(_table(dt, bad=(30, 0))), None),
+}
+
+
+def _table(dtype, bad):
+    table = torch.linspace(-1, 1, 32 * 3, dtype=torch.float64).reshape(32, 3).to(dtype)
+    table[bad] = float("nan")
+    return table
+
+
+@pytest.mark.parametrize("case", list(BAD_HEAD), ids=list(BAD_HEAD))
+def test_one_bad_head_beside_overflowing_scores_leaves_the_others_exact(case):
+    make, bad = BAD_HEAD[case]
+    q, k, v = _inputs(torch.float32, hq=3, hk=3)
+    ref_out, _ = _ref(q, k, v, scale=3e38, score_mod=make(torch.float64))
+    nan_heads = np.isnan(ref_out).any(axis=(-1, -2))[0]
+    assert nan_heads.tolist() == [h == bad for h in range(3)]  # the rule's NaN: the bad head whole, no other
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    for grad in (False, True):
+        out = qkv.attention(*(leaves if grad else (q, k, v)), scale=3e38, score_mod=make(torch.float32))
+        got = out.detach().double().numpy()
+        assert np.array_equal(np.isnan(got).any(axis=(-1, -2))[0], nan_heads)
+        good = ~nan_heads
+        assert np.abs(got[0, good] - ref_out[0, good]).max() < 1e-6
+    (out[0, good] * torch.randn(out[0, good].shape)).sum().backward()
+    for t in leaves[1:]:  # each head reads its own keys and values
+        assert torch.isfinite(t.grad[0, good]).all()
+    for backend in ("math", "chunked"):
+        with pytest.raises(qkv.BackendError, match="leave float32's range"):
+            qkv.attention(q, k, v, scale=3e38, score_mod=make(torch.float32), backend=backend)
