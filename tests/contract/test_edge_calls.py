@@ -91,10 +91,11 @@ def test_an_edge_call_answers_or_is_refused_by_name(case, backend):
         assert out.shape == ref.shape
         err = float(np.abs(out.detach().double().cpu().numpy() - ref).max()) if ref.size else 0.0
         print(f"{case} on {backend}, gradients {grad}: max error {err:.2e}")
-        assert err < 1e-5
+        assert err <= 1e-5 * max(1.0, float(np.abs(ref).max())) if ref.size else True
         if grad:
             assert out.requires_grad, "an empty output of a differentiable call keeps its graph"
             (out * _weights(out.shape, out.dtype).to(dev)).sum().backward()
             for name, t, r in zip("qkv", leaves, ref_grads):
                 assert t.grad is not None and t.grad.shape == t.shape, name
-                assert float((t.grad.double().cpu() - r).abs().max()) < 1e-5 if r.numel() else True, name
+                if r.numel():  # float32 rounding of gradients of size ~1-10: relative to their scale
+                    assert float((t.grad.double().cpu() - r).abs().max()) <= 1e-5 * max(1.0, float(r.abs().max())), name
