@@ -175,15 +175,6 @@ class AttentionCall:
             return tuple(self.score_mod.tensors())
         return self.score_reads
 
-    def bias_bound(self) -> float:
-        """The largest magnitude a built-in score function adds to a score (0 without one, and for
-        a Python callable, which qkv cannot bound); read from the call's bound bias."""
-        bound = self.bound_score() if self.score_mod is not None and self.builtin_score else None
-        rel = None if bound is None or bound.form is None else bound.form.rel
-        if rel is None or rel.numel() == 0:
-            return 0.0
-        return float(torch.linalg.vector_norm(rel.detach(), float("inf")))
-
     def in_float64(self) -> "AttentionCall":
         """The same call on float64 copies of its float tensors (differentiable: gradients flow
         back to the originals in their own dtypes); a score function's tensors follow, since it

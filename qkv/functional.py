@@ -238,14 +238,7 @@ def _exact_beyond_float32(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(out, lse)``, or the float64 answer where float32 scores overflowed (:mod:`qkv.overflow`:
     ``auto`` returns it, a named backend raises BackendError)."""
-    seen = overflow.symptoms(out) if call.dtype != torch.float64 and overflow.may_check(out) else None
-    if not seen:  # the common case: one reduction over the output
-        return out, lse
-    mask = call.given_mask if call.given_mask is not None and call.given_mask.is_floating_point() else None
-    others = () if call.builtin_score else call.score_tensors()
-    if not overflow.suspect(
-        out, call.query, call.key, call.value, others, bias=_bias64(call), scale=call.scale, mask=mask, seen=seen
-    ):
+    if not overflowed_float32(call, out):
         return out, lse
     exact, exact_lse = _in_float64(call, "auto")
     if backend != "auto":
@@ -253,6 +246,19 @@ def _exact_beyond_float32(
             _in_float64(call, backend)  # raises: a named backend refuses
         return out, lse
     return exact, exact_lse
+
+
+def overflowed_float32(call: AttentionCall, out: torch.Tensor) -> bool:
+    """Should ``call``, whose output ``out`` a backend computed, be answered in float64 instead
+    (:mod:`qkv.overflow`): a non-finite value outside the non-finite rule's rows, or a row of
+    zeros where scores may have rounded to ``-inf``? One reduction over ``out`` in the common
+    case; False off the CPU, under ``torch.compile`` and ``vmap``, and for float64 calls."""
+    seen = overflow.symptoms(out) if call.dtype != torch.float64 and overflow.may_check(out) else None
+    if not seen:  # the common case: one reduction over the output
+        return False
+    mask = call.given_mask if call.given_mask is not None and call.given_mask.is_floating_point() else None
+    others = () if call.builtin_score else call.score_tensors()
+    return overflow.suspect(out, call.query, call.key, call.value, others, bias=_bias64(call), scale=call.scale, mask=mask, seen=seen)
 
 
 def _bias64(call: AttentionCall) -> Optional[torch.Tensor]:
@@ -290,4 +296,4 @@ def attention_weights(
     return BACKENDS["math"].weights(call)  # type: ignore[attr-defined]
 
 
-__all__ = ["attention", "attention_weights"]
+__all__ = ["attention", "attention_weights", "overflowed_float32"]

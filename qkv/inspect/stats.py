@@ -47,7 +47,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .. import overflow
+from ..functional import overflowed_float32
 from ..backends import stats_native
 from ..backends.base import follow_rule, half_to_float
 from ..backends.native import clamp_positions
@@ -278,7 +278,7 @@ def attention_with_stats(
                     key_padding_mask=key_padding_mask, score_mod=score_mod, sinks=sinks)  # fmt: skip
     out, stats = _tiled_stats(call, None, False, topk, key_positions, relative_positions, block_q, block_k, with_output=True)
     assert out is not None and stats.lse is not None
-    if overflow.suspect(out, call.query, call.key, call.value, call.score_tensors()):
+    if overflowed_float32(call, out):
         # scores beyond float32's range (qkv.overflow): the same pass in float64, rounded back
         exact, stats = _tiled_stats(call.in_float64(), None, False, topk, key_positions, relative_positions, block_q, block_k, with_output=True)
         assert exact is not None

@@ -177,3 +177,15 @@ def test_one_pass_returns_the_lse_and_agrees_with_the_two_pass_form(shape):
 
 AttentionStatsFields = ("entropy", "max_weight", "topk_indices", "topk_weights", "mean_distance", "key_weights",
                         "relative_weights", "n_keys")
+
+
+def test_attention_with_stats_answers_rows_whose_float32_scores_all_overflow():
+    """Finite inputs whose float32 scores of a row all round to -inf: not an empty row. The
+    statistics' pass answers them in float64, as qkv.attention does (qkv.overflow)."""
+    q = torch.tensor([[[[1e20, 0.0]]]])
+    k = torch.tensor([[[[-1e20, 0.0], [-2e20, 0.0]]]])
+    v = torch.eye(2).view(1, 1, 2, 2)
+    out, stats = qkv.inspect.attention_with_stats(q, k, v)
+    assert torch.equal(out, qkv.attention(q, k, v)) and torch.equal(out, torch.tensor([[[[1.0, 0.0]]]]))
+    # the row took all of its weight from key 0 (its lse, -7e39, is beyond float32: -inf there)
+    assert float(stats.max_weight) == 1.0 and stats.topk_indices.flatten().tolist()[0] == 0
