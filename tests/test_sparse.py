@@ -342,3 +342,137 @@ def test_a_layout_under_torch_compile():
     assert max_err(out, want) < 1e-5 and all(max_err(a, b) < 1e-5 for a, b in zip(g, g_want))
     with torch.no_grad():
         assert max_err(f(q, k, v), want) < 1e-5
+
+
+# ---- mask functions built once: a loop of calls evaluates the function for the first only ------
+
+import gc  # noqa: E402
+import types  # noqa: E402
+import weakref  # noqa: E402
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from .masks.evaluations import Evaluations  # noqa: E402
+
+
+def _documents(n: int, count: int = 4) -> torch.Tensor:
+    return torch.arange(n) * count // n  # token → document
+
+
+def _same_doc_causal(doc: torch.Tensor):
+    return lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j)
+
+
+class _Ops(TorchDispatchMode):
+    """The tensor operations issued inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_loop_of_mask_mod_calls_evaluates_the_function_once():
+    """The layout (every pair) is found on the first call; later calls with the same function —
+    or one made anew over the same, unchanged tensor — issue no tensor operation for it, and the
+    chunked walk asks the function only about the pairs inside its computed blocks (its mask
+    inside them, as Flex's kernel applies mask_mod in partial blocks)."""
+    n = 512
+    doc = _documents(n)
+    q, k, v = (torch.randn(2, 2, n, 16) for _ in range(3))
+    first = _same_doc_causal(doc)
+    want = qkv.attention(q, k, v, attn_mask=sparse.from_mask_mod(first, 2, 2, n, cache=False).to_dense(), backend="math")
+    with Evaluations(first) as ev:
+        call = validate(q, k, v, mask_mod=first)
+    assert ev.pairs >= n * n  # the layout: every pair once
+    density = call.block_sparse.density
+    for step in range(4):
+        fn = _same_doc_causal(doc)  # made anew each step, as in a training loop
+        with Evaluations(fn) as ev:
+            validate(q, k, v, mask_mod=fn)
+        assert ev.calls == 0, step
+        with _Ops() as with_mask:
+            validate(q, k, v, mask_mod=fn)
+        with _Ops() as without:
+            validate(q, k, v)
+        assert with_mask.ops == without.ops  # the mask function costs no tensor operation
+        with Evaluations(fn) as ev:
+            out = qkv.attention(q, k, v, mask_mod=fn, backend="chunked")
+        assert 0 < ev.pairs <= density * n * n, (ev.pairs, density * n * n)  # inside the computed blocks only
+        assert max_err(out, want) < 1e-5
+
+
+def test_a_changed_tensor_value_or_shape_builds_the_layout_anew():
+    n = 256
+    doc = _documents(n)
+    fn = _same_doc_causal(doc)
+
+    def check(fn, *args, **kw):
+        got = sparse.from_mask_mod(fn, *args, **kw)
+        fresh = sparse.from_mask_mod(fn, *args, cache=False, **kw)
+        assert torch.equal(got.layout, fresh.layout) and torch.equal(got.to_dense(), fresh.to_dense())
+        return got
+
+    a = check(fn, 1, 2, n)
+    assert sparse.from_mask_mod(fn, 1, 2, n).layout is a.layout  # kept
+    doc[: n // 2] = 0  # edited in place: two documents become one
+    b = check(fn, 1, 2, n)
+    assert b.layout is not a.layout and not torch.equal(b.layout, a.layout)
+    other = _documents(n, 8)
+    assert not torch.equal(check(_same_doc_causal(other), 1, 2, n).layout, b.layout)  # the same code over another tensor
+    for args, kw in [((2, 2, n), {}), ((1, 4, n), {}), ((1, 2, n - 64, n), {}), ((1, 2, n), {"block_size": 32})]:
+        found = check(fn, *args, **kw)
+        assert found.layout is not b.layout
+    windows = [check(lambda b, h, i, j, w=w: (i - j).abs() <= w, None, None, n) for w in (10, 100)]
+    assert not torch.equal(windows[0].layout, windows[1].layout)  # a default value is part of the key
+    b.layout[0, 0] = ~b.layout[0, 0]  # the returned layout edited in place: built anew next time
+    assert sparse.from_mask_mod(fn, 1, 2, n).layout is not b.layout
+
+
+def test_a_function_reading_tensors_its_key_cannot_name_is_evaluated_every_call():
+    """A tensor reached where the key does not look (an attribute looked up by a name made at
+    run time) is seen read while the layout is built: that layout is not kept."""
+    n = 128
+    holder = types.ModuleType("holder")
+    holder.doc = _documents(n)
+    name = "".join(["d", "oc"])
+    fn = lambda b, h, i, j: getattr(holder, name)[i] == getattr(holder, name)[j]  # noqa: E731
+    first = sparse.from_mask_mod(fn, None, None, n, block_size=32)
+    assert first.key is None
+    holder.doc = torch.zeros(n, dtype=torch.long)  # replaced where the key could not see
+    with Evaluations(fn) as ev:
+        again = sparse.from_mask_mod(fn, None, None, n, block_size=32)
+    assert ev.calls > 0 and bool(again.layout.all()) and not bool(first.layout.all())
+
+
+def _twice(dense: torch.Tensor) -> tuple[sparse.BlockSparseMask, sparse.BlockSparseMask]:
+    fn = lambda b, h, i, j: dense[i, j]  # noqa: E731
+    return sparse.from_mask_mod(fn, None, None, dense.shape[0]), sparse.from_mask_mod(fn, None, None, dense.shape[0])
+
+
+def test_the_kept_layouts_hold_no_tensor_of_the_function():
+    n = 256
+    big = torch.zeros(n, n, dtype=torch.bool)  # a dense mask read by the function: not kept alive by the cache
+    big.fill_diagonal_(True)
+    alive = weakref.ref(big)
+    first, again = _twice(big)
+    assert first.key is not None and again.layout is first.layout
+    del big, first, again
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_flex_block_mask_is_read_once():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    n = 256
+    doc = _documents(n)
+    block_mask = fa.create_block_mask(_same_doc_causal(doc), None, None, n, n, device="cpu", BLOCK_SIZE=64)
+    q = torch.randn(1, 2, n, 16)
+    layouts = [validate(q, q, q, attn_mask=block_mask).block_sparse for _ in range(3)]
+    assert layouts[0].layout is layouts[1].layout is layouts[2].layout
+    assert layouts[0].block_mask is block_mask
+    block_mask.kv_num_blocks.zero_()  # edited in place: read again
+    assert not bool(validate(q, q, q, attn_mask=block_mask).block_sparse.layout.any())

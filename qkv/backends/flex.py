@@ -17,14 +17,18 @@ Compiled once per kind of call (:func:`_kind`: device, dtype, which masks, the s
 code; on the CPU also the shapes, compiled static): a loop of calls compiles once, a function
 made anew with the same code reuses the kernel, and each kind has its own code object and so
 its own recompile budget in torch's compiler. Block masks of positional rules are kept per
-shape; data-dependent ones (padding, bool masks, mask functions) are built by a compiled
-builder each call. A compiler error makes the engine decline that kind of call from then on
+shape; data-dependent ones (padding, bool masks, mask functions) are built once per key — the
+masks' tensors by identity and version counter, a mask function's layout by its key
+(:mod:`qkv.masks.fingerprint`) — and built anew when one of them changes (a compiled builder
+from a few million pairs on); a FlexAttention BlockMask given as ``attn_mask`` runs as given.
+A compiler error makes the engine decline that kind of call from then on
 (:class:`.base.EngineFailed`: ``auto`` goes on to the next engine). :func:`compile_log` lists the
 first call of each kind with its time, compilation included (``qkv info`` prints it).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import types
@@ -34,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..call import AttentionCall
+from ..masks.fingerprint import Key, KeyedCache, fingerprint
 from .base import Backend, EngineFailed, follow_rule
 
 COMPILE_ENV = "QKV_COMPILE"  # "0" turns compilation (and with it this engine) off
@@ -75,6 +80,9 @@ _LOG: list[CompileRecord] = []
 _SEEN: set[tuple] = set()
 _BROKEN: dict[tuple, str] = {}  # kinds of call whose compilation failed in this process, and why
 _BLOCK_MASKS: dict[tuple, Any] = {}
+# Block masks of data-dependent masks (padding, bool masks, mask functions), built once per key;
+# a B·H·(Nq/128)·(Nk/128) set of int32 block lists each, within 256 MiB in all.
+_DATA_BLOCK_MASKS = KeyedCache(entries=32, max_bytes=256 << 20)
 _COMPILED: dict[tuple, Callable[..., Any]] = {}
 MAX_KINDS = 64  # compiled kinds of call per process; past it the engine declines new kinds
 
@@ -225,11 +233,18 @@ def _block_mask(call: AttentionCall, batch: int) -> Any:
             ok = ok & layout_fn(b, h, i, j)
         return ok
 
+    given = None if bs is None else bs.block_mask
+    if given is not None and lo is None and hi is None and kp is None and bmask is None and _runs_as_given(given, call, batch):
+        return given  # the user's FlexAttention BlockMask, built once, is the call's only mask
     fa = _flex_module()
     positional = kp is None and dense is None and layout_fn is None
     key = ("band", lo, hi, call.nq, call.nk, str(call.device))
     if positional and key in _BLOCK_MASKS:
         return _BLOCK_MASKS[key]
+    data_key = None if positional or torch.compiler.is_compiling() else _data_key(call, bmask, batch)
+    kept = None if data_key is None else _DATA_BLOCK_MASKS.get(data_key)
+    if kept is not None:
+        return _rebound(kept, mask_mod)
     # the compiled builder keeps no B·H·Nq·Nk mask in memory, but compiles per kind of mask:
     # worth it from a few million pairs on (a smaller mask is built eagerly in milliseconds)
     pairs = (1 if positional else batch) * (call.hq if dense is not None or layout_fn is not None else 1) * call.nq * call.nk
@@ -242,7 +257,49 @@ def _block_mask(call: AttentionCall, batch: int) -> Any:
         if len(_BLOCK_MASKS) >= _POSITIONAL_CACHE_SIZE:
             _BLOCK_MASKS.clear()
         _BLOCK_MASKS[key] = found
+    elif data_key is not None:  # kept without its mask_mod, which holds the call's tensors (a dense mask, say)
+        _DATA_BLOCK_MASKS.put(data_key, _rebound(found, fa.noop_mask), _nbytes(found))
     return found
+
+
+def _data_key(call: AttentionCall, bmask: Optional[torch.Tensor], batch: int) -> Optional[Key]:
+    """A key for the block mask of the call's data-dependent masks — key padding and a bool mask
+    by their tensors' identities and version counters, a mask function's layout by its key (see
+    :mod:`qkv.masks.fingerprint`) — or None where one of them cannot be named."""
+    bs, parts = call.block_sparse, []
+    if bs is not None:
+        if bs.mask_mod is not None:
+            parts.append(bs.key)  # set only where every tensor the function read is named in it
+        elif bs.rule is None:
+            parts.append(fingerprint(bs.layout))  # the dense mask is the layout's blocks
+        else:
+            return None  # a rule read afresh on every call (its dense mask is built per call)
+    for t in (call.key_padding_mask, bmask):
+        if t is not None:
+            parts.append(fingerprint(t))
+    if any(p is None for p in parts):
+        return None
+    lo, hi = call.positional.band()
+    return Key(("flex block mask", lo, hi, batch, call.hq, call.nq, call.nk, call.batch_shape, str(call.device))).join(keys=tuple(parts))
+
+
+def _runs_as_given(block_mask: Any, call: AttentionCall, batch: int) -> bool:
+    """Does a user's FlexAttention BlockMask fit the call as it is (lengths, batch and head dims
+    of one or the call's, its device)?"""
+    b, h = block_mask.kv_num_blocks.shape[:2]
+    return (tuple(block_mask.seq_lengths) == (call.nq, call.nk) and b in (1, batch) and h in (1, call.hq)
+            and block_mask.kv_num_blocks.device == call.device)  # fmt: skip
+
+
+def _rebound(block_mask: Any, mask_mod: Callable[..., torch.Tensor]) -> Any:
+    """The same blocks with another mask function (a kept block mask holds no call's tensors)."""
+    found = copy.copy(block_mask)
+    found.mask_mod = mask_mod
+    return found
+
+
+def _nbytes(block_mask: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(block_mask).values() if isinstance(t, torch.Tensor))
 
 
 class FlexBackend(Backend):

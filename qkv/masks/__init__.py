@@ -7,6 +7,10 @@
   the score matrix (:class:`~qkv.masks.tiles.MaskTiles`), so a backend works block by block
   without an ``Nq × Nk`` mask. Imports torch; import it by its own name.
 
+- :mod:`~qkv.masks.fingerprint` — when a mask built from a function or a tensor can be reused:
+  a key naming everything the function reaches (tensors by identity and version counter), and a
+  small cache under such keys. Import it by its own name.
+
 Block-sparse layouts (Longformer, BigBird, ``mask_mod``) live in :mod:`qkv.sparse`.
 """
 

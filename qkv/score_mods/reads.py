@@ -45,11 +45,13 @@ def _wrapped_by_transform(t: Tensor) -> bool:
 class Reads(TorchFunctionMode):
     """Watches the torch operations run inside it: :attr:`found` lists, in order of first
     read, the tensors from outside (not in ``inputs``, not made inside) that require grad or
-    that a ``torch.func`` transform outside tracks; a tensor whose id is in ``swap`` is read as
-    ``swap[id]`` instead (and counts as found)."""
+    that a ``torch.func`` transform outside tracks — with ``every=True``, every tensor from
+    outside (what a cache keyed on a mask function's tensors must cover); a tensor whose id is
+    in ``swap`` is read as ``swap[id]`` instead (and counts as found)."""
 
-    def __init__(self, swap: Mapping[int, Tensor] | None = None) -> None:
+    def __init__(self, swap: Mapping[int, Tensor] | None = None, every: bool = False) -> None:
         super().__init__()
+        self._every = every
         self._made: set[int] = set()
         self._alive: list[Any] = []  # holds what was made, so that no id is reused meanwhile
         self._swap = dict(swap or {})
@@ -89,7 +91,7 @@ class Reads(TorchFunctionMode):
         if _wrapped_by_transform(t):
             level = torch._C._functorch.maybe_get_level(t)
             return 0 < level <= self._outer_level
-        return t.requires_grad
+        return self._every or t.requires_grad
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         flat, spec = tree_flatten((args, kwargs or {}))
