@@ -316,40 +316,6 @@ def test_override_and_interpreter_configs():
     assert launch.launch_config("bwd_dq", 64, 64, 2) != c
 
 
-# ---- the autotune ---------------------------------------------------------------------------------
-
-
-@pytest.mark.slow  # (the GPU check's dry run runs it too)
-@pytest.mark.skipif(not INTERPRETED, reason="the dry run is the interpreter's")
-def test_autotune_dry_run_times_candidates_and_measures_nothing():
-    from qkv.backends.triton import autotune
-
-    data = autotune.tune(budget=120, dry=True, log=lambda *_: None)
-    assert data["dry_run"] and [tuple(r["target"]) for r in data["results"]] == autotune.TARGETS[:5]
-    for r in data["results"]:
-        assert r["best"] is not None and all("ms" in c for c in r["candidates"]), r
-    text = "\n".join(autotune.report(data))
-    assert "nothing measured" in text and "```python" not in text  # no table from a dry run
-    assert launch._OVERRIDE == {}  # every override was undone
-
-
-def test_autotune_report_pastes_into_the_table():
-    from qkv.backends.triton import autotune
-
-    best = {"config": [128, 128, 8, 2, True], "ms": 1.0}
-    data = {"arch": "sm90", "dry_run": False, "seconds": 30, "unmeasured": [[64, "decode", "any"]], "results": [
-        {"target": [128, "fwd", "band"], "default": [128, 64, 8, 2, False], "best": best,
-         "candidates": [{"config": [128, 64, 8, 2, False], "ms": 1.5}, best, {"config": [64, 64, 4, 3, False], "error": "OutOfResources"}]}]}  # fmt: skip
-    text = "\n".join(autotune.report(data))
-    assert "| 128 | fwd | band | (128, 64, 8, 2, False) | 1.500 | (128, 128, 8, 2, True) | 1.000 | 1.50× |" in text
-    assert "| 64 | decode | any | — | unmeasured | — | unmeasured | — |" in text
-    block = text.split("```python\n")[1].split("```")[0]
-    ns = {"C": configs.Config}
-    exec("T = {\n" + block + "}", ns)
-    assert ns["T"] == {("sm90", 128, 2, "fwd", "band"): configs.Config(128, 128, 8, 2, True)}
-    assert autotune.report(None) == ["Autotune: unmeasured (the step did not run or wrote nothing)."]
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not INTERPRETED, reason="a GPU runs its own tile sizes")
 @pytest.mark.parametrize("tiles", [((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)), ((64, 128, 4, 3), (128, 64, 8, 2), (128, 64, 8, 2))],

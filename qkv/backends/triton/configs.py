@@ -18,8 +18,8 @@ Lookup (:func:`lookup`): the exact key, then mask kind ``any``, then the same un
 ``"default"``. The ``default`` rows are FlashAttention-like starting points sized to an H100's
 shared memory; Hopper's warp-group matrix instructions want 64-row tiles in 4-warp multiples,
 so no backward tile has fewer than 64 rows at d ≤ 128. ``sm90`` rows are where the GPU check's
-autotune (``bench/gpu_check.py``, :mod:`.autotune`) pastes its winners; until a run on an
-H100/H200 fills them they repeat the defaults, and every timing behind them is unmeasured.
+autotune (``bench/gpu_check.py``, :mod:`.autotune`) pastes its winners, each with the run that
+measured it; rows no run has measured repeat the defaults.
 """
 
 from __future__ import annotations
@@ -74,10 +74,16 @@ CONFIGS: dict[tuple[str, int, int, str, str], Config] = {
     ("default", 64, 4, "decode", "any"): C(16, 64, 4, 2),
     ("default", 128, 4, "decode", "any"): C(16, 32, 4, 2),
     ("default", 256, 4, "decode", "any"): C(16, 16, 4, 1),
-    # H100 / H200 (sm90), bf16/fp16: the GPU check's autotune table goes here (unmeasured so far:
-    # these repeat the defaults)
+    # H100 / H200 (sm90), bf16/fp16: the GPU check's autotune table goes here. Measured rows cite
+    # their run; the others repeat the defaults, unmeasured.
     ("sm90", 64, 2, "fwd", "any"): C(128, 64, 4, 3),
     ("sm90", 128, 2, "fwd", "any"): C(128, 64, 8, 2),
+    # H200, main at a621e09, bf16, B 4, H 16, N 4096, do_bench medians (the autotune table of
+    # bench/results/gpu_check_nvidia-h200.md): 64×64 tiles, 4 warps, 3 stages took 0.612 ms
+    # causal against 0.834 ms for (128, 64, 8, 2) (1.36×), 1.091 ms full against 1.435 ms
+    # (1.32×); (128, 128, 8, 2) and (128, 32, 4, 4) came in between.
+    ("sm90", 128, 2, "fwd", "band"): C(64, 64, 4, 3),
+    ("sm90", 128, 2, "fwd", "full"): C(64, 64, 4, 3),
     ("sm90", 64, 2, "bwd_dkdv", "any"): C(64, 64, 4, 2),
     ("sm90", 128, 2, "bwd_dkdv", "any"): C(64, 64, 8, 2),
     ("sm90", 64, 2, "bwd_dq", "any"): C(64, 64, 4, 2),
