@@ -29,6 +29,7 @@ from . import chunked_native
 from .decode_cpu import can_decode, decode_shape
 from .flash_cpu import can_fuse, lse_misses_rule
 from .sdpa import needs_dense_mask
+from .triton import MAX_DECODE_ROWS, decode_fits
 
 # Below this many scores per head the one-shot math path beats chunked's loop on a CPU, and a
 # bool mask is too small for chunked's block-sparse dispatch to beat one dense kernel call.
@@ -150,6 +151,16 @@ def _decode_shape(s: Shape) -> bool:
     )  # fmt: skip
 
 
+def _cuda_decode_shape(s: Shape) -> bool:
+    """A decoding call (``Nq <= 8`` rows against more keys) without gradients on a GPU, of a kind
+    the triton backend's decoding kernels take (no dropout, block-sparse layout or Python score
+    function)."""
+    return (
+        s.device == "cuda" and 0 < s.nq <= MAX_DECODE_ROWS and s.nk > s.nq and not s.grad and s.dtype != torch.float64
+        and not s.dropout and not s.block_sparse and s.score != "python"
+    )  # fmt: skip
+
+
 def value_dim_fallback(s: Shape) -> bool:
     """Would torch's CPU kernel run this float32 call on its slower, less exact math fallback
     (Dv ≠ D) at a size where chunked's tile loops are faster (:data:`VALUE_DIM_MIN_SCORES`)?"""
@@ -165,6 +176,18 @@ ROUTES: tuple[Route, ...] = (
         lambda s: s.device == "cuda" and (s.sinks or s.lse and s.grad),
         ("triton", "flex", "sdpa", "chunked", "math"),
         "triton first: sinks and a differentiable lse run in qkv's own kernels only",
+    ),
+    # Decoding is memory-bound: its time is one read of K and V. On the H200 that measured main at
+    # a621e09 (bf16, 1 query row against 32k keys, B 8, GQA 32/8, D 128)
+    # SDPA's kernel alone took 0.25 ms (4.26 TB/s) but auto on SDPA 3.28 ms (328 GB/s): the
+    # non-finite rule's reductions over K and V after it. Any rule pass after another engine
+    # reads K and V a second time; qkv's decoding kernels apply the rule in their one read.
+    Route(
+        _cuda_decode_shape,
+        ("triton", "sdpa", "flex", "chunked", "math"),
+        "triton first: a decoding call (few query rows, long cache) runs qkv's decoding kernels, which read each "
+        "key/value row once for all the query rows of its group and apply the non-finite rule in that same read",
+        also=lambda call: decode_fits(call.nq, call.nk, call.group),
     ),
     # The first H100 run (bench/results/gpu_check_nvidia-h100-80gb-hbm3.md, bf16): qkv's triton
     # kernels at 0.33 (causal window 1024, forward) and 0.4–0.7 (softcap, ALiBi, T5 bias) of

@@ -1,10 +1,11 @@
 """``triton``: fused FlashAttention-style forward, flash-decoding and deterministic backward kernels.
 
 Importing this package never imports triton; :meth:`TritonBackend.available` does, and says
-why the backend cannot run when triton is missing. The kernels live in :mod:`.kernels`, the
-launch code, autograd and torch custom ops in :mod:`.backend`, the launch configurations per
-GPU architecture in :mod:`.configs` (tuned on a device by :mod:`.autotune`), and
-:mod:`.lowering` compiles every kernel for a GPU without one.
+why the backend cannot run when triton is missing. The kernels live in :mod:`.kernels` (the
+decoding ones, with the non-finite rule inside, in :mod:`.decode`), the launch code, autograd
+and torch custom ops in :mod:`.backend`, the launch configurations per GPU architecture in
+:mod:`.configs` (tuned on a device by :mod:`.autotune`), and :mod:`.lowering` compiles every
+kernel for a GPU without one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from ..base import Backend
 _DEVICE_REASON = "needs a CUDA device (or TRITON_INTERPRET=1 for the slow CPU interpreter)"
 MAX_HEAD_DIM = 256
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis, which runs over batch × heads
+MAX_DECODE_ROWS = 8  # Nq per head that takes the split-over-keys decoding kernels (.decode)
+MAX_DECODE_GROUP = 64  # G·Nq rows in one decoding program's tile
+
+
+def decode_fits(nq: int, nk: int, group: int) -> bool:
+    """Do the decoding kernels (:mod:`.decode`) take a call of ``nq`` query rows per head against
+    ``nk`` keys, ``group`` query heads per key/value head: a few rows (``Nq <= 8``) against more
+    keys, all ``G·Nq`` rows of a group in one tile? (Asked without importing triton.)"""
+    return 0 < nq <= MAX_DECODE_ROWS and group * nq <= MAX_DECODE_GROUP and nk > nq
 
 
 def _slice_extent(t: torch.Tensor) -> int:
@@ -96,4 +106,4 @@ class TritonBackend(Backend):
         return TritonBackendImpl.forward(self, call)
 
 
-__all__ = ["TritonBackend"]
+__all__ = ["MAX_DECODE_GROUP", "MAX_DECODE_ROWS", "TritonBackend", "decode_fits"]

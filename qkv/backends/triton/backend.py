@@ -21,10 +21,12 @@ import triton
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ...call import AttentionCall
+from ...nonfinite import Checked
 from ...score_mods.softcap import check_cap
 from ..base import follow_rule
 from ..tiles import LN2, LOG2E
-from . import configs
+from . import MAX_DECODE_GROUP, MAX_DECODE_ROWS, configs, decode_fits
+from . import decode as D
 from . import kernels as K
 from .configs import Config
 
@@ -187,51 +189,59 @@ def _tiles(d: int, dv: int, itemsize: int) -> dict:
     return dict(BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d, EVEN_DV=bdv == dv)
 
 
-MAX_DECODE_ROWS = 8  # Nq per head that takes the split-over-keys decoding kernel
-MAX_DECODE_GROUP = 64  # G·Nq rows in one program's tile
 MIN_DECODE_PART = 256  # keys per part on a GPU: a shorter part costs more to merge than it saves
+# Programs per SM the decoding grid aims at: several, so that the last wave of equal-sized
+# programs leaves few SMs idle (a memory-bound kernel needs every SM pulling its share of the
+# bandwidth to the end); the parts stay at least MIN_DECODE_PART keys long
+DECODE_PROGRAMS_PER_SM = 8
+# The bits of +inf in each input dtype: a NaN or ±inf, sign cleared, is at or above them (.decode)
+_INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
 
 
 def decode_parts(first: int, last: int, jobs: int, block_n: int, sms: int, min_part: int) -> tuple[int, int]:
     """How to split keys ``[first, last)`` (``first`` a multiple of ``block_n``) over parts for
-    ``jobs`` = B·Hk programs: ``(parts, keys per part)``, enough parts to give every SM two
-    programs, none shorter than ``min_part`` keys, each a whole number of tiles."""
+    ``jobs`` = B·Hk programs: ``(parts, keys per part)``, enough parts to give every SM
+    :data:`DECODE_PROGRAMS_PER_SM` programs, none shorter than ``min_part`` keys, each a whole
+    number of tiles."""
     tiles = max(1, _cdiv(last - first, block_n))
-    want = max(1, _cdiv(2 * sms, max(jobs, 1)))
+    want = max(1, _cdiv(DECODE_PROGRAMS_PER_SM * sms, max(jobs, 1)))
     most = max(1, _cdiv(last - first, min_part))
     per = _cdiv(tiles, min(want, most, tiles)) * block_n
     return max(1, _cdiv(last - first, per)), per
 
 
 def use_decode(nq: int, nk: int, g: int, varlen: bool) -> bool:
-    """Does a forward take :func:`triton_decode`: a few query rows per head (``Nq <= 8``, all
-    ``G·Nq`` rows of a group in one tile) against more keys, not packed. Its ``(out, lse)`` are
-    the forward's, so the backward is the same either way. ``QKV_TRITON_DECODE=0`` turns it off
-    (the benchmark's comparison), ``=1`` forces it where it fits."""
-    fits = not varlen and 0 < nq <= MAX_DECODE_ROWS and g * nq <= MAX_DECODE_GROUP and nk > 0
+    """Does a forward take :func:`triton_decode` (:func:`qkv.backends.triton.decode_fits`), not
+    packed? Its ``(out, lse)`` are the forward's, so the backward is the same either way.
+    ``QKV_TRITON_DECODE=0`` turns it off (the benchmark's comparison), ``=1`` forces it where it
+    fits (also for ``Nq >= Nk``)."""
     chosen = os.environ.get("QKV_TRITON_DECODE", "")
     if chosen in ("0", "1"):
-        return fits and chosen == "1"
-    return fits and nk > nq
+        return chosen == "1" and not varlen and 0 < nq <= MAX_DECODE_ROWS and g * nq <= MAX_DECODE_GROUP and nk > 0
+    return not varlen and decode_fits(nq, nk, g)
 
 
-def triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, softcap_args, sinks_t, has_sinks, out, lse):
-    """Flash-decoding forward into ``out``/``lse`` (see :func:`kernels.decode_kernel`): the keys
-    the band leaves to any row, split into parts; one program per (part, key/value head) for all
-    G·Nq rows of the group; the parts merged exactly by :func:`kernels.decode_merge_kernel`."""
+def triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, score, sinks_t, has_sinks, out, lse, check=False):
+    """Flash-decoding forward into ``out``/``lse`` (:mod:`.decode`): one program per (part of the
+    keys, key/value head) for all G·Nq rows of the group, the parts merged exactly. ``check``:
+    the non-finite rule in the kernels (every key and value read, bad rows NaN): ``(out, lse)``
+    then follow it. Without, only the keys the band leaves to some row are read."""
     b, hk, g, nq, d = q.shape
     nk, dv = k.shape[3], v.shape[-1]
-    rel_t, stride_rh, score_scalars, score_flags = softcap_args
+    rel_t, stride_rh, score_scalars, score_flags = score
     cfg = launch_config("decode", d, dv, q.element_size(), _mask_kind(meta), q.device)
     bn = cfg.BLOCK_N
-    rows = max(16, _pow2(g * nq))
-    offset = nk - nq if meta["BOTTOM_RIGHT"] else 0
-    first = 0 if lo is None else min(max(0, offset + lo), nk)  # keys no row can see are not split
-    last = nk if hi is None else max(0, min(nk, nq - 1 + offset + hi + 1))
-    first = (first // bn) * bn
-    last = max(last, first)
+    rows = g * nq
+    if check:
+        first, last = 0, nk  # the rule: every key and value is read
+    else:
+        offset = nk - nq if meta["BOTTOM_RIGHT"] else 0
+        first = 0 if lo is None else min(max(0, offset + lo), nk)  # keys no row can see are not split
+        last = nk if hi is None else max(0, min(nk, nq - 1 + offset + hi + 1))
+        first = (first // bn) * bn
+        last = max(last, first)
     if interpreting():
-        sms, min_part = 4, 2 * bn  # several small parts, so the tests exercise the merge
+        sms, min_part = 1, 2 * bn  # several small parts (DECODE_PROGRAMS_PER_SM), so the tests exercise the merge
     else:
         sms, min_part = device_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()), MIN_DECODE_PART
     parts, per = decode_parts(first, last, b * hk, bn, sms, min_part)
@@ -241,35 +251,39 @@ def triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, softcap_args, s
     part_o = torch.empty(jobs * parts * rows * tiles["BLOCK_DV"], **f32)
     part_m = torch.empty(jobs * parts * rows, **f32)
     part_l = torch.empty(jobs * parts * rows, **f32)
-    K.decode_kernel[(parts, jobs)](
-        q, k, v, part_o, part_m, part_l, m, kpt, rel_t,
+    part_f = torch.empty(jobs * parts * rows, dtype=torch.int32, device=q.device) if check else part_m
+    block_m = max(16, _pow2(rows))
+    D.decode_kernel[(parts, jobs)](
+        q, k, v, part_o, part_m, part_l, part_f, m, kpt, rel_t,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3), q.stride(4),
         k.stride(0), k.stride(1), k.stride(3), k.stride(4),
         v.stride(0), v.stride(1), v.stride(3), v.stride(4),
         *ms, *kps, stride_rh,
         hk, g, nq, nk, d, dv, scale * LOG2E, 0 if lo is None else lo, 0 if hi is None else hi, *score_scalars, per, parts, first,
-        BOTTOM_RIGHT=meta["BOTTOM_RIGHT"], HAS_LO=meta["HAS_LO"], HAS_HI=meta["HAS_HI"], HAS_KP=meta["HAS_KP"],
+        last, BOTTOM_RIGHT=meta["BOTTOM_RIGHT"], HAS_LO=meta["HAS_LO"], HAS_HI=meta["HAS_HI"], HAS_KP=meta["HAS_KP"],
         HAS_MASK=meta["HAS_MASK"], MASK_BOOL=meta["MASK_BOOL"], SOFTCAP=score_flags["SOFTCAP"], HAS_REL=score_flags["HAS_REL"],
-        FP32_DOT=meta["FP32_DOT"], UPCAST=meta["UPCAST"], BLOCK_M=rows, BLOCK_N=bn, **tiles,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CHECK=check, INF_BITS=_INF_BITS[q.dtype], FP32_DOT=meta["FP32_DOT"], UPCAST=meta["UPCAST"], BLOCK_M=block_m,
+        BLOCK_N=bn, **tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    K.decode_merge_kernel[(jobs,)](
-        part_o, part_m, part_l, out, lse, sinks_t,
+    D.decode_merge_kernel[(jobs,)](
+        part_o, part_m, part_l, part_f, out, lse, sinks_t,
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), out.stride(4),
         lse.stride(0), lse.stride(1), lse.stride(2), lse.stride(3),
         hk, g, nq, dv, parts,
-        HAS_SINKS=has_sinks, BLOCK_M=rows, BLOCK_DV=tiles["BLOCK_DV"], num_warps=4 if not interpreting() else 1,
+        HAS_SINKS=has_sinks, CHECK=check, BLOCK_M=block_m, BLOCK_DV=tiles["BLOCK_DV"],
+        num_warps=4 if not interpreting() else 1,
     )  # fmt: skip
     return out, lse
 
 
 def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, bottom_right,
-               softcap=None, rel=None, rel_base=0, rel_shift=False, sinks=None, prepare_only=False):  # fmt: skip
+               softcap=None, rel=None, rel_base=0, rel_shift=False, sinks=None, prepare_only=False, check=False):  # fmt: skip
     """q ``(B, Hk, G, Nq, D)``, k/v ``(B, Hk, 1, Nk, ·)`` → out ``(B, Hk, G, Nq, Dv)``, lse float32.
 
     ``softcap``/``rel``: a built-in score function (:func:`_score_args`); ``sinks (Hq,)``: logits
     in every row's denominator (the lse includes them). A few query rows per head against a
-    longer key sequence take :func:`triton_decode` (:func:`use_decode`). ``prepare_only``: return
+    longer key sequence take :func:`triton_decode` (:func:`use_decode`), which with ``check``
+    applies the non-finite rule in its kernels (the tiled forward ignores it). ``prepare_only``: return
     ``(launch, out, lse)``, ``launch`` a closure that runs the tiled kernel alone into them, its
     arguments prepared once (:func:`bare_forward`)."""
     b, hk, g, nq, nk, nq_grid, _, m, ms, kpt, kps, cuq, cuk, meta = _common(q, k, mask, kp, cu_q, cu_k, max_q, max_k, lo, hi, bottom_right)
@@ -283,7 +297,7 @@ def triton_fwd(q, k, v, mask, kp, cu_q, cu_k, max_q, max_k, scale, lo, hi, botto
         return out, lse
     varlen = meta["VARLEN"]
     if use_decode(nq, nk, g, varlen) and b * hk * g > 0 and not prepare_only:
-        return triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, score, sinks_t, sinks is not None, out, lse)
+        return triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, score, sinks_t, sinks is not None, out, lse, check)
     cfg = launch_config("fwd", d, dv, q.element_size(), _mask_kind(meta), q.device)
     grid = (_cdiv(max(nq_grid, 1), cfg.BLOCK_M), b * hk * g)
     args = (
@@ -595,6 +609,8 @@ class TritonBackendImpl:
         lo, hi = call.positional.band()  # both rules as one band of j - i (offsets resolved)
         bound = call.bound_score()
         form = bound.form if bound is not None else None  # a built-in: the backend refuses other functions
+        if decodes_checked(call, q):
+            return decode_checked(call, q, k, v, kp, lo, hi, form)
         out, lse = run_attention(
             q, k, v, call.grouped_attn_mask(), None if kp is None else kp[:, 0, 0, 0, :],
             scale=call.scale, lo=lo, hi=hi, bottom_right=False,
@@ -602,3 +618,27 @@ class TritonBackendImpl:
             rel_base=call.nq - 1, sinks=call.sinks,
         )  # fmt: skip
         return follow_rule(call, call.ungroup(out), call.ungroup(lse) if call.return_lse else None)
+
+
+def decodes_checked(call: AttentionCall, q: Tensor) -> bool:
+    """Does ``call`` take :func:`decode_checked`: a decoding call (:func:`use_decode`) with no
+    gradient, in eager mode (a traced call goes through the custom ops, and the rule after them)?"""
+    return (not call.requires_grad and use_decode(call.nq, call.nk, call.group, False) and q.numel() > 0
+            and call.batch_size * call.hk > 0 and not _traced(q))  # fmt: skip
+
+
+def decode_checked(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, kp: Optional[Tensor], lo, hi, form) -> Checked:
+    """A decoding call without gradients, the non-finite rule applied inside the decoding kernels
+    (:mod:`.decode`: every key and value read once, bad rows NaN, no host sync): its ``(out, lse)``
+    as :class:`~qkv.nonfinite.Checked`, so no pass over the inputs follows."""
+    rel = form.rel if form is not None else None
+    softcap = form.softcap if form is not None else None
+    if softcap is not None:
+        check_cap(softcap, torch.float32)
+    mask = call.grouped_attn_mask()
+    out, lse = triton_fwd(
+        q, k, v, None if mask is None else mask.detach(), None if kp is None else kp[:, 0, 0, 0, :], None, None, 0, 0,
+        call.scale, lo, hi, False, softcap, None if rel is None else rel.detach(), call.nq - 1, False,
+        None if call.sinks is None else call.sinks.detach(), check=True,
+    )  # fmt: skip
+    return Checked(call.ungroup(out), call.ungroup(lse) if call.return_lse else None)

@@ -41,11 +41,9 @@ How the work is laid out (what makes it fast on a GPU)
 - Backward: ``bwd_dkdv_kernel`` (one key block per program, looping over the G query heads of
   its key/value head and the query blocks that see it) and ``bwd_dq_kernel`` (one query block
   per program), each owning the rows it writes: no atomics, bit-identical reruns.
-- Decoding (``decode_kernel`` + ``decode_merge_kernel``): for ``Nq <= 8`` rows per head one
-  program takes all ``G·Nq`` rows of a key/value head (K and V read once per group) over one
-  part of the keys; the parts' ``(m, l, O)`` are merged exactly afterwards, as the CPU kernel
-  (``qkv/csrc/decode.c``) does: ``M = max m_s``, ``L = Σ l_s e^(m_s − M)``,
-  ``O = Σ O_s e^(m_s − M) / L``, in natural units so that a sink of any size takes part.
+- Decoding (``Nq <= 8`` rows per head against a longer cache) has kernels of its own,
+  :mod:`.decode` (flash-decoding, with the non-finite rule in its loads); they share
+  :func:`dot`, :func:`tanh` and :func:`key_range` with these.
 - Not used: Hopper's tensor-memory (TMA) descriptors. Triton 3.6 has them
   (``tl.make_tensor_descriptor``) and its interpreter runs them, but a descriptor needs a unit
   last stride, strides that are multiples of 16 bytes and a 16-byte-aligned base, and one made
@@ -384,138 +382,6 @@ def fwd_kernel(
              mask=(offs_m[:, None] < nq) & (offs_dv[None, :] < DV))
     l_base = Lse + b64 * stride_lb + hk * stride_lh + g * stride_lg + q_start.to(tl.int64) * stride_ln
     tl.store(l_base + offs_m * stride_ln, lse, mask=row_ok)
-
-
-@triton.jit
-def decode_kernel(
-    Q, K, V, PartO, PartM, PartL, Mask, KP, Rel,
-    stride_qb, stride_qh, stride_qg, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_mb, stride_mh, stride_mg, stride_mm, stride_mn,
-    stride_kpb, stride_kpn, stride_rh,
-    HK, G, NQ, NK, D, DV, qk_scale, lo, hi, rel_base, cap_in, cap_log2, part_len, n_parts, p_base,
-    BOTTOM_RIGHT: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
-    HAS_KP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-):
-    """One part of the keys (``p_base + [s·part_len, (s+1)·part_len)``, multiples of ``BLOCK_N``) for all
-    ``R = G·Nq`` query rows of one key/value head: row ``r`` is query head ``g = r // Nq`` at
-    position ``i = r % Nq``, so each K/V tile is loaded once for the whole group.
-
-    Writes the part's unnormalised ``O_s`` ``(BLOCK_M, BLOCK_DV)`` and its base-2 ``m_s`` and
-    ``l_s`` (fp32) at ``(b·Hk + hk)·n_parts + s``; :func:`decode_merge_kernel` joins them. Rows
-    past R repeat row R - 1 (clamped), so every load is in bounds; they are never stored."""
-    pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)  # b * HK + hk
-    hk = pid_bh % HK
-    b = pid_bh // HK
-    nq = NQ
-    nk = NK
-    offset = (nk - nq) if BOTTOM_RIGHT else 0
-    rows = G * nq
-    r = tl.arange(0, BLOCK_M)
-    row_ok = r < rows
-    rc = tl.minimum(r, rows - 1)
-    g = rc // nq
-    i = rc % nq
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    b64 = b.to(tl.int64)
-    q_rows = Q + b64 * stride_qb + hk * stride_qh + g * stride_qg + i * stride_qn  # (BLOCK_M,) row pointers
-    if EVEN_D:
-        q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd)
-    else:
-        q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=offs_d[None, :] < D, other=0.0)
-    k_base = K + b64 * stride_kb + hk * stride_kh
-    v_base = V + b64 * stride_vb + hk * stride_vh
-    m_rows = Mask + b64 * stride_mb + hk * stride_mh + g * stride_mg + i * stride_mm
-    kp_row = KP + b64 * stride_kpb
-    rel_rows = Rel + (hk * G + g) * stride_rh + (rel_base - i)
-
-    p0 = p_base + pid_s * part_len
-    p1 = tl.minimum(p0 + part_len, nk)
-    k_lo, f_lo, f_hi, k_hi = _key_range(nq * 0, nq - 1, p0, p1, offset, lo, hi, BLOCK_N, HAS_LO, HAS_HI)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, k_lo, tl.minimum(f_lo, k_hi), i, row_ok, offs_n0, offs_d, offs_dv,
-        stride_kn, stride_kd, stride_vn, stride_vd, nk, D, DV, offset, lo, hi, qk_scale,
-        kp_row, stride_kpn, m_rows, stride_mn, rel_rows, cap_in, cap_log2,
-        True, HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL, SOFTCAP, HAS_REL, FP32_DOT, UPCAST, EVEN_D, EVEN_DV, BLOCK_N, False,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, f_lo, f_hi, i, row_ok, offs_n0, offs_d, offs_dv,
-        stride_kn, stride_kd, stride_vn, stride_vd, nk, D, DV, offset, lo, hi, qk_scale,
-        kp_row, stride_kpn, m_rows, stride_mn, rel_rows, cap_in, cap_log2,
-        False, HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL, SOFTCAP, HAS_REL, FP32_DOT, UPCAST, EVEN_D, EVEN_DV, BLOCK_N, False,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, f_hi, k_hi, i, row_ok, offs_n0, offs_d, offs_dv,
-        stride_kn, stride_kd, stride_vn, stride_vd, nk, D, DV, offset, lo, hi, qk_scale,
-        kp_row, stride_kpn, m_rows, stride_mn, rel_rows, cap_in, cap_log2,
-        True, HAS_LO, HAS_HI, HAS_KP, HAS_MASK, MASK_BOOL, SOFTCAP, HAS_REL, FP32_DOT, UPCAST, EVEN_D, EVEN_DV, BLOCK_N, False,
-    )  # fmt: skip
-    part = (pid_bh * n_parts + pid_s).to(tl.int64) * BLOCK_M + r  # workspace rows: full tiles, no masks
-    tl.store(PartO + part[:, None] * BLOCK_DV + offs_dv[None, :], acc)
-    tl.store(PartM + part, m_i)
-    tl.store(PartL + part, l_i)
-
-
-@triton.jit
-def decode_merge_kernel(
-    PartO, PartM, PartL, Out, Lse, Sinks,
-    stride_ob, stride_oh, stride_og, stride_on, stride_od,
-    stride_lb, stride_lh, stride_lg, stride_ln,
-    HK, G, NQ, DV, n_parts,
-    HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """The exact merge of :func:`decode_kernel`'s parts for one key/value head's ``G·Nq`` rows, in
-    natural units (as ``qkv/csrc/decode.c``): ``M = max(sink, m_s·ln 2)``,
-    ``L = e^(sink − M) + Σ l_s e^(m_s·ln 2 − M)``, ``O = Σ O_s e^(m_s·ln 2 − M) / L``,
-    ``lse = M + ln L``; a sink of any finite size takes part, an empty row gives 0 and -inf."""
-    pid_bh = tl.program_id(0)
-    hk = pid_bh % HK
-    b = pid_bh // HK
-    rows = G * NQ
-    r = tl.arange(0, BLOCK_M)
-    row_ok = r < rows
-    rc = tl.minimum(r, rows - 1)
-    g = rc // NQ
-    i = rc % NQ
-    offs_dv = tl.arange(0, BLOCK_DV)
-    first = (pid_bh * n_parts).to(tl.int64) * BLOCK_M
-    if HAS_SINKS:
-        sink = tl.load(Sinks + hk * G + g)
-        top = sink
-    else:
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, n_parts):
-        top = tl.maximum(top, tl.load(PartM + first + s * BLOCK_M + r) * 0.6931471805599453)  # ln 2
-    top_safe = tl.where(top == float("-inf"), 0.0, top)
-    if HAS_SINKS:
-        total = tl.exp(sink - top_safe)
-    else:
-        total = tl.zeros([BLOCK_M], tl.float32)
-    o = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for s in range(0, n_parts):
-        at = first + s * BLOCK_M + r
-        w = tl.exp(tl.load(PartM + at) * 0.6931471805599453 - top_safe)  # ln 2; an empty part: e^-inf = 0
-        total += tl.load(PartL + at) * w
-        o += tl.load(PartO + at[:, None] * BLOCK_DV + offs_dv[None, :]) * w[:, None]
-    has = total > 0.0
-    t_safe = tl.where(has, total, 1.0)
-    out = o / t_safe[:, None]
-    lse = tl.where(has, top_safe + tl.log(t_safe), float("-inf"))
-    b64 = b.to(tl.int64)
-    o_rows = Out + b64 * stride_ob + hk * stride_oh + g * stride_og + i * stride_on
-    tl.store(o_rows[:, None] + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(Lse + b64 * stride_lb + hk * stride_lh + g * stride_lg + i * stride_ln, lse, mask=row_ok)
 
 
 @triton.jit
@@ -980,3 +846,7 @@ def stats_kernel(
     tl.store(TopI + row[:, None] * K_TOP + cols_top[None, :], top_i, mask=rmask[:, None])
     tl.store(KW + row[:, None] * N_KPOS + kcols[None, :], kw / l_safe[:, None], mask=rmask[:, None])
     tl.store(RW + row[:, None] * N_RPOS + rcols[None, :], rw / l_safe[:, None], mask=rmask[:, None])
+
+
+# shared with the decoding kernels (:mod:`.decode`)
+dot, tanh, key_range = _dot, _tanh, _key_range

@@ -8,13 +8,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from . import configs
+from . import decode as DEC
 from . import kernels as K
 
 _PTR = {"Q", "K", "V", "Out", "DOut", "DK", "DV_", "DQ"}
 _F32_PTR = {"Lse", "Delta", "DLse", "Rel", "DRel", "Sinks", "PartO", "PartM", "PartL"}
 _F32 = {"qk_scale", "sm_scale", "cap_in", "cap_log2"}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
-OFF = dict(SOFTCAP=False, HAS_REL=False, REL_SHIFT=False, HAS_SINKS=False, REL_GRAD=False, HAS_DLSE=False, WARP_SPEC=False)
+OFF = dict(SOFTCAP=False, HAS_REL=False, REL_SHIFT=False, HAS_SINKS=False, REL_GRAD=False, HAS_DLSE=False, WARP_SPEC=False,
+           CHECK=True)  # the decoding kernels as a call without gradients runs them: the non-finite rule inside
+_INF_BITS = {"bf16": 0x7F80, "fp16": 0x7C00, "fp32": 0x7F800000}
 
 
 def compile_one(fn, dt: str, consts: dict, config: configs.Config, mask_dt: str, capability: int = 90) -> int:
@@ -23,7 +26,7 @@ def compile_one(fn, dt: str, consts: dict, config: configs.Config, mask_dt: str,
     sig = {}
     for name in fn.arg_names:
         sig[name] = ("constexpr" if name in consts else "*" + dt if name in _PTR else "*fp32" if name in _F32_PTR
-                     else "*" + mask_dt if name == "Mask" else "*u8" if name == "KP" else "*i32" if name in ("CuQ", "CuK")
+                     else "*" + mask_dt if name == "Mask" else "*u8" if name == "KP" else "*i32" if name in ("CuQ", "CuK", "PartF")
                      else "fp32" if name in _F32 else "i32")  # fmt: skip
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
@@ -36,11 +39,11 @@ def compile_all(dt: str, d: int, flags: dict, mask_dt: str = "u8", arch: str = "
     ``{kernel: shared bytes}``."""
     item = 4 if dt == "fp32" else 2
     bd = triton.next_power_of_2(d)
-    base = dict(flags, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d, UPCAST=False)
+    base = dict(flags, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d, UPCAST=False, INF_BITS=_INF_BITS[dt])
     base.setdefault("FP32_DOT", "tf32")
     cap = int(arch[2:]) if arch.startswith("sm") else 90
     out = {}
-    for fn, kind in ((K.fwd_kernel, "fwd"), (K.bwd_dkdv_kernel, "bwd_dkdv"), (K.bwd_dq_kernel, "bwd_dq"), (K.decode_kernel, "decode")):
+    for fn, kind in ((K.fwd_kernel, "fwd"), (K.bwd_dkdv_kernel, "bwd_dkdv"), (K.bwd_dq_kernel, "bwd_dq"), (DEC.decode_kernel, "decode")):
         cfg = configs.lookup(arch, d, d, item, kind, mask)
         bm = 16 if kind == "decode" else cfg.BLOCK_M
         if kind == "bwd_dq" and base.get("REL_GRAD"):
@@ -50,6 +53,6 @@ def compile_all(dt: str, d: int, flags: dict, mask_dt: str = "u8", arch: str = "
     cfg = configs.lookup(arch, d, d, item, "bwd_dq", mask)
     out["bwd_preprocess"] = compile_one(K.bwd_preprocess, dt, dict(HAS_DLSE=True, VARLEN=flags.get("VARLEN", False), BLOCK_M=cfg.BLOCK_M,
                                                                    BLOCK_DV=bd), cfg, dt, cap)  # fmt: skip
-    out["decode_merge_kernel"] = compile_one(K.decode_merge_kernel, dt, dict(HAS_SINKS=flags.get("HAS_SINKS", False), BLOCK_M=16,
-                                                                             BLOCK_DV=bd), configs.Config(16, 16, 4, 1), dt, cap)  # fmt: skip
+    out["decode_merge_kernel"] = compile_one(DEC.decode_merge_kernel, dt, dict(HAS_SINKS=flags.get("HAS_SINKS", False), CHECK=True,
+                                                                               BLOCK_M=16, BLOCK_DV=bd), configs.Config(16, 16, 4, 1), dt, cap)  # fmt: skip
     return out
