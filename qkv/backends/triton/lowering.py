@@ -17,21 +17,35 @@ _F32 = {"qk_scale", "sm_scale", "cap_in", "cap_log2"}
 SHARED_LIMIT = 227 * 1024  # an H100's shared memory per block
 OFF = dict(SOFTCAP=False, HAS_REL=False, REL_SHIFT=False, HAS_SINKS=False, REL_GRAD=False, HAS_DLSE=False, WARP_SPEC=False,
            CHECK=True)  # the decoding kernels as a call without gradients runs them: the non-finite rule inside
-_INF_BITS = {"bf16": 0x7F80, "fp16": 0x7C00, "fp32": 0x7F800000}
+INF_BITS_OF = {"bf16": 0x7F80, "fp16": 0x7C00, "fp32": 0x7F800000}  # the decoding kernels' INF_BITS per dtype
+_UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dd", "stride_dqd", "stride_kpn"}
 
 
 def compile_one(fn, dt: str, consts: dict, config: configs.Config, mask_dt: str, capability: int = 90) -> int:
     """Compile ``fn`` for ``sm_<capability>`` with these constexprs; returns its shared memory in bytes."""
+    return compile_kernel(fn, dt, consts, config, mask_dt, capability).metadata.shared
+
+
+def compile_kernel(fn, dt: str, consts: dict, config: configs.Config, mask_dt: str, capability: int = 90, aligned: bool = False):
+    """The compiled kernel (its ``asm`` holds the PTX), its shared memory checked against the limit.
+
+    ``aligned``: as Triton specialises a launch on contiguous tensors — pointers and strides
+    multiples of 16 bytes or elements, head-dim strides 1 — which is what lets its loads be
+    vectorised and pipelined (``cp.async``); without, the lowering assumes nothing about them."""
     consts = {n: v for n, v in {**OFF, **consts}.items() if n in fn.arg_names}
-    sig = {}
-    for name in fn.arg_names:
+    if aligned:
+        consts = {**{n: 1 for n in fn.arg_names if n in _UNIT_STRIDES}, **consts}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
         sig[name] = ("constexpr" if name in consts else "*" + dt if name in _PTR else "*fp32" if name in _F32_PTR
                      else "*" + mask_dt if name == "Mask" else "*u8" if name == "KP" else "*i32" if name in ("CuQ", "CuK", "PartF")
                      else "fp32" if name in _F32 else "i32")  # fmt: skip
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+        if aligned and name not in consts and (sig[name].startswith("*") or name.startswith("stride_")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     assert k.metadata.shared <= SHARED_LIMIT, (fn.__name__, k.metadata.shared)
-    return k.metadata.shared
+    return k
 
 
 def compile_all(dt: str, d: int, flags: dict, mask_dt: str = "u8", arch: str = "sm90", mask: str = "any") -> dict[str, int]:
@@ -39,7 +53,7 @@ def compile_all(dt: str, d: int, flags: dict, mask_dt: str = "u8", arch: str = "
     ``{kernel: shared bytes}``."""
     item = 4 if dt == "fp32" else 2
     bd = triton.next_power_of_2(d)
-    base = dict(flags, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d, UPCAST=False, INF_BITS=_INF_BITS[dt])
+    base = dict(flags, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d, UPCAST=False, INF_BITS=INF_BITS_OF[dt])
     base.setdefault("FP32_DOT", "tf32")
     cap = int(arch[2:]) if arch.startswith("sm") else 90
     out = {}
