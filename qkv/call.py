@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from .devices import follow
 from .reference.attention import causal_bias_alignment
 from .masks.rules import Alignment, PositionalMask, parse_alignment, parse_causal, parse_window
 from .score_mods.base import BoundScore, ScoreMod, bind, captured_tensors, check_score_mod
@@ -119,9 +120,12 @@ class AttentionCall:
 
     @property
     def requires_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (self.query, self.key, self.value, self.given_mask, self.sinks)
-        ) or (self.score_mod is not None and torch.is_grad_enabled() and bool(self.score_reads))
+        if not torch.is_grad_enabled():
+            return False
+        mask, sinks = self.given_mask, self.sinks  # (spelled out: asked several times a call)
+        return (self.query.requires_grad or self.key.requires_grad or self.value.requires_grad
+                or mask is not None and mask.requires_grad or sinks is not None and sinks.requires_grad
+                or self.score_mod is not None and bool(self.score_reads))  # fmt: skip
 
     @functools.cached_property
     def score_reads(self) -> tuple[torch.Tensor, ...]:
@@ -142,7 +146,7 @@ class AttentionCall:
         if self.score_mod is None:
             return None
         reads = None if isinstance(self.score_mod, ScoreMod) else self.score_reads
-        return bind(self.score_mod, self.hq, self.group, self.nq, self.nk, self.alignment, compute_dtype(self.dtype), reads)
+        return bind(self.score_mod, self.hq, self.group, self.nq, self.nk, self.alignment, compute_dtype(self.dtype), reads, self.device)
 
     @property
     def bool_mask(self) -> bool:
@@ -153,6 +157,8 @@ class AttentionCall:
         """Could some query row have no key to attend to?"""
         if self.nk == 0 or self.has_attn_mask or self.key_padding_mask is not None:
             return True
+        if self.window is None:  # (asked on every call: causality alone answers without the positional rules)
+            return self.causal and self.alignment == "bottom_right" and self.nk < self.nq  # the first row's keys end at Nk - Nq
         pm = self.positional
         return not pm.trivial and any(pm.key_range(i, i + 1)[0] >= pm.key_range(i, i + 1)[1] for i in (0, self.nq - 1))
 
@@ -332,8 +338,10 @@ def _check_qkv(query: Any, key: Any, value: Any) -> tuple[torch.Tensor, torch.Te
     k = check_tensor("key", key)
     v = check_tensor("value", value)
     rank = max(q.dim(), k.dim(), v.dim())
-    if rank > 2:  # missing leading dims broadcast, as in torch SDPA: (N, D) acts as (1, 1, N, D)
-        q, k, v = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) for t in (q, k, v))
+    if rank > 2 and not q.dim() == k.dim() == v.dim():
+        # missing leading dims broadcast, as in torch SDPA: (N, D) acts as (1, 1, N, D); a tensor
+        # that has them all is kept as given (no view: nothing issued, its identity kept)
+        q, k, v = (t if t.dim() == rank else t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) for t in (q, k, v))
     for name, t in (("key", k), ("value", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} is {t.dtype} but query is {q.dtype}; cast with {name}.to(query.dtype)")
@@ -475,14 +483,16 @@ def _check_attn_mask(attn_mask: Any, q: torch.Tensor, scores_shape: tuple[int, .
 def _check_key_padding(key_padding_mask: Any, q: torch.Tensor, want: tuple[int, ...]) -> torch.Tensor:
     """A bool ``(..., Nk)`` tensor on the query's device; one flag for every key (a last dim of 1,
     broadcast as any mask's) is spread to ``Nk`` flags, as the backends index them per key (a
-    copy: a few bools a batch entry, and compiled FlexAttention refuses a zero-stride buffer)."""
+    copy: a few bools a batch entry, and compiled FlexAttention refuses a zero-stride buffer).
+    A mask on the CPU for inputs elsewhere is moved there (:func:`qkv.devices.follow`: a few
+    bytes, no host sync); one on another accelerator is refused, as moving it would sync."""
     if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
         got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
         raise TypeError(
             f"key_padding_mask must be a bool tensor (True = a real key to attend to, False = padding), got {got}; "
             "for a float bias pass attn_mask=bias[:, None, None, :] instead"
         )
-    if key_padding_mask.device != q.device:
+    if key_padding_mask.device != q.device and key_padding_mask.device.type != "cpu":
         raise ValueError(
             f"key_padding_mask is on {key_padding_mask.device} but query is on {q.device}; "
             "move it with key_padding_mask.to(query.device)"
@@ -495,7 +505,7 @@ def _check_key_padding(key_padding_mask: Any, q: torch.Tensor, want: tuple[int, 
     if key_padding_mask.shape[-1] != want[-1]:
         lead = tuple(key_padding_mask.shape[:-1])
         key_padding_mask = key_padding_mask.reshape(*lead, 1).expand(*lead, want[-1]).contiguous()  # (..., Nk)
-    return key_padding_mask
+    return follow(key_padding_mask, q.device)
 
 
 def _padding_from_mask(
@@ -567,6 +577,7 @@ def validate(
     if isinstance(score_mod, ScoreMod):
         score_mod.check_heads(hq)
         score_mod.check_dtype(compute_dtype(q.dtype))  # a cap or bias the kernels' precision cannot hold
+        score_mod = score_mod.on(q.device)  # ALiBi(alibi_slopes(8)) on the CPU for CUDA inputs: moved once, differentiably
     if sinks is not None:
         sinks = check_sinks(sinks, hq, q)
     return AttentionCall(

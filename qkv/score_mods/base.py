@@ -26,6 +26,7 @@ an optional softcap followed by an optional bias that depends only on ``kv_idx -
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
@@ -33,6 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..devices import follow
 from ..elementwise import call_elementwise, check_function, per_element
 from ..masks.rules import Alignment, parse_alignment
 from .reads import MissedReads, Reads, probe_reads
@@ -87,14 +89,32 @@ class ScoreMod:
         """One line for logs and the glass box, e.g. ``softcap 30·tanh(s/30)``."""
         return type(self).__name__
 
-    def kernel_form(self, heads: int, nq: int, nk: int, alignment: Alignment, dtype: torch.dtype) -> KernelForm:
+    def kernel_form(self, heads: int, nq: int, nk: int, alignment: Alignment, dtype: torch.dtype,
+                    device: Optional[torch.device] = None) -> KernelForm:  # fmt: skip
         """This function for one call (query positions placed by ``self.alignment`` or, when
-        that is None, by the call's ``alignment``)."""
-        offset = nk - nq if (self.alignment or alignment) == "bottom_right" else 0
-        device = self.tensors()[0].device if self.tensors() else None
-        rel = torch.arange(max(nq + nk - 1, 0), device=device) - (nq - 1) - offset  # key position − query position
-        b = self.bias(rel[None, :], torch.arange(heads, device=device)[:, None], dtype)
-        return KernelForm(self.softcap, None if b is None else b.expand(heads, rel.numel()))
+        that is None, by the call's ``alignment``), its bias on ``device`` (the call's; None:
+        where the function's tensors are)."""
+        fn = self if device is None else self.on(device)
+        offset = nk - nq if (fn.alignment or alignment) == "bottom_right" else 0
+        where = device if device is not None else fn.tensors()[0].device if fn.tensors() else None
+        rel = torch.arange(max(nq + nk - 1, 0), device=where) - (nq - 1) - offset  # key position − query position
+        b = fn.bias(rel[None, :], torch.arange(heads, device=where)[:, None], dtype)
+        if b is not None and device is not None:
+            b = follow(b, device)  # a subclass that keeps its tensors where on() cannot see them
+        return KernelForm(fn.softcap, None if b is None else b.expand(heads, rel.numel()))
+
+    def on(self, device: torch.device) -> "ScoreMod":
+        """This function reading its tensors on ``device``: itself when they are there, else a
+        copy whose tensor attributes are moved there (differentiably, gradients reach the
+        originals; see :func:`qkv.devices.follow`)."""
+        moved = {id(t): follow(t, device) for t in self.tensors() if t.device != device}
+        if not moved:
+            return self
+        fn = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, Tensor) and id(value) in moved:
+                setattr(fn, name, moved[id(value)])
+        return fn
 
     def __call__(self, score: Tensor, batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         """FlexAttention's contract, with query row i at position i (top-left)."""
@@ -317,14 +337,14 @@ def form_vjp(form: KernelForm, raw: Tensor, head: Tensor, q_idx: Tensor, kv_idx:
 
 def bind(
     score_mod: Any, heads: int, group: int, nq: int, nk: int, alignment: Alignment, dtype: torch.dtype,
-    reads: Optional[Sequence[Tensor]] = None,
+    reads: Optional[Sequence[Tensor]] = None, device: Optional[torch.device] = None,
 ) -> BoundScore:  # fmt: skip
     """``score_mod`` for one call with ``heads`` query heads in groups of ``group``, scores
-    computed in ``dtype``; ``reads``: what :func:`captured_tensors` found for a Python function
-    (found here when None)."""
+    computed in ``dtype`` on ``device`` (a built-in's bias is made there); ``reads``: what
+    :func:`captured_tensors` found for a Python function (found here when None)."""
     if isinstance(score_mod, ScoreMod):
         score_mod.check_heads(heads)
-        form = score_mod.kernel_form(heads, nq, nk, alignment, dtype)
+        form = score_mod.kernel_form(heads, nq, nk, alignment, dtype, device)
         rel = form.rel
         tensors = (rel,) if rel is not None and rel.requires_grad else ()
         return BoundScore(score_mod, form, tensors, group, nq)

@@ -72,6 +72,7 @@ def _attend(name: str, q, k, v, monkeypatch, grad: bool = False, sinks=None, **k
     dev = DEVICE if name == "triton" else "cpu"
     leaves = [t.detach().to(dev).requires_grad_(grad) for t in (q, k, v)]
     s = None if sinks is None else sinks.detach().to(dev).requires_grad_(grad)
+    kw = {name: t.to(dev) if isinstance(t, torch.Tensor) else t for name, t in kw.items()}  # masks on the query's device
     out, lse = qkv.attention(*leaves, backend=backend, return_lse=True, sinks=s, **kw)
     out, lse = out.cpu(), lse.cpu()
     if not grad:
