@@ -22,14 +22,19 @@ masks' tensors by identity and version counter, a mask function's layout by its 
 (:mod:`qkv.masks.fingerprint`) — and built anew when one of them changes (a compiled builder
 from a few million pairs on); a FlexAttention BlockMask given as ``attn_mask`` runs as given.
 A compiler error makes the engine decline that kind of call from then on
-(:class:`.base.EngineFailed`: ``auto`` goes on to the next engine). :func:`compile_log` lists the
-first call of each kind with its time, compilation included (``qkv info`` prints it).
+(:class:`.base.EngineFailed`: ``auto`` goes on to the next engine), after retrying one that ran
+out of resources (shared memory, registers) with smaller tiles and fewer stages
+(:data:`RETRY_OPTIONS`, Flex's ``kernel_options``; those that compiled are kept for the kind and
+logged). :func:`compile_log` lists the first call of each kind with its time, compilation
+included, and its kernel options (``qkv info`` prints it).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import re
 import time
 import types
 from dataclasses import dataclass
@@ -41,6 +46,7 @@ from ..call import AttentionCall
 from ..masks.fingerprint import Key, KeyedCache, fingerprint
 from .base import Backend, EngineFailed, follow_rule
 
+_log = logging.getLogger("qkv")
 COMPILE_ENV = "QKV_COMPILE"  # "0" turns compilation (and with it this engine) off
 # What torch's compiler raises when it cannot build a kernel (dynamo's wrapper of a backend's
 # error, inductor's own, a C++ compile error): the engine then declines that kind of call.
@@ -70,10 +76,12 @@ def _flex_module() -> Any:
 
 @dataclass(frozen=True)
 class CompileRecord:
-    """The first call of one kind of call, compilation included."""
+    """The first call of one kind of call, compilation included, and the ``kernel_options`` it
+    compiled with (None: FlexAttention's own choice)."""
 
     kind: str
     seconds: float
+    kernel_options: Optional[dict] = None
 
 
 _LOG: list[CompileRecord] = []
@@ -85,6 +93,20 @@ _BLOCK_MASKS: dict[tuple, Any] = {}
 _DATA_BLOCK_MASKS = KeyedCache(entries=32, max_bytes=256 << 20)
 _COMPILED: dict[tuple, Callable[..., Any]] = {}
 MAX_KINDS = 64  # compiled kinds of call per process; past it the engine declines new kinds
+# FlexAttention's kernel_options (FlexKernelOptions; these names since torch 2.5) tried in turn
+# when a kind of call does not compile for lack of resources: smaller tiles, shallower pipelines,
+# for the forward (BLOCK_M/N) and the backward (BLOCK_M1/N1 for dK/dV, BLOCK_M2/N2 for dQ; N1 a
+# multiple of M1, M2 of N2, all dividing the block mask's 128). Measured on an H200 (torch 2.11):
+# a 16-bit call whose score function reads a float32 table with gradients asked 245,760 bytes of
+# shared memory for Flex's default 128×128 tiles in 3 stages, over the card's 232,448.
+RETRY_OPTIONS: tuple[dict, ...] = (
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16},
+)
+# what a compiler error says when smaller kernel_options may help (Triton's OutOfResources,
+# inductor's "No valid triton configs", PTXAS's register and shared-memory limits)
+_RESOURCE_ERROR = re.compile(r"out of resource|No valid triton configs|shared memory|Reducing block sizes|registers", re.IGNORECASE)
+_OPTIONS: dict[tuple, Optional[dict]] = {}  # kinds of call → the kernel_options they compiled with
 
 
 def compile_log() -> list[CompileRecord]:
@@ -92,10 +114,46 @@ def compile_log() -> list[CompileRecord]:
     return list(_LOG)
 
 
-def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse):  # type: ignore[no-untyped-def]
+def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options=None):  # type: ignore[no-untyped-def]
     return _flex_module().flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse
+        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+        kernel_options=kernel_options,
     )
+
+
+def kernel_options(kind: tuple) -> Optional[dict]:
+    """The ``kernel_options`` a kind of call compiled with (None: Flex's own choice)."""
+    return _OPTIONS.get(kind)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def _run_compiled(kind: tuple, args: tuple) -> Any:
+    """The compiled call, with the kernel_options that worked for this kind before; a kind's
+    first call that fails for lack of resources is retried with :data:`RETRY_OPTIONS` in turn.
+    Raises the first error when none compiles."""
+    ladder = [_OPTIONS[kind]] if kind in _OPTIONS else [None, *RETRY_OPTIONS]
+    first: Optional[BaseException] = None
+    for options in ladder:
+        try:
+            found = _compiled(kind)(*args, options)
+        except _COMPILE_ERRORS as e:
+            if torch.compiler.is_compiling():
+                raise
+            first = first or e
+            if not _RESOURCE_ERROR.search(str(e)):
+                break  # smaller tiles do not mend other errors
+            _log.info("flex: %s did not compile with kernel_options %s (%s)", kind[:4], options, _first_line(e))
+            continue
+        if options is not None and kind not in _OPTIONS:
+            _log.info("flex: compiled with kernel_options %s after Flex's own choice ran out of resources", options)
+        _OPTIONS[kind] = options
+        return found
+    assert first is not None
+    raise first
 
 
 def _compiled(kind: tuple) -> Callable[..., Any]:
@@ -354,16 +412,17 @@ class FlexBackend(Backend):
         t0 = time.perf_counter()
         try:
             block_mask = _block_mask(call, q.shape[0])
-            found = _compiled(kind)(q, k, v, _score_function(call), block_mask, call.scale, call.hq != call.hk, call.return_lse)
+            found = _run_compiled(kind, (q, k, v, _score_function(call), block_mask, call.scale, call.hq != call.hk, call.return_lse))
         except _COMPILE_ERRORS as e:  # torch's compiler could not build this kind of call: say so from now on
             if torch.compiler.is_compiling():
                 raise
-            _BROKEN[kind] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            tried = f" (also with smaller kernel_options: {len(RETRY_OPTIONS)} tried)" if _RESOURCE_ERROR.search(str(e)) else ""
+            _BROKEN[kind] = _first_line(e) + tried
             raise EngineFailed(f"flex: {_BROKEN[kind]}") from e
         out, lse = found if call.return_lse else (found, None)
         if first:
             _SEEN.add(kind)
-            _LOG.append(CompileRecord(call.describe(), time.perf_counter() - t0))
+            _LOG.append(CompileRecord(call.describe(), time.perf_counter() - t0, _OPTIONS.get(kind)))
         out = out.reshape(*batch, call.hq, call.nq, call.dv)
         if lse is not None:
             lse = lse.reshape(*batch, call.hq, call.nq).to(call.lse_dtype)
