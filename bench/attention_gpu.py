@@ -19,7 +19,9 @@ the left), grouped-query attention (32 query heads on 8 or 4 key/value heads, ca
 functions and sinks (causal: softcap 30, ALiBi, a T5 bias of 32 buckets, sinks; ``qkv-plain``
 is the same call without them, so a row shows what each costs), and decoding (1 or 8 query
 rows per head against 8k or 32k cached keys, 32/8 heads, batch 8, no mask, forward only, in GB/s
-of K and V). Implementations: ``qkv`` (``--qkv-backend``, triton by default), ``auto``
+of K and V), and ``qkv.inspect``'s per-head statistics in one pass (``attention_stats``, causal,
+N = 4096 and 16384) against the plain forward on the same inputs, in milliseconds: no peer offers
+them. Implementations: ``qkv`` (``--qkv-backend``, triton by default), ``auto``
 (``qkv.attention``'s choice, on every cell), ``qkv-plain``, the SDPA kernels (not on windows or
 score functions, which SDPA cannot express) and ``flex`` (no sinks).
 
@@ -95,7 +97,7 @@ DTYPE_NAME = str(DTYPE).replace("torch.", "")
 MODES = ("fwd", "bwd", "fwd+bwd")
 MODE_TITLES = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backward"}
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # backward does 2.5× the forward's matmul work
-KINDS = ("dense", "window", "gqa", "score", "decode")
+KINDS = ("dense", "window", "gqa", "score", "decode", "stats")
 SCORES = ("softcap", "alibi", "t5", "sinks")
 
 # The correctness rule of ENGINEERING.md: err(candidate) <= 2·err(plain SDPA, same dtype) + floor.
@@ -151,6 +153,8 @@ class Case:
             return f"{self.score}-d{self.d}-n{self.n}-{tag}"
         if self.kind == "decode":
             return f"decode-q{self.nq}-kv{self.n}-{self.hq}x{self.hkv}-d{self.d}"
+        if self.kind == "stats":
+            return f"stats-d{self.d}-n{self.n}-{tag}"
         return f"dense-d{self.d}-n{self.n}-{tag}"
 
     @property
@@ -159,8 +163,8 @@ class Case:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        """Decoding has no gradient: forward only."""
-        return ("fwd",) if self.kind == "decode" else MODES
+        """Decoding and statistics have no gradient: forward only."""
+        return ("fwd",) if self.kind in ("decode", "stats") else MODES
 
     def flops(self) -> dict[str, float]:
         if self.kind == "decode":  # every query row sees every cached key
@@ -189,13 +193,14 @@ class Grid:
     decode_batch: int = 8
     decode_heads: tuple[int, int] = (32, 8)  # (query heads, key/value heads)
     math_max_n: int = 4096  # SDPA math materialises B·H·N² scores (and their gradient)
+    stats_seqlens: tuple[int, ...] = (4096, 16384)  # qkv.inspect's statistics in one pass against the forward
 
 
 GRIDS = {
     "full": Grid(),
     "quick": Grid(seqlens=(1024, 4096, 16384), headdims=(64, 128), extra_seqlens=(4096,), windows=(1024,), gqa=((32, 8),)),
     "dry": Grid(tokens=128, hidden=128, seqlens=(32, 64), headdims=(64, 128), extra_d=64, extra_seqlens=(64,), windows=(16,), gqa=((4, 2),),
-                decode=((1, 64), (4, 128)), decode_batch=2, decode_heads=(4, 2), math_max_n=32),
+                decode=((1, 64), (4, 128)), decode_batch=2, decode_heads=(4, 2), math_max_n=32, stats_seqlens=(64,)),
 }  # fmt: skip
 
 
@@ -224,6 +229,8 @@ def build_cases(grid: Grid, headdims=None, seqlens=None, kinds=KINDS, only: Opti
         if "decode" in kinds:
             hq, hk = grid.decode_heads
             cases += [Case("decode", grid.decode_batch, hq, hk, kv, d, False, nq=nq) for nq, kv in grid.decode]
+        if "stats" in kinds:
+            cases += [Case("stats", max(1, grid.tokens // n), h, h, n, d, True) for n in tuple(seqlens or grid.stats_seqlens)]
     if only:
         cases = [c for c in cases if re.search(only, c.id)]
     return cases
@@ -286,9 +293,24 @@ def qkv_kwargs(case: Case, ctx: Context, plain: bool = False) -> dict:
     return kw
 
 
+STATS_TOPK = 5  # attention_stats' default top-k
+
+
 def build_qkv(case: Case, ctx: Context, backend: Optional[str] = None, plain: bool = False) -> Run:
+    if case.kind == "stats" and not plain:
+        return build_stats(case, ctx)
     kw = dict(qkv_kwargs(case, ctx, plain), backend=backend or ctx.qkv_backend)
     return lambda q, k, v: qkv.attention(q, k, v, **kw)
+
+
+def build_stats(case: Case, ctx: Context) -> Run:
+    """``qkv.inspect.attention_stats`` in one pass (no lse given: it is found on the way), the
+    triton kernel when qkv's backend is triton, else the tiled torch pass; the run returns the
+    lse it found, which the guard checks (entropy, top-k and the rest come from the same sums)."""
+    from qkv.inspect import attention_stats
+
+    which = "triton" if ctx.qkv_backend == "triton" else "torch"
+    return lambda q, k, v: attention_stats(q, k, is_causal=case.causal, topk=STATS_TOPK, backend=which).lse
 
 
 def build_sdpa(backend: str, case: Case, ctx: Context) -> Run:
@@ -368,16 +390,19 @@ class Peer:
 # name -> how to build its call for a case. SDPA has no sliding window or score function, so it
 # sits out "window" and "score". "qkv" is the backend under test (--qkv-backend, triton by
 # default), "auto" qkv.attention's own choice, "qkv-plain" the backend under test on the same
-# call without its score function or sinks (what a score function or sinks cost).
+# call without its score function or sinks (what a score function or sinks cost). On a "stats"
+# case "qkv" is qkv.inspect's statistics in one pass and "qkv-plain" the plain forward: no peer
+# offers the statistics.
+ATTENTION_KINDS = tuple(k for k in KINDS if k != "stats")
 PEERS: dict[str, Peer] = {
     "qkv": Peer(build_qkv, KINDS),
-    "auto": Peer(partial(build_qkv, backend="auto"), KINDS),
-    "qkv-plain": Peer(partial(build_qkv, plain=True), ("score",)),
+    "auto": Peer(partial(build_qkv, backend="auto"), ATTENTION_KINDS),
+    "qkv-plain": Peer(partial(build_qkv, plain=True), ("score", "stats")),
     "sdpa-flash": Peer(partial(build_sdpa, "FLASH_ATTENTION"), ("dense", "gqa", "decode")),
     "sdpa-cudnn": Peer(partial(build_sdpa, "CUDNN_ATTENTION"), ("dense", "gqa", "decode"), cuda_only=True),
     "sdpa-efficient": Peer(partial(build_sdpa, "EFFICIENT_ATTENTION"), ("dense", "gqa", "decode"), cuda_only=True),
     "sdpa-math": Peer(partial(build_sdpa, "MATH"), ("dense", "gqa", "decode")),
-    "flex": Peer(build_flex, KINDS, cuda_only=True),
+    "flex": Peer(build_flex, ATTENTION_KINDS, cuda_only=True),
 }
 # implementations that are qkv itself (the rest are peers)
 OURS = ("qkv", "auto", "qkv-plain")
@@ -391,7 +416,7 @@ def make_inputs(case: Case, ctx: Context, seed: int) -> tuple[torch.Tensor, torc
 
     def randn(h, n):  # (B, H, N, D)
         t = torch.randn(case.batch, h, n, case.d, device=ctx.device, dtype=DTYPE, generator=g)
-        return t if case.kind == "decode" else t.requires_grad_()
+        return t if case.kind in ("decode", "stats") else t.requires_grad_()
 
     return randn(case.hq, case.queries), randn(case.hkv, case.n), randn(case.hkv, case.n)
 
@@ -417,10 +442,15 @@ REF_ROWS = 256  # a score case is checked on its first query rows (its relative 
 def reference(case: Case, q, k, v, ctx: Optional[Context] = None) -> dict:
     """fp32 reference on the check slice, and how far the plain bf16 computation lands from it:
     SDPA for plain cases, qkv's ``math`` backend on the first :data:`REF_ROWS` query rows (all
-    heads) for score functions and sinks."""
+    heads) for score functions and sinks, and its lse there for the statistics (whose run
+    returns the lse it found)."""
     hq, hkv = check_slice(case)
     with torch.no_grad():
-        if case.kind == "score":
+        if case.kind == "stats":
+            qs, ks, vs = q[:1, :, :REF_ROWS], k[:1], v[:1]
+            ref = qkv.attention(qs.float(), ks.float(), vs.float(), is_causal=case.causal, backend="math", return_lse=True)[1]
+            base = qkv.attention(qs, ks, vs, is_causal=case.causal, backend="math", return_lse=True)[1]
+        elif case.kind == "score":
             kw = qkv_kwargs(case, ctx or Context(str(q.device.type), "math", 0, False))
             qs, ks, vs = q[:1, :, :REF_ROWS], k[:1], v[:1]
             ref = qkv.attention(qs.float(), ks.float(), vs.float(), backend="math", **kw)
@@ -439,7 +469,7 @@ def reference(case: Case, q, k, v, ctx: Optional[Context] = None) -> dict:
 
 def check_output(case: Case, out: torch.Tensor, ref: dict) -> dict:
     hq, _ = check_slice(case)
-    got = out[:1, :, :REF_ROWS] if case.kind == "score" else out[:1, :hq]
+    got = out[:1, :, :REF_ROWS] if case.kind in ("score", "stats") else out[:1, :hq]
     err = (got.detach().float() - ref["ref"]).abs().max().item()
     return {"err": err, "bound": ref["bound"], "base_err": ref["base_err"], "ok": err <= ref["bound"]}
 
@@ -802,6 +832,7 @@ ROW_COLUMNS = {
     "score": [("N", lambda c: c["n"]), ("batch", lambda c: c["batch"]), ("score", lambda c: c["score"])],
     "decode": [("N", lambda c: c["nq"]), ("batch", lambda c: c["batch"]), ("KV", lambda c: c["n"]),
                ("heads", lambda c: f"{c['hq']}/{c['hkv']}")],
+    "stats": [("N", lambda c: c["n"]), ("batch", lambda c: c["batch"])],
 }  # fmt: skip
 
 
@@ -814,7 +845,41 @@ def section_title(kind: str, d: int, hq: int, tokens: int) -> str:
         return f"Score functions and sinks (causal; softcap 30, ALiBi, T5 bias with 32 buckets, sinks) · head dim {d} · {hq} heads"
     if kind == "decode":
         return f"Decoding (N query rows per head against a KV cache, no mask, no gradient; GB/s of K and V) · head dim {d} · {hq} query heads"
+    if kind == "stats":
+        return f"Attention statistics in one pass against the forward (causal, no gradient) · head dim {d} · {hq} heads"
     return f"Grouped-query attention (causal) · head dim {d} · {hq} query heads"
+
+
+def _ms(res: Optional[dict]) -> Optional[float]:
+    """The forward's ms of one result, or None."""
+    if res and res["status"] == "ok" and res["modes"].get("fwd", {}).get("status") == "ok":
+        return res["modes"]["fwd"]["ms"]
+    return None
+
+
+def stats_ratio(case: dict) -> Optional[float]:
+    """Time of the statistics in one pass ÷ time of the plain forward on the same inputs."""
+    stats, fwd = _ms(case["results"].get("qkv")), _ms(case["results"].get("qkv-plain"))
+    return stats / fwd if stats is not None and fwd else None
+
+
+def render_stats_section(cases: list[dict], reasons: Reasons) -> list[str]:
+    """Milliseconds, not TFLOP/s: the statistics do the score matmul and no P·V."""
+    lines = ["", f"`qkv.inspect.attention_stats(q, k, is_causal=True, topk={STATS_TOPK})` — entropy, largest weight, top-{STATS_TOPK} "
+             "weights and keys, mean distance, weight on key 0 and on keys i−1 and i of every query row — in one pass that finds "
+             "the lse on the way (no lse given), against the plain forward `qkv.attention(q, k, v, is_causal=True)` (`qkv-plain`) "
+             "on the same inputs; no peer here offers these statistics.", "",
+             "| N | batch | forward ms | statistics ms | statistics ÷ forward | lse check |", "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for c in cases:
+        cells = [str(c["n"]), str(c["batch"])]
+        for name in ("qkv-plain", "qkv"):
+            ms, res = _ms(c["results"].get(name)), c["results"].get(name)
+            cells.append(f"{ms:.3g}" if ms is not None else "—" if res is None else
+                         "OOM" if res["status"] == "oom" else "NaN!" if res["status"] == "nan" else f"n/a [{reasons.ref(name, res['reason'])}]")  # fmt: skip
+        r = stats_ratio(c)
+        cells += [f"{r:.2f}×" if r is not None else "—", check_text(c["results"].get("qkv"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def render_section(kind: str, cases: list[dict], runs: list[dict], qkv_backend: str, reasons: Reasons) -> list[str]:
@@ -925,7 +990,10 @@ def render_report(data: dict) -> str:
         group = sorted(groups[kind_i, d, hq], key=lambda c: (c["n"], c["window"] or 0, -c["hkv"], c["causal"]))
         kind = KINDS[kind_i]
         lines += ["", f"## {section_title(kind, d, hq, group[0]['batch'] * group[0]['n'])}"]
-        lines += render_section(kind, group, runs, meta["qkv_backend"], reasons)
+        if kind == "stats":
+            lines += render_stats_section(group, reasons)
+        else:
+            lines += render_section(kind, group, runs, meta["qkv_backend"], reasons)
     lines += render_overhead(data.get("overhead") or {})
     configs = meta.get("kernel_configs") or {}
     if configs:

@@ -84,6 +84,9 @@ def test_full_grid_is_the_flashattention_grid():
     assert {c.score for c in cases if c.kind == "score"} == {"softcap", "alibi", "t5", "sinks"}
     dec = [c for c in cases if c.kind == "decode"]
     assert dec and all(c.nq <= 8 and c.n >= 8192 and not c.causal and c.modes == ("fwd",) for c in dec)
+    stats = [c for c in cases if c.kind == "stats"]
+    assert [c.id for c in stats] == ["stats-d128-n4096-causal", "stats-d128-n16384-causal"]
+    assert all(c.modes == ("fwd",) and c.batch * c.n == 16384 for c in stats)
     assert len({c.id for c in cases}) == len(cases)
 
 
@@ -97,7 +100,7 @@ def test_filters_split_the_grid():
     assert [c.id for c in bench.build_cases(grid, only="d256-n16384-causal")] == ["dense-d256-n16384-causal"]
     every = {c.id for c in bench.build_cases(grid)}  # the documented chunks cover the grid once
     chunks = [bench.build_cases(grid, headdims=[d], kinds=["dense"]) for d in (64, 128, 256)]
-    chunks.append(bench.build_cases(grid, kinds=["window", "gqa", "score", "decode"]))
+    chunks.append(bench.build_cases(grid, kinds=["window", "gqa", "score", "decode", "stats"]))
     assert sorted(c.id for ch in chunks for c in ch) == sorted(every)
 
 
@@ -162,6 +165,9 @@ def test_dry_run_report_has_every_table_and_column(dry_run):
             assert {"sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex"} <= set(header)
         assert rows
     assert "## Per-call cost outside the kernels" in md and "| bare kernel launch (arguments prepared once) | unmeasured |" in md
+    (heading, header, rows), = [t for t in found if t[0].startswith("Attention statistics in one pass")]
+    assert header == ["N", "batch", "forward ms", "statistics ms", "statistics ÷ forward", "lse check"]
+    assert [r[0] for r in rows] == [str(n) for n in grid.stats_seqlens] and all(r[4].endswith("×") and r[5].startswith("✓") for r in rows)
 
 
 def test_dry_run_flops_in_report_and_json_follow_the_formula(dry_run):
@@ -185,7 +191,7 @@ def test_dry_run_flops_in_report_and_json_follow_the_formula(dry_run):
             gflop = float(row[col])
             assert any(abs(f[mode] / 1e9 - gflop) <= 1e-4 * gflop for f in cands), (heading, row)
             checked += 1
-    assert checked == sum(1 if c["kind"] == "decode" else 3 for c in data["cases"])
+    assert checked == sum(0 if c["kind"] == "stats" else 1 if c["kind"] == "decode" else 3 for c in data["cases"])
     # and one row computed by hand: dense, head dim 64, N = 32, causal
     h = bench.GRIDS["dry"].hidden // 64
     b = bench.GRIDS["dry"].tokens // 32
@@ -195,20 +201,23 @@ def test_dry_run_flops_in_report_and_json_follow_the_formula(dry_run):
 def test_dry_run_measures_qkv_and_peers_and_explains_skips(dry_run):
     _, md, data = dry_run
     for c in data["cases"]:
-        for name in ("qkv", "auto"):
+        for name in ("qkv",) if c["kind"] == "stats" else ("qkv", "auto"):
             r = c["results"][name]
             assert r["status"] == "ok" and r["check"]["ok"], (c["id"], name, r)
-            modes = ("fwd",) if c["kind"] == "decode" else bench.MODES
+            modes = ("fwd",) if c["kind"] in ("decode", "stats") else bench.MODES
             assert set(r["modes"]) == set(modes) and all(r["modes"][m]["tflops"] > 0 for m in modes)
             assert r["modes"]["fwd"]["tflops"] == pytest.approx(c["flops"]["fwd"] / r["modes"]["fwd"]["ms"] / 1e9)
         if c["kind"] == "decode":
             fwd = c["results"]["qkv"]["modes"]["fwd"]
             assert fwd["gbps"] == pytest.approx(2 * c["batch"] * c["hkv"] * c["n"] * c["d"] * 2 / fwd["ms"] / 1e6)
-        if c["kind"] not in ("window", "score"):
+        if c["kind"] not in ("window", "score", "stats"):
             assert c["results"]["sdpa-flash"]["status"] == "ok"  # torch's CPU flash kernel
-        if c["kind"] == "score":
+        if c["kind"] in ("score", "stats"):
             assert c["results"]["qkv-plain"]["status"] == "ok"
-        assert c["results"]["flex"]["status"] == "skip"
+        if c["kind"] == "stats":  # no peer computes the statistics: qkv's own forward is the yardstick
+            assert set(c["results"]) == {"qkv", "qkv-plain"} and bench.stats_ratio(c) > 0
+        else:
+            assert c["results"]["flex"]["status"] == "skip"
     assert "## Reasons" in md and "`sdpa-cudnn`: needs CUDA (dry run on CPU)" in md
     assert re.search(r"`sdpa-math`: not run above N = \d+", md)
     assert "| ✓ " in md and "| ✗ " not in md and "Not run" not in md
