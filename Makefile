@@ -53,6 +53,7 @@ docs: setup
 bench: setup
 	$(PY) bench/attention_cpu.py
 
+# ≤ 7 minutes: the device tests, the autotune of every kernel, the benchmark, then the heavy tests on what is left
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 

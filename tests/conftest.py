@@ -36,6 +36,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
+        "heavy: a device case beyond the representative subset of a large grid (the ported suites' triton cases); "
+        "the GPU check runs the subset first and these on the time left (bench/gpu_check.py)",
+    )
+    config.addinivalue_line(
+        "markers",
         "slow: a further case of a path the quick tier already proves (another size, another build); "
         "`make test` leaves these out, `make test-slow` runs them, and CI (.ci/run) runs both",
     )

@@ -52,7 +52,9 @@ How the work is laid out (what makes it fast on a GPU)
   head dims, packed varlen rows, head dims like 59). TMA would be a second copy of every load
   path, taken only for aligned inputs, whose gain needs a GPU to show. Warp specialization is a launch-table flag (``WARP_SPEC``:
   ``tl.range(..., warp_specialize=True)`` on the forward's interior loop), off by default and
-  tried by the GPU check's autotune; the interpreter ignores it.
+  tried by the GPU check's autotune where Triton compiles it: Triton 3.6's
+  ``NVGPUWarpSpecialization`` pass fails on this loop (an H200, bf16, d128), so not there; the
+  interpreter ignores it.
 
 What differs from the float64 reference
 ---------------------------------------
