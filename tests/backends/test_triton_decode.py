@@ -14,6 +14,8 @@ to 8 programs, so these small caches already span several parts (``parts`` below
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ from ..helpers import DEVICE, INTERPRETED, SUBPROCESS_TIMEOUT, assert_within_rul
 pytest.importorskip("triton")
 
 import qkv  # noqa: E402
-from qkv.backends import auto_order  # noqa: E402
+from qkv.backends import dispatch, select  # noqa: E402
 from qkv.backends.triton import backend as launch  # noqa: E402
 from qkv.call import AttentionCall, validate  # noqa: E402
 from qkv.nonfinite import Checked  # noqa: E402
@@ -298,32 +300,25 @@ def test_the_grid_fills_the_gpu_and_the_parts_are_whole_tiles():
     assert launch.decode_parts(0, 70, 1, 16, 1, 32) == (3, 32)
 
 
-class _CudaCall(AttentionCall):
-    """A call that claims to live on a GPU, to check auto's order without one."""
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda")
-
-
-def _as_cuda(call: AttentionCall) -> AttentionCall:
-    import dataclasses
-
-    return _CudaCall(**{f.name: getattr(call, f.name) for f in dataclasses.fields(call)})
+def _cuda_route(call: AttentionCall) -> dispatch.Route:
+    """The deciding row of auto's table for ``call`` as if its tensors were on a GPU."""
+    shape = dispatch.Shape.of(call)
+    shape = shape._replace(device="cuda") if hasattr(shape, "_replace") else dataclasses.replace(shape, device="cuda")
+    return dispatch.route(call, shape)
 
 
 def test_auto_runs_decoding_on_triton_on_a_gpu():
     q, k, v = make_qkv(2, 8, 2, 1, 300, 64, dtype=BF16)
     for kw in (dict(), dict(key_padding_mask=torch.rand(2, 300) > 0.2, is_causal="bottom_right"), dict(score_mod=Softcap(30.0))):
-        call = _as_cuda(validate(q, k, v, enable_gqa=True, **kw))
-        assert [b.NAME for b in auto_order(call)][:2] == ["triton", "sdpa"]
-        assert "decoding kernels" in qkv.backends.order_notes(call)[0]
+        row = _cuda_route(validate(q, k, v, enable_gqa=True, **kw))
+        assert row.order[:2] == ("triton", "sdpa") and "decoding kernels" in row.why
     q9 = make_qkv(2, 8, 2, 9, 300, 64, dtype=BF16)[0]  # 9 rows: the tiled kernels' call
-    assert auto_order(_as_cuda(validate(q9, k, v, enable_gqa=True)))[0].NAME == "sdpa"
+    assert "decoding kernels" not in _cuda_route(validate(q9, k, v, enable_gqa=True)).why
     qg = q.clone().requires_grad_()  # gradients: the rule runs after the kernels anyway
-    assert auto_order(_as_cuda(validate(qg, k, v, enable_gqa=True)))[0].NAME == "sdpa"
+    assert "decoding kernels" not in _cuda_route(validate(qg, k, v, enable_gqa=True)).why
     q16 = make_qkv(1, 128, 1, 1, 300, 64, dtype=BF16)[0]  # a group of 128 rows does not fit one tile
-    assert auto_order(_as_cuda(validate(q16, k[:1, :1], v[:1, :1], enable_gqa=True)))[0].NAME == "sdpa"
+    assert "decoding kernels" not in _cuda_route(validate(q16, k[:1, :1], v[:1, :1], enable_gqa=True)).why
+    assert select(validate(q, k, v, enable_gqa=True)).NAME != "triton"  # on a CPU auto never picks it
 
 
 _PIPELINE_SCRIPT = r"""
