@@ -48,13 +48,13 @@ def test_masks_alignments_gqa_and_value_dims():
 
 @pytest.mark.slow  # each new kind of call compiles (seconds on a CPU); the quick tier compiles a few
 def test_dense_masks_and_built_in_score_functions():
-    q, k, v = make_qkv(2, 4, 4, 40, 40, 16, seed=3)
+    q, k, v = make_qkv(2, 4, 4, 40, 48, 16, seed=3)
     g = torch.Generator().manual_seed(4)
-    bool_mask = torch.rand(4, 40, 40, generator=g) > 0.4
+    bool_mask = torch.rand(4, 40, 48, generator=g) > 0.4
     bool_mask[:, 7] = False  # a row with nothing to attend to: 0, as qkv's contract says
     out = _check(q, k, v, attn_mask=bool_mask, score_mod=Softcap(3.0))
     assert torch.equal(out[:, :, 7], torch.zeros_like(out[:, :, 7]))
-    _check(q, k, v, attn_mask=torch.randn(2, 1, 40, 40, generator=g), is_causal=True,
+    _check(q, k, v, attn_mask=torch.randn(2, 1, 40, 48, generator=g), is_causal=True,
            score_mod=RelativeBias(torch.randn(16, 4, generator=g), max_distance=20))  # fmt: skip
 
 
