@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from . import overflow
 from .backends import BACKENDS, BackendError, plain_sdpa_call, run
+from .backends.base import gate_call
 from .backends.sdpa import empty_rows_are_zero
 from .call import AttentionCall, BackendName, validate, validate_qk
 from .nonfinite import Checked, guard
@@ -44,8 +45,6 @@ def _fast_path(
         out = _sdpa(query, key, value, attn_mask, dropout_p, bool(is_causal), scale=scale, enable_gqa=enable_gqa)
     except (RuntimeError, ValueError, TypeError, IndexError):
         return None
-    if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):
-        _log.debug("qkv.attention(query %s): auto runs sdpa directly (a plain SDPA call)", tuple(query.shape))
     return out
 
 
@@ -198,7 +197,14 @@ def attention(
             mask = attn_mask if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point() else None
             out = guard(query, key, value, out, mask=mask)[0]
             # (a default scale is at most 1, which the bound takes as 1)
-            if not overflow.suspect(out, query, key, value, scale=1.0 if scale is None else scale, mask=mask):
+            suspect = overflow.suspect(out, query, key, value, scale=1.0 if scale is None else scale, mask=mask)
+            if _log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():  # said once it answered
+                _log.debug(
+                    "qkv.attention(query %s): auto ran sdpa directly (a plain SDPA call)%s", tuple(query.shape),
+                    "; its float32 scores may have overflowed: the call goes the whole way" if suspect else "",
+                    extra={"qkv_engine": "sdpa"},
+                )  # fmt: skip
+            if not suspect:
                 return out  # (else the call goes the whole way below, which answers an overflow exactly)
     call = validate(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window=window, window_alignment=window_alignment,
@@ -217,6 +223,7 @@ def _run(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Optional[torc
         call.query, call.key, call.scale, overflow.largest_finite(_bias64(call))
     ):
         return _in_float64(call, backend)  # a backward may overflow where the forward does not
+    call = gate_call(call)  # on a GPU with gradients: the rule fixes the engine's gradients in place (qkv.nonfinite)
     result = run(call, backend)
     out, lse = result if isinstance(result, Checked) else guard(call.query, call.key, call.value, *result)
     return _exact_beyond_float32(call, out, lse, backend)
@@ -228,6 +235,8 @@ def _in_float64(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Option
     if backend != "auto":
         raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {overflow.explain(backend, call.dtype)}")
     call64 = call.in_float64()
+    if _log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+        _log.debug("qkv.attention(%s): float32 scores may overflow: the call runs in float64", call.describe())
     result = run(call64, "auto")
     out64, lse64 = result if isinstance(result, Checked) else guard(call64.query, call64.key, call64.value, *result)
     return out64.to(call.dtype), (None if lse64 is None else lse64.to(call.lse_dtype))

@@ -52,8 +52,15 @@ and ``+inf`` refused; ``-inf`` means no sink), so they only ever receive the rul
 
 **Where it is applied.** Every backend ends its forward in :func:`guard` with every tensor of
 the call the rule names (``qkv.backends.base.follow_rule``), and :func:`qkv.attention`'s fast
-path calls it too, so the rule holds in one place whatever a kernel skipped; the CPU decoding
-kernel, which reads every key and value anyway, checks q, k and v itself (:class:`Checked`).
+path calls it too, so the rule holds in one place whatever a kernel skipped; the CPU and Triton
+decoding kernels, which read every key and value anyway, check q, k and v themselves
+(:class:`Checked`). On a CPU, finite inputs cost one sum per tensor (:func:`surely_finite`) and
+anything else the torch form below. On a GPU, :mod:`qkv.nonfinite_device` enforces the same rule
+with three Triton kernels and no host sync: one scan of q, k and v, the bad rows' NaN written
+into the engine's output in place, and the gradients the engine produced fixed in place behind
+an identity placed before it (:func:`gate`); each returns at once when the scan found nothing.
+There the output is read only where the formula can make a row NaN (a float mask, a Python
+score function), and a row the formula made NaN passes NaN to its ``dq`` too.
 
 Statistics (``qkv.inspect``) of a bad row: every float statistic NaN, no top-k keys (-1), and
 ``n_keys`` the number of keys its masks allow (the values never decide it).
@@ -68,6 +75,21 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+
+from . import nonfinite_device
+
+
+def gate(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, sinks: Optional[torch.Tensor] = None,
+    mask: Optional[torch.Tensor] = None,
+) -> Optional[dict[str, Optional[torch.Tensor]]]:  # fmt: skip
+    """The tensors to hand an engine for a call with gradients on a GPU, by role (``query``,
+    ``key``, ``value``, ``sinks``, ``mask``): identity views behind which the rule fixes the
+    gradients the engine produces, in place (:mod:`qkv.nonfinite_device`); :func:`guard` then
+    finds the call's flags on the query it is given. None where there is nothing to gate (no
+    gradient, a CPU, ``torch.compile``/``torch.func``, or a structure the kernels leave to the
+    torch form): the engine reads the tensors as they are."""
+    return nonfinite_device.gate(query, key, value, sinks, mask)
 
 
 def bad_parts(
@@ -136,22 +158,33 @@ class Checked(NamedTuple):
 def guard(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor] = None,
     *, bias: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+    opaque: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
     """Apply the rule, forward and backward, to a backend's ``out (..., Hq, Nq, Dv)`` and ``lse
     (..., Hq, Nq)``.
 
     ``bias``: a built-in score function's ``rel (Hq, L)`` (differentiable: its gradient reaches
     the slopes or the table); ``sinks (Hq,)`` and a float ``mask`` (broadcastable to the scores)
-    only receive the rule's gradients. Finite inputs, the usual case, cost the reductions of
-    :func:`surely_finite`; otherwise the rows are marked without reading anything back, so the
-    call never waits on a device, and where gradients are wanted :class:`_GradientRule` adds
-    the rule's NaN to every gradient a bad row reaches, whatever the backend computed there."""
+    only receive the rule's gradients; ``opaque``: the call has a Python score function (which,
+    like a float mask, can make a row NaN). Finite inputs, the usual case, cost the reductions
+    of :func:`surely_finite` on a CPU; otherwise the rows are marked without reading anything
+    back, so the call never waits on a device, and where gradients are wanted
+    :class:`_GradientRule` adds the rule's NaN to every gradient a bad row reaches, whatever the
+    backend computed there. On a GPU (:func:`qkv.nonfinite_device.use_kernels`) three Triton
+    kernels do it instead: one scan, a poison written in place, and (behind the gate a call's
+    engine reads through, :func:`gate`) a fix of the gradients in place; see
+    :mod:`qkv.nonfinite_device`."""
     inputs = (query, key, value, bias, sinks, mask)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     # the output is checked too where it matters: a row the formula made NaN (a float mask's NaN
     # or +inf, a Python score function's NaN) gets a NaN lse, and passes NaN on as a bad row does
     watch = grad or lse is not None
-    if surely_finite(query, key, value, *([] if bias is None else [bias]), *([out] if watch else [])):
+    if nonfinite_device.use_kernels(query, key, value, out, lse, bias):
+        # off the CPU the output is read only where the formula can make a row NaN
+        done = nonfinite_device.apply(query, key, value, out, lse, bias=bias, read_out=watch and (mask is not None or opaque))
+        if done is not None:
+            return done
+    elif surely_finite(query, key, value, *([] if bias is None else [bias]), *([out] if watch else [])):
         return out, lse
     own, heads = bad_parts(query, key, value, bias)
     rows = own | heads.unsqueeze(-1)
@@ -267,4 +300,4 @@ class _GradientRule(torch.autograd.Function):
         return (None, None, dout, dlse if ctx.has_lse else None, *grads)
 
 
-__all__ = ["Checked", "bad_parts", "gradient_rule", "guard", "nonfinite_rows", "nothing_to_attend", "poison", "surely_finite"]
+__all__ = ["Checked", "bad_parts", "gate", "gradient_rule", "guard", "nonfinite_rows", "nothing_to_attend", "poison", "surely_finite"]

@@ -3,7 +3,8 @@
 The layers, low to high (a module imports only its own layer or lower ones; docs/architecture.md
 describes the same tree):
 
-    0  nonfinite, overflow, allocation,    rules and mechanisms every layer may use
+    0  nonfinite (+ _device, _kernels),    rules and mechanisms every layer may use
+       overflow, allocation,
        devices, locale, hooks,
        elementwise, extras
     1  call, masks, sparse, score_mods,    the validated call, its mask and score types, and the
@@ -35,7 +36,8 @@ MAX_LINES = 80
 KEPT_WHOLE = "Kept whole"  # a long function's docstring says why, after these words
 
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("qkv.nonfinite", "qkv.overflow", "qkv.allocation", "qkv.devices", "qkv.locale", "qkv.hooks", "qkv.elementwise", "qkv.extras")),
+    (0, ("qkv.nonfinite", "qkv.nonfinite_device", "qkv.nonfinite_kernels", "qkv.overflow", "qkv.allocation", "qkv.devices",
+         "qkv.locale", "qkv.hooks", "qkv.elementwise", "qkv.extras")),
     (1, ("qkv.call", "qkv.masks", "qkv.sparse", "qkv.score_mods", "qkv.sinks", "qkv.reference")),
     (2, ("qkv.backends",)),
     (3, ("qkv.functional", "qkv.varlen", "qkv.linear")),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, Optional
 
 import torch
 
 from ..call import AttentionCall
-from ..nonfinite import Checked, guard
+from ..nonfinite import Checked, gate, guard
 
 
 def follow_rule(call: AttentionCall, out: torch.Tensor, lse: Optional[torch.Tensor]) -> Checked:
@@ -20,7 +21,26 @@ def follow_rule(call: AttentionCall, out: torch.Tensor, lse: Optional[torch.Tens
     bound = call.bound_score() if call.score_mod is not None and call.builtin_score else None
     bias = None if bound is None or bound.form is None else bound.form.rel  # (Hq, L); None for a softcap alone
     mask = call.given_mask if call.given_mask is not None and call.given_mask.is_floating_point() else None
-    return Checked(*guard(call.query, call.key, call.value, out, lse, bias=bias, sinks=call.sinks, mask=mask))
+    opaque = call.score_mod is not None and not call.builtin_score
+    return Checked(*guard(call.query, call.key, call.value, out, lse, bias=bias, sinks=call.sinks, mask=mask, opaque=opaque))
+
+
+def gate_call(call: AttentionCall) -> AttentionCall:
+    """``call`` with its engine's tensors behind the non-finite rule's gate (:func:`qkv.nonfinite.gate`)
+    where it has gradients on a GPU, so that :func:`follow_rule` fixes the engine's own gradients
+    in place instead of adding the rule's to them; else ``call`` itself. A Python score function
+    keeps the torch form: the tensors it reads get the formula's gradients, which only an output
+    left as the engine computed it gives."""
+    if call.score_mod is not None and not call.builtin_score:
+        return call
+    mask = call.given_mask if call.given_mask is not None and call.given_mask.is_floating_point() else None
+    gated = gate(call.query, call.key, call.value, sinks=call.sinks, mask=mask)
+    if gated is None:
+        return call
+    return dataclasses.replace(
+        call, query=gated["query"], key=gated["key"], value=gated["value"], sinks=gated["sinks"],
+        given_mask=call.given_mask if mask is None else gated["mask"],
+    )  # fmt: skip
 
 
 class EngineFailed(RuntimeError):

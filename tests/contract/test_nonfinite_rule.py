@@ -27,6 +27,7 @@ import torch
 
 import qkv
 from qkv import sparse
+from qkv import nonfinite_device
 from qkv.backends import BackendError, native
 from qkv.score_mods import ALiBi, RelativeBias
 from qkv.score_mods.relative_bias import relative_buckets
@@ -285,11 +286,13 @@ def _expected(case: Case, t: dict[str, Any]) -> dict[str, torch.Tensor]:
 PATHS = ("math", "sdpa", "auto", "chunked-c", "chunked-torch")
 
 
-def _run(case: Case, t: dict[str, Any], path: str, grad: bool, monkeypatch) -> Optional[dict[str, torch.Tensor]]:
-    """NaN patterns of out (, lse) and, with ``grad``, of every gradient on one path; None
-    where the path refuses the call (sdpa)."""
+def _run(
+    case: Case, t: dict[str, Any], path: str, grad: bool, monkeypatch, device: Optional[str] = None
+) -> Optional[dict[str, torch.Tensor]]:
+    """NaN patterns of out (, lse) and, with ``grad``, of every gradient on one path (on the CPU
+    but for triton, unless ``device`` says); None where the path refuses the call (sdpa)."""
     backend = {"chunked-c": "chunked", "chunked-torch": "chunked"}.get(path, path)
-    device = DEVICE if path == "triton" else "cpu"
+    device = device or (DEVICE if path == "triton" else "cpu")
     want_lse = case.lse and not (path == "sdpa" and (grad or case.hq != case.hk))
     mask_grad = grad and path in ("math", "sdpa", "auto")  # chunked and triton take no gradient to a mask
     leaves = {
@@ -422,4 +425,38 @@ def test_triton_gives_the_rules_nan_pattern(case, monkeypatch):
     for grad in (False, True):
         for path in ("triton", "math"):
             problems += _compare(case, want, _run(case, t, path, grad, monkeypatch), path, grad)
+    assert not problems, "\n".join(problems)
+
+
+# ---- the rule's GPU kernels (qkv.nonfinite_device) under every engine: a slice of the grid -------------
+
+_KERNEL_QUICK = ("q-nan/causal", "k-inf/pad-holes/gqa", "alibi-nan/bottom-right/gqa", "q-inf-meets-negative/pad-ragged",
+                 "mask-nan-seen/causal/gqa")
+_KERNEL_SLOW = ("v-neginf-last/pad-full", "table-inf-far/window", "mask-inf-after/pad-full/gqa", "layout-bigbird/k-nan-skipped/gqa",
+                "decode/alibi-nan/is_causal")
+KERNEL_CASES = [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in _KERNEL_SLOW else []) for c in CASES
+                if c.name in _KERNEL_QUICK + _KERNEL_SLOW]  # fmt: skip
+
+
+@pytest.mark.device
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_the_rules_kernels_give_its_nan_pattern(case, monkeypatch):
+    """The calls as on a GPU: one scan, the poison written into the engine's output in place,
+    the gradients fixed in place behind the gate (qkv.nonfinite_device), on the test device
+    (Triton's interpreter on a CPU), under engines whose backward reads the output they saved."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(nonfinite_device, "KERNEL_DEVICES", ("cuda", DEVICE))
+    launches: list[str] = []
+    launch = nonfinite_device.launch
+    monkeypatch.setattr(nonfinite_device, "launch", lambda name, *a, **k: (launches.append(name), launch(name, *a, **k))[1])
+    t = _inputs(case)
+    want = _expected(case, t)
+    problems = []
+    for grad in (False, True):
+        for path in ("math", "sdpa", "auto", "chunked-torch"):
+            got = _run(case, t, path, grad, monkeypatch, device=DEVICE)
+            if got is not None:
+                problems += _compare(case, want, got, path, grad)
+    assert "poison_kernel" in launches and "grads_kernel" in launches
     assert not problems, "\n".join(problems)
