@@ -246,12 +246,15 @@ def triton_decode(q, k, v, m, ms, kpt, kps, meta, scale, lo, hi, score, sinks_t,
         sms, min_part = device_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()), MIN_DECODE_PART
     parts, per = decode_parts(first, last, b * hk, bn, sms, min_part)
     jobs = b * hk
-    f32 = dict(dtype=torch.float32, device=q.device)
     tiles = _tiles(d, dv, q.element_size())
-    part_o = torch.empty(jobs * parts * rows * tiles["BLOCK_DV"], **f32)
-    part_m = torch.empty(jobs * parts * rows, **f32)
-    part_l = torch.empty(jobs * parts * rows, **f32)
-    part_f = torch.empty(jobs * parts * rows, dtype=torch.int32, device=q.device) if check else part_m
+    # the workspace, one allocation (each is a per-call cost): per row of each part its O (BLOCK_DV
+    # floats), m, l and the rule's flags (int32), each array starting 16 bytes aligned (an
+    # unaligned one would be another specialisation of the kernel to compile)
+    n = _cdiv(jobs * parts * rows, 4) * 4
+    o_end = n * tiles["BLOCK_DV"]
+    ws = torch.empty(o_end + 3 * n, dtype=torch.float32, device=q.device)
+    part_o, part_m, part_l, part_f = ws[:o_end], ws[o_end : o_end + n], ws[o_end + n : o_end + 2 * n], ws[o_end + 2 * n :]
+    part_f = part_f.view(torch.int32)
     block_m = max(16, _pow2(rows))
     D.decode_kernel[(parts, jobs)](
         q, k, v, part_o, part_m, part_l, part_f, m, kpt, rel_t,
