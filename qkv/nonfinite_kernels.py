@@ -30,9 +30,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# sizes, counts and offsets change with every shape: not specialised, so one compiled kernel
-# serves them all (strides stay specialised: their divisibility lets loads vectorise)
-_SEG = ("R{s}", "N1{s}", "N2{s}", "N3{s}", "C{s}", "OFF{s}", "DIV{s}")
+# row counts and offsets change with every shape: not specialised, so one compiled kernel serves
+# them all (strides and the row length stay specialised: their divisibility by 16 lets the loads
+# of a row vectorise, masked or not)
+_SEG = ("R{s}", "N1{s}", "N2{s}", "N3{s}", "OFF{s}", "DIV{s}")
 
 
 def _sizes(segments: int, extra: tuple[str, ...] = ()) -> list[str]:
@@ -186,7 +187,7 @@ def _nothing_to_attend(q_rows, cand, k_base, k_n, k_d, q_d, NK, D,
     return (meets != 0) & (has_inf != 0) & (has_nan == 0)
 
 
-@triton.jit(do_not_specialize=["HQ", "NQ", "NK", "G", "D", "DV", "NB1", "NMB",
+@triton.jit(do_not_specialize=["HQ", "NQ", "NK", "G", "NB1", "NMB",
                                "OFF_QF", "OFF_KF", "OFF_VF", "OFF_BF", "OFF_GQ", "OFF_GK", "OFF_GV", "OFF_GH", "OFF_GM"])
 def poison_kernel(
     W, Out, Lse, Q, K,
@@ -212,6 +213,8 @@ def poison_kernel(
         b1 = (b % NB1).to(tl.int64)
         b0 = (b // NB1).to(tl.int64)
         hk = h // G
+        h64 = h.to(tl.int64)  # (element offsets of a head can pass 2**31; flag indices cannot)
+        hk64 = hk.to(tl.int64)
         i = m * BLOCK_M + tl.arange(0, BLOCK_M)
         ok = i < NQ
         own = (tl.load(W + OFF_QF + b0 * qf_b0 + b1 * qf_b1 + h * qf_h + i * qf_i, mask=ok, other=0) & 1) != 0
@@ -220,7 +223,7 @@ def poison_kernel(
             head_bits |= tl.load(W + OFF_BF + h * bf_h)
         heads = (head_bits & 1) != 0
         bad = (own | heads) & ok
-        o_rows = Out + b0 * o_b0 + b1 * o_b1 + h * o_h + i.to(tl.int64) * o_i
+        o_rows = Out + b0 * o_b0 + b1 * o_b1 + h64 * o_h + i.to(tl.int64) * o_i
         made = tl.zeros([BLOCK_M], tl.int32) != 0
         if READ_OUT:  # before the writes: rows the formula made NaN (a float mask, a Python score function)
             for c0 in range(0, DV, BLOCK_DV):
@@ -233,15 +236,15 @@ def poison_kernel(
                 nan = tl.full([BLOCK_M, BLOCK_DV], float("nan"), tl.float32).to(Out.dtype.element_ty)
                 tl.store(o_rows[:, None] + c[None, :] * o_d, nan, mask=bad[:, None] & (c[None, :] < DV))
         if HAS_LSE:
-            l_rows = Lse + b0 * l_b0 + b1 * l_b1 + h * l_h + i.to(tl.int64) * l_i
+            l_rows = Lse + b0 * l_b0 + b1 * l_b1 + h64 * l_h + i.to(tl.int64) * l_i
             tl.store(l_rows, tl.full([BLOCK_M], float("nan"), tl.float32).to(Lse.dtype.element_ty), mask=bad | (made & ok))
         if GRAD:
             passes = bad | (made & ok)  # rows that pass NaN on
             cand = own & ~heads & ~made & ok  # bad through their own query alone: dq NaN unless nothing to attend to
             nta = cand & (NK == 0)  # no key: nothing to attend to, whatever the row holds
             if (NK > 0) & (tl.max(cand.to(tl.int32), 0) > 0):
-                q_rows = Q + b0 * q_b0 + b1 * q_b1 + h * q_h + i.to(tl.int64) * q_i
-                k_base = K + b0 * k_b0 + b1 * k_b1 + hk * k_h
+                q_rows = Q + b0 * q_b0 + b1 * q_b1 + h64 * q_h + i.to(tl.int64) * q_i
+                k_base = K + b0 * k_b0 + b1 * k_b1 + hk64 * k_h
                 nta = cand & _nothing_to_attend(q_rows, cand, k_base, k_n, k_d, q_d, NK, D, BLOCK_M, BLOCK_N, BLOCK_D)
             dq_nan = passes & ~nta
             bits = dq_nan.to(tl.int32) | (nta.to(tl.int32) * 2)
