@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from .backends import BACKENDS, auto_order, flex, native, order_notes, reasons_by_backend
+from .backends import BACKENDS, auto_order, flex, native, order_notes, reasons_by_backend, route
 from .call import AttentionCall, validate
 
 __all__ = ["DTYPES", "parse_ints", "parse_shape", "parse_window", "call_from_args", "compile_flex", "report"]
@@ -148,6 +148,9 @@ def report(call: Optional[AttentionCall] = None) -> str:
         order = " → ".join(b.NAME for b in auto_order(call))
         lines.append(f"  auto tries {order} and picks: {chosen or 'nothing (see reasons)'}")
         lines += [f"  ({note})" for note in order_notes(call)]
+        measured = route(call).measured
+        if measured:
+            lines.append(f"  (measured: {measured})")
         for name, rs in reasons.items():
             if rs:
                 lines.append(f"  {name:<{width}}  cannot run it: " + "; ".join(rs))

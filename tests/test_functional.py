@@ -476,10 +476,10 @@ def test_auto_says_which_backend_ran_and_why(caplog):
         qkv.attention(q, k[:, :1], v[:, :1], return_lse=True, enable_gqa=True)
         qkv.attention(q.double().requires_grad_(), k.double(), v.double(), return_lse=True)
     lines = [r.getMessage() for r in caplog.records if r.name == "qkv"]
-    assert "auto runs sdpa directly" in lines[0]
-    assert "auto runs sdpa" in lines[1] and "window=(4, 0)" in lines[1]
-    assert "auto runs math" in lines[2] and "sdpa: return_lse=True with grouped-query heads" in lines[2], lines[2]
-    assert "auto runs math" in lines[3] and "sdpa last: torch's CPU backward misses the accuracy rule" in lines[3], lines[3]
+    assert "auto ran sdpa directly" in lines[0]
+    assert "auto ran sdpa" in lines[1] and "window=(4, 0)" in lines[1]
+    assert "auto ran math" in lines[2] and "sdpa: return_lse=True with grouped-query heads" in lines[2], lines[2]
+    assert "auto ran math" in lines[3] and "sdpa last: torch's CPU backward misses the accuracy rule" in lines[3], lines[3]
 
 
 def test_qkv_info_explains_the_order(capsys):

@@ -8,7 +8,7 @@ first backend with no reasons against it; a named backend either runs or raises
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -57,15 +57,66 @@ def reasons_by_backend(call: AttentionCall) -> dict[str, list[str]]:
 def run(call: AttentionCall, backend: str = "auto") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``select(call, backend).forward(call)``. An engine that fails in a way only trying shows
     (:class:`.base.EngineFailed`: a compiler error) gives its reason from then on: ``auto`` goes on
-    to the next engine, a named backend raises :class:`BackendError` with it."""
-    while True:
+    to the next engine of its order (never back to one that failed), a named backend raises
+    :class:`BackendError` with it.
+
+    The debug log says which engine answered, once it has (:func:`ran`): the engine named there
+    is the engine that ran, after any that failed on the way (each also a warning)."""
+    if backend != "auto":
         chosen = select(call, backend)
         try:
-            return chosen.forward(call)
+            result = chosen.forward(call)
         except EngineFailed as e:
-            if backend != "auto":
-                raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {e}") from e
-            _log.warning("qkv.attention(%s): %s failed (%s); auto goes on to the next engine", call.describe(), chosen.NAME, e)
+            raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {e}") from e
+        if _log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():  # no logging in a traced graph
+            ran(call, chosen, backend)
+        return result
+    failed: list[str] = []
+    for candidate in _runnable(call):
+        try:
+            result = candidate.forward(call)
+        except EngineFailed as e:
+            _log.warning("qkv.attention(%s): %s failed (%s); auto goes on to the next engine", call.describe(), candidate.NAME, e)
+            failed.append(f"{candidate.NAME} failed ({e})")
+            continue
+        if _log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+            ran(call, candidate, backend, failed)
+        return result
+    raise _nothing_runs(call, failed)
+
+
+def _runnable(call: AttentionCall) -> Iterator[Backend]:
+    """``auto``'s order for ``call``, the engines with a reason against it left out (each asked
+    when reached: the first that can run the call is all a call usually costs)."""
+    for candidate in auto_order(call):
+        if not candidate.not_supported_reasons(call):
+            yield candidate
+
+
+def _nothing_runs(call: AttentionCall, failed: Sequence[str] = ()) -> BackendError:
+    lines = [f"  {n}: {'; '.join(r)}" for n, r in reasons_by_backend(call).items() if r]
+    lines += [f"  {f}" for f in failed]
+    return BackendError(f"no backend can run this call ({call.describe()}):\n" + "\n".join(lines))
+
+
+def ran(call: AttentionCall, engine: Backend, backend: str = "auto", failed: Sequence[str] = ()) -> None:
+    """Log (debug) that ``engine`` answered ``call``: for ``auto`` with its order, the reasons of
+    the engines it passed over (or their failures) and the table's notes; the record carries the
+    engine's name as ``record.qkv_engine``."""
+    kernel = getattr(engine, "kernel", None)  # chunked: which of its kernels (dispatch.KERNELS)
+    what = engine.NAME + (f"'s {kernel(call)} kernel" if callable(kernel) else "")
+    if backend != "auto":
+        _log.debug("qkv.attention(%s): backend %s ran", call.describe(), what, extra={"qkv_engine": engine.NAME})
+        return
+    order = auto_order(call)
+    before = order[: order.index(engine)] if engine in order else []
+    passed = "; ".join(f"{b.NAME}: {', '.join(r)}" for b in before if (r := b.not_supported_reasons(call)))
+    _log.debug(
+        "qkv.attention(%s): auto ran %s (order %s)%s%s%s",
+        call.describe(), what, " → ".join(b.NAME for b in order), "".join(f"; {f}" for f in failed),
+        f"; cannot run it: {passed}" if passed else "", "".join(f"; {n}" for n in order_notes(call)),
+        extra={"qkv_engine": engine.NAME},
+    )  # fmt: skip
 
 
 def select(call: AttentionCall, backend: str = "auto") -> Backend:
@@ -80,22 +131,13 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
                 + "\nUse backend='auto' to let qkv choose, or see `qkv info`."
             )
         return chosen
-    order = auto_order(call)
-    for i, candidate in enumerate(order):
-        if not candidate.not_supported_reasons(call):
-            if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):  # no logging in a traced graph
-                passed = "; ".join(f"{b.NAME}: {', '.join(b.not_supported_reasons(call))}" for b in order[:i])
-                _log.debug(
-                    "qkv.attention(%s): auto runs %s (order %s)%s%s",
-                    call.describe(), candidate.NAME, " → ".join(b.NAME for b in order),
-                    f"; cannot run it: {passed}" if passed else "", "".join(f"; {n}" for n in order_notes(call)),
-                )  # fmt: skip
-            return candidate
-    lines = [f"  {n}: {'; '.join(r)}" for n, r in reasons_by_backend(call).items()]
-    raise BackendError(f"no backend can run this call ({call.describe()}):\n" + "\n".join(lines))
+    chosen = next(_runnable(call), None)
+    if chosen is None:
+        raise _nothing_runs(call)
+    return chosen
 
 
 __all__ = [
     "Backend", "BackendError", "BACKENDS", "ROUTES", "Route", "auto_order", "get_backend", "order_notes",
-    "plain_sdpa_call", "reasons_by_backend", "route", "run", "select",
+    "plain_sdpa_call", "ran", "reasons_by_backend", "route", "run", "select",
 ]  # fmt: skip

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, NamedTuple, Optional
 
 import torch
 
 from ..call import AttentionCall
+from ..score_mods.base import ScoreMod
 from . import chunked_native
-from .decode_cpu import can_decode, decode_shape
+from .decode_cpu import MAX_QUERY_ROWS, can_decode
 from .flash_cpu import can_fuse, lse_misses_rule
 from .sdpa import needs_dense_mask
 from .triton import MAX_DECODE_ROWS, decode_fits
@@ -59,12 +60,12 @@ FLEX_CPU_MIN_SCORES = 1 << 18
 MaskKind = Optional[Literal["bool", "float"]]
 
 
-@dataclass(frozen=True)
-class Shape:
+class Shape(NamedTuple):
     """What the rows read first: sizes, dtype, device and which arguments a call has. Every field
     can be read off the raw tensors too, so the fast path asks the same rows before validating;
     there a bool mask counts as ``positional`` as well, since validation may turn it into key
-    padding (a row's ``when`` must hold for the raw call wherever it holds for the validated one)."""
+    padding (a row's ``when`` must hold for the raw call wherever it holds for the validated one).
+    A named tuple: made on every call, and the key of :func:`order_names`'s cache."""
 
     device: str  # "cpu", "cuda", ...
     dtype: torch.dtype
@@ -92,15 +93,14 @@ class Shape:
     @staticmethod
     def of(call: AttentionCall) -> "Shape":
         given = call.given_mask if call.block_sparse is None else None
+        score = call.score_mod
         return Shape(
-            device=call.device.type, dtype=call.dtype, nq=call.nq, nk=call.nk, hq=call.hq, d=call.d, dv=call.dv,
-            causal=call.causal, mask=None if given is None else ("bool" if given.dtype == torch.bool else "float"),
-            grad=call.requires_grad, lse=call.return_lse,
-            positional=call.window is not None or call.key_padding_mask is not None,
-            block_sparse=call.block_sparse is not None,
-            score=None if call.score_mod is None else ("builtin" if call.builtin_score else "python"),
-            sinks=call.sinks is not None, dropout=call.dropout_p > 0.0, bottom_right=call.alignment == "bottom_right",
-        )  # fmt: skip
+            call.query.device.type, call.query.dtype, call.nq, call.nk, call.hq, call.d, call.dv, call.causal,
+            None if given is None else ("bool" if given.dtype == torch.bool else "float"), call.requires_grad,
+            call.return_lse, call.window is not None or call.key_padding_mask is not None, call.block_sparse is not None,
+            None if score is None else ("builtin" if isinstance(score, ScoreMod) else "python"), call.sinks is not None,
+            call.dropout_p > 0.0, call.alignment == "bottom_right",
+        )  # positional, in the fields' order: a call's cost (fmt: skip)
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,9 @@ class Route:
     why: str
     also: Optional[Callable[[AttentionCall], bool]] = None
     last: bool = False
+    # where the order was measured: a report under bench/results/ and what it showed (every row
+    # that decides calls on a GPU has one; tests/backends/test_dispatch.py holds it)
+    measured: Optional[str] = None
 
     def applies(self, call: AttentionCall, shape: Optional[Shape] = None) -> bool:
         return self.when(shape or Shape.of(call)) and (self.also is None or self.also(call))
@@ -145,8 +148,10 @@ def _causal_prefill_shape(s: Shape) -> bool:
 
 
 def _decode_shape(s: Shape) -> bool:
+    # the shape alone (whether the kernel is built, can_decode asks): a row's `when` reads the
+    # Shape and this module's thresholds only, so order_names may keep its answer per shape
     return (
-        _cpu(s) and decode_shape(s.nq, s.nk, s.dtype)
+        _cpu(s) and 0 < s.nq <= MAX_QUERY_ROWS and s.nk > s.nq and s.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and not s.grad and s.mask != "float" and not s.block_sparse and s.score is None and not s.dropout
     )  # fmt: skip
 
@@ -169,6 +174,8 @@ def value_dim_fallback(s: Shape) -> bool:
 
 CHUNKED_FIRST = ("chunked", "sdpa", "math")
 SDPA_FIRST = ("sdpa", "chunked", "math")
+# The GPU measurements the rows for CUDA cite (bf16, torch 2.11, peers in the same run).
+H200 = "bench/results/attention_gpu_nvidia-h200.md (NVIDIA H200, main at a621e09)"
 
 # The first deciding row that applies decides; the catch-all rows at the end take the rest.
 ROUTES: tuple[Route, ...] = (
@@ -176,6 +183,8 @@ ROUTES: tuple[Route, ...] = (
         lambda s: s.device == "cuda" and (s.sinks or s.lse and s.grad),
         ("triton", "flex", "sdpa", "chunked", "math"),
         "triton first: sinks and a differentiable lse run in qkv's own kernels only",
+        measured=f"{H200}: the sinks cell (causal, B 4, H 16, N 4096, D 128) forward 105 TFLOP/s against 117 for the "
+        "same call without sinks, forward + backward 131 against 140 (Flex, SDPA: no sinks)",
     ),
     # Decoding is memory-bound: its time is one read of K and V. On the H200 that measured main at
     # a621e09 (bf16, 1 query row against 32k keys, B 8, GQA 32/8, D 128)
@@ -188,16 +197,28 @@ ROUTES: tuple[Route, ...] = (
         "triton first: a decoding call (few query rows, long cache) runs qkv's decoding kernels, which read each "
         "key/value row once for all the query rows of its group and apply the non-finite rule in that same read",
         also=lambda call: decode_fits(call.nq, call.nk, call.group),
+        measured=f"{H200}: decoding (B 8, GQA 32/8, D 128, 1 row against 8k keys, 8 rows against 32k) SDPA's kernels "
+        "alone 3260-3385 and 707-1356 GB/s, auto on SDPA with the rule after it 300 and 283, qkv triton 297 and 316",
     ),
-    # The first H100 run (bench/results/gpu_check_nvidia-h100-80gb-hbm3.md, bf16): qkv's triton
-    # kernels at 0.33 (causal window 1024, forward) and 0.4–0.7 (softcap, ALiBi, T5 bias) of
-    # compiled FlexAttention's speed.
+    # Measured with the non-finite rule after qkv's kernels (~1.5 ms forward, ~1.7 forward +
+    # backward at B 4, H 16, N 4096, D 128 on the H200: auto on cuDNN less cuDNN alone on the
+    # causal cell of that size) and none after Flex's: kernel against kernel the window margin
+    # may vanish (triton's forward about 0.41 ms by that difference, Flex's 0.40), and a softcap
+    # alone may favour triton (about 1.3 against 1.54 ms); both unmeasured as such. auto on these
+    # calls took Flex's time plus that same rule cost (window: 1.92 ms against Flex's 0.40), so it
+    # ran Flex, as its log says, in a time close to qkv triton's (1.93) by coincidence.
     Route(
         lambda s: s.device == "cuda" and (_may_need_dense_mask(s) or s.block_sparse or s.score is not None),
         ("flex", "triton", "sdpa", "chunked", "math"),
         "flex first: compiled FlexAttention runs windows, padding, block masks, mask and score functions faster than "
-        "qkv's triton kernels on a GPU, which take what Flex declines",
+        "qkv's triton kernels on a GPU (H200, bf16, forward, qkv's non-finite rule included: a window 4.9x, ALiBi "
+        "4.1x, T5 bias 3.2x, softcap 1.8x), which take what Flex declines",
         also=lambda call: needs_dense_mask(call) or call.block_sparse is not None or call.score_mod is not None,
+        measured=f"{H200}: causal window 1024, B 4, H 16, N 4096, D 128: Flex 304 TFLOP/s forward and 299 forward + "
+        "backward, qkv triton 62.5 and 98.9; score functions (causal, N 4096, D 128) forward Flex / qkv triton: "
+        "softcap 178 / 97.2, ALiBi 337 / 83.1, T5 bias 259 / 81.3; forward + backward 183 / 106, 342 / 99.7, 226 / 99.0 "
+        "(qkv's times include the non-finite rule, Flex's none); the H100 run before it "
+        "(bench/results/gpu_check_nvidia-h100-80gb-hbm3.md): triton at 0.33 (window) and 0.4-0.7 (score functions) of Flex",
     ),
     # Compiled Flex against qkv's tile loops for a Python score function without gradients
     # (float32, 1 thread, 8 heads, D = 64, causal, s + 0.01·(i − j); bench/results/flex_cpu.md):
@@ -253,15 +274,19 @@ ROUTES: tuple[Route, ...] = (
         also=lambda call: (needs_dense_mask(call) or call.bool_mask) and can_fuse(call),
     ),
     Route(
-        lambda s: _may_need_dense_mask(s) and s.scores * s.hq > DENSE_MASK_LIMIT,
-        CHUNKED_FIRST,
+        lambda s: _cpu(s) and _may_need_dense_mask(s) and s.scores * s.hq > DENSE_MASK_LIMIT,
+        CHUNKED_FIRST,  # (on a GPU such a call is Flex's, above)
         "chunked first: SDPA would need an Nq × Nk mask built for it",
         also=needs_dense_mask,
     ),
     Route(
         lambda s: s.device == "cuda",
         ("sdpa", "triton", "flex", "chunked", "math"),
-        "sdpa first: torch's fused kernels (cuDNN, flash, memory-efficient) run this call natively; triton next",
+        "sdpa first: torch's fused kernels (cuDNN, flash, memory-efficient) run this call natively, the fastest on "
+        "every dense cell measured (H200, bf16: cuDNN, torch's own choice there); triton next",
+        measured=f"{H200}: every dense and GQA cell (D 64 and 128, N 1024-16384, causal and not) cuDNN first: forward "
+        "333-627 TFLOP/s against compiled Flex's 249-496 and qkv triton's 31-334, backward 251-540 against 192-416 and "
+        "104-331; causal B 4, H 16, N 4096, D 128 forward cuDNN 0.48 ms, qkv triton 2.37 (0.86 less the rule)",
     ),
     Route(
         lambda s: s.scores <= MATH_MAX_SCORES,
@@ -298,17 +323,58 @@ def route(call: AttentionCall, shape: Optional[Shape] = None) -> Route:
 
 def order_names(call: AttentionCall) -> tuple[list[str], list[str]]:
     """``auto``'s order of backend names for ``call``, and the reasons: the deciding row's, then
-    each applying ``last`` row's."""
+    each applying ``last`` row's. Kept per :class:`Shape` where no row that applies reads the
+    validated call (``also``): then the rows' answer is the shape's, and a call of a shape seen
+    before costs the :class:`Shape` and one lookup."""
     shape = Shape.of(call)
-    chosen = route(call, shape)
+    cache = _order_cache()
+    found = cache.get(shape)
+    if found is None:
+        found, keyed = _order(call, shape)
+        if keyed:
+            if len(cache) >= _ORDER_CACHE_SIZE:
+                cache.clear()
+            cache[shape] = found
+    return list(found[0]), list(found[1])
+
+
+def _order(call: AttentionCall, shape: Shape) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], bool]:
+    """:func:`order_names`'s answer, and whether it is the shape's alone (no ``also`` was read)."""
+    keyed = True
+    chosen = None
+    for row in ROUTES:
+        if not row.last and row.when(shape):
+            keyed = keyed and row.also is None
+            if row.also is None or row.also(call):
+                chosen = row
+                break
+    assert chosen is not None  # the table's last deciding row takes any call
     names, notes = list(chosen.order), []
     for row in ROUTES:
-        if row.last and row.applies(call, shape):
-            names = [n for n in names if n not in row.order] + [n for n in row.order if n in names]
-            notes.append(row.why)
+        if row.last and row.when(shape):
+            keyed = keyed and row.also is None
+            if row.also is None or row.also(call):
+                names = [n for n in names if n not in row.order] + [n for n in row.order if n in names]
+                notes.append(row.why)
     if names[0] == chosen.order[0]:  # the deciding row's reason, where its first engine stayed first
         notes.insert(0, chosen.why)
-    return names, notes
+    return (tuple(names), tuple(notes)), keyed
+
+
+_ORDER_CACHE_SIZE = 4096
+_ORDERS: dict[Shape, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_ORDERS_FOR: list[tuple] = [()]  # the table and thresholds the kept orders were read from
+
+
+def _order_cache() -> dict[Shape, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The kept orders, emptied when the table or a threshold of this module has changed since
+    they were read (a test, or a user tuning a threshold, assigns a new one)."""
+    table = (ROUTES, MATH_MAX_SCORES, DENSE_MASK_LIMIT, VALUE_DIM_MIN_SCORES, CAUSAL_TILES_MIN_N, CAUSAL_TILES_MAX_N,
+             FLEX_CPU_MIN_SCORES, MAX_DECODE_ROWS)  # fmt: skip
+    if _ORDERS_FOR[0] != table:
+        _ORDERS.clear()
+        _ORDERS_FOR[0] = table
+    return _ORDERS
 
 
 def plain_sdpa_call(
