@@ -3,6 +3,7 @@
 >>> import qkv.hf
 >>> qkv.hf.register()                                   # once per process
 >>> model = AutoModel.from_config(cfg, attn_implementation="qkv")
+>>> qkv.hf.register("qkv_chunked", backend="chunked")  # a name whose calls run on one backend
 >>> with qkv.hf.observe(lambda call: print(call)):      # see every attention call
 ...     model(**inputs)
 
@@ -57,6 +58,8 @@ import torch
 from torch import Tensor
 
 from . import hooks
+from .backends import BACKENDS
+from .call import BackendName
 from .extras import require
 from .functional import attention, attention_weights
 from .score_mods import Softcap
@@ -208,13 +211,16 @@ def attention_forward(
     position_bias: Optional[Tensor] = None,
     softcap: Optional[float] = None,
     s_aux: Optional[Tensor] = None,
+    *,
+    backend: BackendName = "auto",
     **kwargs: Any,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """A Hugging Face attention function running on :func:`qkv.attention`.
 
     ``query`` (B, H, Nq, D), ``key``/``value`` (B, Hk, Nk, D) → ``(out (B, Nq, H, D), weights)``;
     ``weights`` (B, H, Nq, Nk) only when ``output_attentions=True`` is passed, else None.
-    See the module docstring for how HF's arguments map to qkv's.
+    ``backend`` is :func:`qkv.attention`'s (a name registered with ``register(name, backend=...)``
+    passes its own). See the module docstring for how HF's arguments map to qkv's.
     """
     _refuse_kwargs(module, kwargs)
     score_mod = Softcap(softcap) if softcap else None  # HF passes None (or 0) for "no cap"
@@ -230,9 +236,9 @@ def attention_forward(
 
     hp = hooks.site(module)
     if hp is None:  # nothing hooks this module: the plain call
-        out = attention(query, key, value, dropout_p=dropout_p, **call)  # (B, H, Nq, D)
+        out = attention(query, key, value, dropout_p=dropout_p, backend=backend, **call)  # (B, H, Nq, D)
     else:
-        query, key, value, out = _hooked_attention(module, hp, query, key, value, dropout_p, call)
+        query, key, value, out = _hooked_attention(module, hp, query, key, value, dropout_p, call, backend)
 
     weights = None
     if kwargs.get("output_attentions"):
@@ -293,13 +299,14 @@ def _masks(
 
 
 def _hooked_attention(
-    module: Any, hp: hooks.Site, query: Tensor, key: Tensor, value: Tensor, dropout_p: float, call: Dict[str, Any]
+    module: Any, hp: hooks.Site, query: Tensor, key: Tensor, value: Tensor, dropout_p: float, call: Dict[str, Any],
+    backend: BackendName,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The call through its hook points (:mod:`qkv.hooks`): edits of q, k, v, weights and output,
     then the ``"call"`` observers → the (edited) ``query, key, value`` and ``out`` (B, H, Nq, D)."""
     query, key, value = hp.edit("q", query), hp.edit("k", key), hp.edit("v", value)
     observed = hp.observes("call")
-    result: Any = attention(query, key, value, dropout_p=dropout_p, return_lse=observed, **call)
+    result: Any = attention(query, key, value, dropout_p=dropout_p, return_lse=observed, backend=backend, **call)
     out, lse = result if observed else (result, None)  # (B, H, Nq, D), (B, H, Nq)
     # the weights themselves edited: materialise, edit, multiply by V
     weights = hp.edited_weights(lambda: attention_weights(query, key, **call))
@@ -328,7 +335,7 @@ def _interfaces() -> Tuple[Any, Any, Any]:
     return AttentionInterface, AttentionMaskInterface, sdpa_mask
 
 
-def register(name: str = NAME) -> str:
+def register(name: str = NAME, backend: BackendName = "auto") -> str:
     """Make ``attn_implementation=name`` (default ``"qkv"``) run on :func:`qkv.attention`.
 
     Registers the attention function and the boolean (sdpa-style) mask builder under
@@ -337,9 +344,14 @@ def register(name: str = NAME) -> str:
     than once. Returns ``name``. Afterwards:
     ``AutoModel.from_config(cfg, attn_implementation="qkv")`` or
     ``model.set_attn_implementation("qkv")``.
+
+    ``backend``: every call under ``name`` runs on that :func:`qkv.attention` backend, which
+    never falls back (``register("qkv_chunked", backend="chunked")`` runs a model on qkv's own
+    tile loops even where ``auto`` would hand a plain call to torch's SDPA).
     """
+    forward = _forward_on(backend)
     attention_interface, mask_interface, sdpa_mask = _interfaces()
-    attention_interface.register(name, attention_forward)
+    attention_interface.register(name, forward)
     mask_interface.register(name, sdpa_mask)
     _NAMES.add(name)
     _install_checks()
@@ -347,12 +359,33 @@ def register(name: str = NAME) -> str:
 
 
 def is_registered(name: str = NAME) -> bool:
-    """Whether ``name`` runs qkv in transformers' attention registry."""
+    """Whether ``name`` runs qkv in transformers' attention registry (on any backend)."""
     try:
         attention_interface, _, _ = _interfaces()
     except ImportError:
         return False
-    return attention_interface._global_mapping.get(name) is attention_forward
+    fn = attention_interface._global_mapping.get(name)
+    return fn is attention_forward or any(fn is f for f in _ON_BACKEND.values())
+
+
+_ON_BACKEND: Dict[str, Callable[..., Tuple[Tensor, Optional[Tensor]]]] = {}  # backend -> its attention function
+
+
+def _forward_on(backend: str) -> Callable[..., Tuple[Tensor, Optional[Tensor]]]:
+    """:func:`attention_forward` with ``backend`` fixed (the same function for the same backend,
+    so that registering twice changes nothing)."""
+    if backend == "auto":
+        return attention_forward
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; choose 'auto' or one of {sorted(BACKENDS)}")
+    if backend not in _ON_BACKEND:
+
+        @functools.wraps(attention_forward)
+        def on_backend(*args: Any, **kwargs: Any) -> Tuple[Tensor, Optional[Tensor]]:
+            return attention_forward(*args, backend=backend, **kwargs)  # type: ignore[arg-type]
+
+        _ON_BACKEND[backend] = on_backend
+    return _ON_BACKEND[backend]
 
 
 # ---------------------------------------------------------------------------------- refusal

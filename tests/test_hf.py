@@ -5,6 +5,7 @@ Tiny randomly initialised models built from configs: nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -86,6 +87,41 @@ def test_register_is_idempotent_and_named():
 
     assert AttentionInterface()["qkv"] is qkv.hf.attention_forward
     assert "qkv" in ALL_MASK_ATTENTION_FUNCTIONS  # else HF would pass no padding mask at all
+
+
+def test_register_with_a_backend_runs_every_call_there(monkeypatch):
+    """``register(name, backend=...)``: every call of a model under ``name`` reaches
+    :func:`qkv.attention` with that backend, observed or not (T5 in float32 on chunked matches
+    eager); an unknown backend is refused when registering."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert qkv.hf.register("qkv_chunked", backend="chunked") == "qkv_chunked"
+    first = AttentionInterface()["qkv_chunked"]
+    qkv.hf.register("qkv_chunked", backend="chunked")
+    assert AttentionInterface()["qkv_chunked"] is first is not qkv.hf.attention_forward
+    assert qkv.hf.is_registered("qkv_chunked") and "qkv_chunked" in ALL_MASK_ATTENTION_FUNCTIONS
+    with pytest.raises(ValueError, match=r"backend='fast' is unknown; choose 'auto' or one of"):
+        qkv.hf.register("qkv_fast", backend="fast")
+    assert not qkv.hf.is_registered("qkv_fast")
+
+    config = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, relative_attention_num_buckets=8)  # fmt: skip
+    eager = transformers.T5Model._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    mine = transformers.T5Model._from_config(copy.deepcopy(config), attn_implementation="qkv_chunked").eval()
+    mine.load_state_dict(eager.state_dict())
+    ids = _ids(2, 9)
+    inputs = dict(input_ids=ids, decoder_input_ids=ids[:, :5])
+    backends = []
+    attention = qkv.hf.attention
+    monkeypatch.setattr(qkv.hf, "attention", lambda *a, **kw: backends.append(kw["backend"]) or attention(*a, **kw))
+    with torch.no_grad():
+        ref = eager(**inputs).last_hidden_state
+        for observed in (False, True):  # the plain call, and the call through the hook points
+            with qkv.hf.observe() if observed else contextlib.nullcontext():
+                got = mine(**inputs).last_hidden_state
+            assert float((got - ref).abs().max()) <= TOL * max(1.0, float(ref.abs().max()))
+    assert backends == ["chunked"] * 12, backends  # 6 attention calls (encoder 2, decoder 4), twice
 
 
 def test_bert_bidirectional_with_padding():
