@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import overflow
-from .backends import BACKENDS, BackendError, plain_sdpa_call, run
+from .backends import BACKENDS, BackendError, debug_logged, plain_sdpa_call, run
 from .backends.base import gate_call
 from .backends.sdpa import empty_rows_are_zero
 from .call import AttentionCall, BackendName, validate, validate_qk
@@ -198,7 +198,7 @@ def attention(
             out = guard(query, key, value, out, mask=mask)[0]
             # (a default scale is at most 1, which the bound takes as 1)
             suspect = overflow.suspect(out, query, key, value, scale=1.0 if scale is None else scale, mask=mask)
-            if _log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():  # said once it answered
+            if debug_logged():  # said once it answered
                 _log.debug(
                     "qkv.attention(query %s): auto ran sdpa directly (a plain SDPA call)%s", tuple(query.shape),
                     "; its float32 scores may have overflowed: the call goes the whole way" if suspect else "",
@@ -235,7 +235,7 @@ def _in_float64(call: AttentionCall, backend: str) -> tuple[torch.Tensor, Option
     if backend != "auto":
         raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {overflow.explain(backend, call.dtype)}")
     call64 = call.in_float64()
-    if _log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+    if debug_logged():
         _log.debug("qkv.attention(%s): float32 scores may overflow: the call runs in float64", call.describe())
     result = run(call64, "auto")
     out64, lse64 = result if isinstance(result, Checked) else guard(call64.query, call64.key, call64.value, *result)

@@ -23,6 +23,13 @@ from .triton import TritonBackend
 
 _log = logging.getLogger("qkv")
 
+
+def debug_logged() -> bool:
+    """Is qkv's debug log on, outside a traced graph? Tracing is asked first: ``torch.compile``
+    reads ``is_compiling()`` as a constant and never reaches the logger (a logger method in a
+    traced function is a graph break)."""
+    return not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG)
+
 BACKENDS: dict[str, Backend] = {
     b.NAME: b for b in (SdpaBackend(), ChunkedBackend(), MathBackend(), TritonBackend(), FlexBackend())
 }
@@ -68,7 +75,7 @@ def run(call: AttentionCall, backend: str = "auto") -> tuple[torch.Tensor, Optio
             result = chosen.forward(call)
         except EngineFailed as e:
             raise BackendError(f"backend {backend!r} cannot run this call ({call.describe()}):\n  - {e}") from e
-        if _log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():  # no logging in a traced graph
+        if debug_logged():
             ran(call, chosen, backend)
         return result
     failed: list[str] = []
@@ -79,7 +86,7 @@ def run(call: AttentionCall, backend: str = "auto") -> tuple[torch.Tensor, Optio
             _log.warning("qkv.attention(%s): %s failed (%s); auto goes on to the next engine", call.describe(), candidate.NAME, e)
             failed.append(f"{candidate.NAME} failed ({e})")
             continue
-        if _log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+        if debug_logged():
             ran(call, candidate, backend, failed)
         return result
     raise _nothing_runs(call, failed)

@@ -321,12 +321,14 @@ def route(call: AttentionCall, shape: Optional[Shape] = None) -> Route:
     return next(r for r in ROUTES if not r.last and r.applies(call, shape))
 
 
-def order_names(call: AttentionCall) -> tuple[list[str], list[str]]:
+def order_names(call: AttentionCall, shape: Optional[Shape] = None) -> tuple[list[str], list[str]]:
     """``auto``'s order of backend names for ``call``, and the reasons: the deciding row's, then
     each applying ``last`` row's. Kept per :class:`Shape` where no row that applies reads the
     validated call (``also``): then the rows' answer is the shape's, and a call of a shape seen
-    before costs the :class:`Shape` and one lookup."""
-    shape = Shape.of(call)
+    before costs the :class:`Shape` and one lookup. ``shape`` (default ``Shape.of(call)``) asks
+    the table about the call as another shape: ``shape._replace(device="cuda")`` gives the
+    order these tensors would get on a GPU."""
+    shape = Shape.of(call) if shape is None else shape
     cache = _order_cache()
     found = cache.get(shape)
     if found is None:

@@ -302,9 +302,7 @@ def test_the_grid_fills_the_gpu_and_the_parts_are_whole_tiles():
 
 def _cuda_route(call: AttentionCall) -> dispatch.Route:
     """The deciding row of auto's table for ``call`` as if its tensors were on a GPU."""
-    shape = dispatch.Shape.of(call)
-    shape = shape._replace(device="cuda") if hasattr(shape, "_replace") else dataclasses.replace(shape, device="cuda")
-    return dispatch.route(call, shape)
+    return dispatch.route(call, dispatch.Shape.of(call)._replace(device="cuda"))
 
 
 def test_auto_runs_decoding_on_triton_on_a_gpu():
