@@ -230,11 +230,15 @@ class AttentionCall:
         16-bit tensors become float32 before they are broadcast, so the gradient a broadcast
         tensor gets is summed over its copies in float32 and rounded to 16 bits once (16-bit
         copies whose gradients pass 65504 would sum inf − inf to NaN)."""
-        b = self.batch_size
+        b, batch = self.batch_size, self.batch_shape
         up = (lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t) if upcast else (lambda t: t)
-        q = up(self.query if query is None else query).expand(*self.batch_shape, self.hq, self.nq, self.d)
-        k = up(self.key).expand(*self.batch_shape, self.hk, self.nk, self.d)
-        v = up(self.value).expand(*self.batch_shape, self.hk, self.nk, self.dv)
+
+        def spread(t: torch.Tensor, h: int, n: int, d: int) -> torch.Tensor:  # broadcast batch dims, where there are any
+            return t if t.shape[:-3] == batch else t.expand(*batch, h, n, d)
+
+        q = spread(up(self.query if query is None else query), self.hq, self.nq, self.d)
+        k = spread(up(self.key), self.hk, self.nk, self.d)
+        v = spread(up(self.value), self.hk, self.nk, self.dv)
         q = q.reshape(b, self.hk, self.group, self.nq, self.d)
         k = k.reshape(b, self.hk, 1, self.nk, self.d)
         v = v.reshape(b, self.hk, 1, self.nk, self.dv)
@@ -549,7 +553,16 @@ def validate(
     sinks: Any = None,
     mask_mod: Any = None,
 ) -> AttentionCall:
-    """Check every argument of :func:`qkv.attention` and raise errors that say how to fix them."""
+    """Check every argument of :func:`qkv.attention` and raise errors that say how to fix them.
+
+    A plain call (no mask, window, padding, score function, sinks, generator or mask function) is
+    checked once per kind (:func:`_plain_key`: shapes, dtypes, devices and the scalar arguments,
+    everything its checks read): a call of a kind checked before costs one lookup."""
+    plain = _plain_key(query, key, value, (dropout_p, is_causal, scale, enable_gqa, window_alignment, return_lse),
+                       (attn_mask, window, key_padding_mask, generator, score_mod, sinks, mask_mod))  # fmt: skip
+    kept = None if plain is None else _PLAIN_CALLS.get(plain)
+    if kept is not None:
+        return AttentionCall(query, key, value, **kept)
     q, k, v = _check_qkv(query, key, value)
     nq, d, nk = q.shape[-2], q.shape[-1], k.shape[-2]
     batch, hq, hk = _check_heads(q, k, v, enable_gqa)
@@ -580,32 +593,43 @@ def validate(
         score_mod = score_mod.on(q.device)  # ALiBi(alibi_slopes(8)) on the CPU for CUDA inputs: moved once, differentiably
     if sinks is not None:
         sinks = check_sinks(sinks, hq, q)
-    return AttentionCall(
-        query=q,
-        key=k,
-        value=v,
-        given_mask=attn_mask,
-        dropout_p=dropout_p,
-        causal=causal,
-        alignment=alignment,
-        window=win,
-        window_alignment=win_alignment,
-        key_padding_mask=key_padding_mask,
-        scale=scale,
-        enable_gqa=bool(enable_gqa),
-        return_lse=bool(return_lse),
-        generator=generator,
-        batch_shape=batch,
-        hq=hq,
-        hk=hk,
-        nq=nq,
-        nk=nk,
-        d=d,
-        dv=v.shape[-1],
-        score_mod=score_mod,
-        sinks=sinks,
-        block_sparse=block_sparse,
-    )
+    call = AttentionCall(
+        query=q, key=k, value=v, given_mask=attn_mask, dropout_p=dropout_p, causal=causal, alignment=alignment,
+        window=win, window_alignment=win_alignment, key_padding_mask=key_padding_mask, scale=scale,
+        enable_gqa=bool(enable_gqa), return_lse=bool(return_lse), generator=generator, batch_shape=batch, hq=hq, hk=hk,
+        nq=nq, nk=nk, d=d, dv=v.shape[-1], score_mod=score_mod, sinks=sinks, block_sparse=block_sparse,
+    )  # fmt: skip
+    if plain is not None:
+        _remember(plain, call)
+    return call
+
+
+_PLAIN_CALLS: dict[tuple, dict[str, Any]] = {}  # plain calls' checked fields, by _plain_key
+_PLAIN_CALLS_LIMIT = 1024
+_FIELDS_BUT_TENSORS = tuple(f.name for f in dataclasses.fields(AttentionCall) if f.name not in ("query", "key", "value"))
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _plain_key(query: Any, key: Any, value: Any, scalars: tuple, others: tuple) -> Optional[tuple]:
+    """What a plain call's checks read — the tensors' shapes, dtypes and devices and the
+    ``scalars`` with their types (``True`` and ``1`` are checked differently) — as a key; None
+    where any of ``others`` (masks, window, padding, generator, score or mask function, sinks) is
+    given, for tensors of a subclass or of different ranks, for scalars of other types (a 0-d
+    tensor as scale may change), and while ``torch.compile`` or ``torch.func`` traces."""
+    if any(x is not None for x in others) or not type(query) is type(key) is type(value) is torch.Tensor:
+        return None
+    if any(type(x) not in _SCALARS for x in scalars) or not query.dim() == key.dim() == value.dim():
+        return None
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return None
+    return (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
+            value.device, scalars, tuple(map(type, scalars)))  # fmt: skip
+
+
+def _remember(plain: tuple, call: AttentionCall) -> None:
+    if len(_PLAIN_CALLS) >= _PLAIN_CALLS_LIMIT:
+        _PLAIN_CALLS.clear()
+    _PLAIN_CALLS[plain] = {f: getattr(call, f) for f in _FIELDS_BUT_TENSORS}  # no tensor among them
 
 
 def check_sinks(sinks: Any, hq: int, q: torch.Tensor) -> torch.Tensor:

@@ -346,3 +346,30 @@ def test_a_plain_call_issues_only_the_engines_kernel(kw, monkeypatch):
     with _Ops() as seen:
         qkv.attention(q, k, v, **kw)
     assert seen.ops == ["_scaled_dot_product_flash_attention_for_cpu"], seen.ops
+
+
+def test_a_plain_calls_checks_are_kept_per_kind():
+    """validate keeps a plain call's checked fields per kind (shapes, dtypes, devices, the scalar
+    arguments and their types): a kept kind answers the same fields, and every argument its
+    checks read still decides — a value of another type, another head count with enable_gqa off,
+    a 0-d tensor scale changed in place."""
+    from qkv.call import validate
+
+    q, k, v = make_qkv(1, 4, 2, 8, 8, 16, seed=32)
+    first = validate(q, k, v, is_causal=True, enable_gqa=True)
+    again = validate(q, k, v, is_causal=True, enable_gqa=True)
+    assert again is not first and again.query is q and again.key is k and again.value is v
+    assert {f: getattr(again, f) for f in ("batch_shape", "hq", "hk", "nq", "nk", "d", "dv", "scale", "causal", "alignment")} == {
+        f: getattr(first, f) for f in ("batch_shape", "hq", "hk", "nq", "nk", "d", "dv", "scale", "causal", "alignment")}
+    with pytest.raises(ValueError, match="is_causal=1 is not understood"):
+        validate(q, k, v, is_causal=1, enable_gqa=True)  # 1 == True, but not a bool
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        validate(q, k, v, is_causal=True)
+    with pytest.raises(ValueError, match=r"dropout_p=1.5 must be in \[0, 1\)"):
+        validate(q, k, v, None, 1.5, enable_gqa=True)
+    scale = torch.tensor(0.5)
+    assert validate(q, k, v, scale=scale, enable_gqa=True).scale == 0.5
+    scale.fill_(0.25)
+    assert validate(q, k, v, scale=scale, enable_gqa=True).scale == 0.25
+    flat = validate(q[0, 0], k[0, 0], v[0, 0])  # 2-D inputs, and ranks that differ, still checked whole
+    assert flat.hq == 1 and validate(q, k[0], v[0], enable_gqa=True).batch_shape == (1,)

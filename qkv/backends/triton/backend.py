@@ -517,6 +517,16 @@ def _traced(t: Tensor) -> bool:
             or torch._C._functorch.is_functorch_wrapped_tensor(t))  # fmt: skip
 
 
+def _records_graph(*tensors: Optional[Tensor]) -> bool:
+    """Must a call on these inputs go through :class:`_TritonAttention`: gradients are on and one
+    of them requires grad, or the call is traced or transformed (:func:`_traced`)? Otherwise the
+    forward alone runs, without the autograd function's per-call cost (its node, its 18 inputs
+    unwrapped, the context)."""
+    if _traced(tensors[0]):
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _TritonAttention(torch.autograd.Function):
     """Autograd over the two custom ops, in ``torch.func``'s protocol (``setup_context`` and a
     ``vmap`` rule), so ``grad``, ``jacrev`` and ``vmap`` work as well as ``torch.compile``.
@@ -594,6 +604,11 @@ def run_attention(
         check_cap(softcap, torch.float32)
     if attn_mask is not None:
         attn_mask = attn_mask.detach()
+    if not _records_graph(q, k, v, rel, sinks):  # nothing to differentiate: the launch code itself, no autograd node
+        return triton_fwd(
+            q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(scale), lo, hi,
+            bool(bottom_right), None if softcap is None else float(softcap), rel, int(rel_base), bool(rel_shift), sinks,
+        )  # fmt: skip
     return _TritonAttention.apply(
         q, k, v, attn_mask, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         float(scale), lo, hi, bool(bottom_right), None if softcap is None else float(softcap), rel, int(rel_base),
