@@ -172,6 +172,17 @@ def mask_kwargs(kind: str, b: int, h: int, nq: int, nk: int, dtype: torch.dtype 
     raise ValueError(kind)
 
 
+def interpreted_subset(cases: list, every: int = 2, args: int = 1) -> list:
+    """The cases of a device test, every ``every``-th of them in the quick tier where Triton's
+    interpreter runs them (seconds a case on a CPU) and the others marked slow, for CI's slow
+    tier; on a GPU all are quick. ``args``: the values per case (a tuple of them when > 1)."""
+    def param(case: Any, slow: bool) -> Any:
+        values = case if args > 1 else (case,)
+        return pytest.param(*values, marks=pytest.mark.slow) if slow else pytest.param(*values)
+
+    return [param(c, INTERPRETED and i % every != 0) for i, c in enumerate(cases)]
+
+
 def param_grid(full: dict, walk: dict, ident: Callable[[str, Any], str], fix: Optional[Callable[[dict], Optional[dict]]] = None):
     """``(argnames, params)`` for ``pytest.mark.parametrize``: every combination of the ``full``
     axes; each ``walk`` axis takes its values in turn along that list, in a fixed shuffled order

@@ -53,6 +53,7 @@ def _flags(variant: str) -> list[str]:
     return flags + list(STRICT)
 
 
+@pytest.mark.slow  # four builds of 10-20 s each (setup builds the library anyway); CI's slow tier runs them
 @pytest.mark.parametrize("variant", ["native_flags", "no_openmp", "x86_64", "c11"])
 def test_sources_build_without_warnings(tmp_path, variant):
     cc, flags = _compiler(), _flags(variant)

@@ -255,7 +255,9 @@ def _cached(cache: Path) -> Path:
     return cache / lib.name
 
 
-@pytest.mark.parametrize("size", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1000, marks=pytest.mark.slow), 40000])
+# the quick tier keeps the rewritten-checksum case below; these rebuild the library (16 s each)
+@pytest.mark.parametrize("size", [0, 1000, 40000])
+@pytest.mark.slow
 def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, size):
     lib = _cached(tmp_path)
     good = lib.read_bytes()
@@ -267,7 +269,8 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, size):
 
 # each rebuilds the library; 40000 bytes end inside its code, whose mapping then raises SIGBUS, and
 # one byte less leaves only the section headers short (the loader would map every segment whole)
-@pytest.mark.parametrize("size", [40000, pytest.param(-1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("size", [40000, -1])
+@pytest.mark.slow  # (test_elf_fits_reads_the_headers_of_real_libraries is the quick tier's check)
 def test_a_truncated_library_whose_checksum_was_rewritten_is_rebuilt_not_loaded(tmp_path, size):
     """The checksum vouches for the truncated bytes, so only the ELF headers tell: their tables
     and segments point past the end of the file, where mapping them raises SIGBUS (a crash of the

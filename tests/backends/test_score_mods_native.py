@@ -238,6 +238,7 @@ def test_threads_do_not_change_the_gradients(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # a sweep of 10 s; CI's slow tier runs it
 def test_the_kernels_tanh_is_accurate():
     """The 8-lane tanh behind softcapping (csrc/vec.h): relative error ≤ 2.6·2^-24 on every
     float32 in [1/4, 8) (where its two formulas meet) and on a sample below, exact limits."""

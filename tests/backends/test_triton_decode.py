@@ -14,7 +14,6 @@ to 8 programs, so these small caches already span several parts (``parts`` below
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest

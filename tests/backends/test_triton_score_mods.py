@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from ..helpers import DEVICE, FLOOR, INTERPRETED, SUBPROCESS_TIMEOUT, assert_within_rule, make_qkv, mask_kwargs, max_err, on_cpu, on_device
+from ..helpers import (
+    DEVICE, FLOOR, INTERPRETED, SUBPROCESS_TIMEOUT, assert_within_rule, interpreted_subset, make_qkv, mask_kwargs, max_err, on_cpu, on_device,
+)  # fmt: skip
 
 pytest.importorskip("triton")
 
@@ -154,7 +156,7 @@ def _case_id(c) -> str:
     return f"{c[0]}-{mod}{'-sinks' if c[2] else ''}-{c[3]}x{c[4]}/{c[5]}-{c[6]}x{c[7]}-{str(c[9])[6:]}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", interpreted_subset(CASES), ids=_case_id)
 def test_forward_backward_within_rule(case):
     kind, mod, with_sinks, b, hq, hk, nq, nk, d, dtype, qscale = case
     q64, k64, v64 = make_qkv(b, hq, hk, nq, nk, d, dtype=torch.float64)
@@ -263,11 +265,11 @@ def _packed(lens_q, lens_k, hq, hk, d, dtype=torch.float32):
 
 @pytest.mark.parametrize(
     "mod, kw",
-    [
+    interpreted_subset([
         (("alibi", None, False), {"is_causal": True}),  # bottom-right per sequence, as FlashAttention's ALiBi
         (("t5", True), {"is_causal": "top_left"}),
         (("softcap", 1.5), {"window": (3, 1)}),
-    ],
+    ], every=3, args=2),
     ids=["alibi-causal", "t5-top_left", "softcap-window"],
 )
 def test_varlen_kernel_matches_per_sequence_loop(mod, kw):

@@ -55,8 +55,16 @@ def _loss(res):
     return out.square().sum() + (0.0 if lse is None else torch.where(torch.isfinite(lse), lse, 0.0).sum())
 
 
-@pytest.mark.parametrize("backend,name", BACKEND_CALLS)
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+# auto (what users call) forward and backward, and chunked's forward, in the quick tier; the
+# named backends' other cases in the slow one
+CASES = [
+    pytest.param(backend, name, grad, id=f"{'backward' if grad else 'forward'}-{backend}-{name}",
+                 marks=() if backend == "auto" or (backend == "chunked" and not grad) else pytest.mark.slow)
+    for grad in (False, True) for backend, name in BACKEND_CALLS
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend,name,grad", CASES)
 def test_one_graph_and_eager_results(backend, name, grad):
     (q, k, v), kw = _inputs(name, grad)
 

@@ -98,6 +98,7 @@ for name, call in [("viz", lambda: qkv.viz.save_png), ("models", lambda: qkv.mod
 """
 
 
+@pytest.mark.slow  # a second venv and install (16 s); CI's slow tier runs it
 def test_core_only_runs_attention_and_the_glass_box_and_names_each_missing_extra(wheel: Path, tmp_path: Path) -> None:
     """``pip install qkv`` without extras: qkv.attention, qkv.nn and ``qkv trace`` work; every
     feature that needs an extra says which one to install."""

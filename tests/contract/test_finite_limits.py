@@ -139,7 +139,7 @@ def test_a_sink_above_every_score_takes_all_of_its_rows(backend, shape, dtype, m
     assert_within_rule(lse[:, rest], base_lse[:, rest], ref_rest, dtype, what="lse of the other heads")
 
 
-@pytest.mark.parametrize("backend", ["chunked", "chunked-torch", "triton"])
+@pytest.mark.parametrize("backend", ["chunked", "chunked-torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_far_sinks_gradients(backend, monkeypatch):
     """Gradients through far sinks: their rows' weights are 0 (no gradient to q, k, v from them)
     and d lse/d sink = 1, as math in float64 has them."""

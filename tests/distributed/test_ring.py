@@ -131,6 +131,7 @@ def _failing_worker(rank, world):
     return ("returned", "", time.monotonic() - t0)
 
 
+@pytest.mark.slow  # 11 s of process start-up and waiting; CI's slow tier runs it
 def test_peer_failure_raises_instead_of_hanging():
     t0 = time.monotonic()
     res = spawn(_failing_worker, 2, pg_timeout_s=60)  # gloo reports the closed peer at once; the timeout only bounds a miss
@@ -200,6 +201,7 @@ def _stalled_worker(rank, world, done: str):
     return ("returned", "", time.monotonic() - t0)
 
 
+@pytest.mark.slow  # waits for its timeout (11 s); CI's slow tier runs it
 def test_stalled_peer_times_out(tmp_path):
     res = spawn(_stalled_worker, 2, str(tmp_path / "rank0-done"), pg_timeout_s=2.5)
     assert res[0][0] == "ok", res[0]

@@ -94,6 +94,7 @@ def _failing_peer_worker(rank, world, where):
     return ("returned", "", time.monotonic() - t0)
 
 
+@pytest.mark.slow  # process groups that fail on purpose (9 s each); CI's slow tier runs them
 @pytest.mark.parametrize("where", ["the output (forward)", "the gradients of the output (backward)"])
 def test_peer_failure_names_the_all_to_all(where):
     t0 = time.monotonic()
@@ -161,6 +162,7 @@ def _refusal_worker(rank, world):
     return found
 
 
+@pytest.mark.slow  # starts process groups (9 s); CI's slow tier runs it
 def test_ulysses_refuses_what_attention_refuses_with_the_callers_numbers_before_any_exchange():
     per_rank = ok_values(spawn(_refusal_worker, 2))
     for rank, found in enumerate(per_rank):

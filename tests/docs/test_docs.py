@@ -205,7 +205,18 @@ def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.Monkey
             pytest.fail(f"{block.where}: {type(e).__name__}: {e}\n{traceback.format_exc()}", pytrace=False)
 
 
-@pytest.mark.parametrize("command", COMMAND_LINES, ids=[c.where for c in COMMAND_LINES])
+def _heavy(c: Command) -> bool:
+    """A page's command that starts processes or loads the real model (seconds each): the README's
+    run in the quick tier, the other pages' in the slow one."""
+    tool = c.argv[2:5]  # (after "python -m"): the module and its first arguments
+    return c.page != "README.md" and (tool[0] == "torch.distributed.run" or tool[1:2] == ["explain"] or "--model" in c.argv
+                                      or tool[1:] == ["experiments", "run"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "command", [pytest.param(c, marks=pytest.mark.slow) if _heavy(c) else c for c in COMMAND_LINES],
+    ids=[c.where for c in COMMAND_LINES],
+)
 def test_command_lines_run(command: Command, tmp_path: Path) -> None:
     """A page's ``qkv`` (or ``torchrun``) command line succeeds, and prints what the page shows."""
     for b in blocks(command.page):  # the page's named scripts, for a command that runs one

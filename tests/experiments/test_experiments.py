@@ -67,6 +67,7 @@ def test_masking_is_reproducible(tmp_path: Path) -> None:
     assert (a / "masking.csv").read_bytes() == (b / "masking.csv").read_bytes()
 
 
+@pytest.mark.slow  # runs the experiment (7 s); CI's slow tier runs it
 def test_cost_memory_exponents(tmp_path: Path) -> None:
     r = experiments.run("cost", tmp_path, quick=True)
     _check_outputs(r, tmp_path)
@@ -154,6 +155,7 @@ def test_training_is_reproducible_and_results_round_trip(tmp_path: Path) -> None
     assert [r.name for r in loaded] == ["tied_qk"] and loaded[0].held == a.held and loaded[0].quick
 
 
+@pytest.mark.slow  # trains both models (7 s); CI's slow tier runs it
 def test_path_length_attention_flat_rnn_decays(tmp_path: Path) -> None:
     r = experiments.run("path_length", tmp_path, quick=True)
     _check_outputs(r, tmp_path)

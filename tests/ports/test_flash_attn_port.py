@@ -117,13 +117,19 @@ def _id(name: str, value) -> str:
 # full axes' sizes, so the subset mixes their values: 46 of 282 cases), and the rest, marked
 # heavy, on the time left.
 DEVICE_SUBSET = 7
+# On the CPU the quick tier runs every CPU_SUBSET-th of each test's other cases (the same walk
+# mixes their values); the rest are marked slow, for CI's slow tier.
+CPU_SUBSET = 2
 
 
 def _grid(full: dict, walk: dict, fix=None):
     names, params = param_grid(full, walk, _id, fix)
     triton = [i for i, p in enumerate(params) if "triton" in p.values]
     heavy = {i for n, i in enumerate(triton) if n % DEVICE_SUBSET}
-    return names, [pytest.param(*p.values, id=p.id, marks=pytest.mark.heavy) if i in heavy else p for i, p in enumerate(params)]
+    others = [i for i, p in enumerate(params) if "triton" not in p.values]
+    slow = {i for n, i in enumerate(others) if n % CPU_SUBSET}
+    marks = {i: pytest.mark.heavy for i in heavy} | {i: pytest.mark.slow for i in slow}
+    return names, [pytest.param(*p.values, id=p.id, marks=marks[i]) if i in marks else p for i, p in enumerate(params)]
 
 
 @pytest.fixture
