@@ -329,7 +329,9 @@ def from_mask_mod(
     function again — or one made anew over the same, unchanged tensors and values — gets it back
     without being evaluated, and a tensor edited in place, a changed value or another shape
     builds it anew. A function whose reads cannot be named safely is evaluated on every call.
-    Holding the returned mask and passing it as ``attn_mask`` skips even the key."""
+    Masks found under one key share one layout tensor: read it, do not edit it (an edit in place
+    is seen, and the next call builds the layout anew). Holding the returned mask and passing it
+    as ``attn_mask`` skips even the key."""
     mask_mod = check_mask_mod(mask_mod)
     nk = nq if nk is None else nk
     bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
