@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import qkv  # noqa: E402
-from common import cpu_name, time_cell  # noqa: E402
+from common import before_after_arguments, cpu_name, labelled_runs, time_cell  # noqa: E402
 
 
 LAYOUTS = {
@@ -113,16 +113,12 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--d", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--pass", dest="pass_", choices=["fwd", "fwd+bwd"], default="fwd")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", help="write the cell here")
-    p.add_argument("--report", help="write a markdown table of the JSON cells given (label=path) here")
-    p.add_argument("cells", nargs="*", help="label=path.json, with --report")
+    before_after_arguments(p)
     a = p.parse_args()
     if a.report:
-        pairs = [c.split("=", 1) for c in a.cells]
-        Path(a.report).write_text(report([json.loads(Path(x).read_text()) for _, x in pairs], [lab for lab, _ in pairs]))
+        Path(a.report).write_text(report(*labelled_runs(a.runs)))
         return
     cell = run_cell(a.n, a.block, a.heads, a.d, a.threads, a.pass_ == "fwd+bwd", a.rounds, a.layout)
     print(json.dumps(cell, indent=1))

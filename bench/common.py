@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import platform
 import time
@@ -40,6 +42,21 @@ def report_header(title: str, threads: int) -> list[str]:
         f"load average {os.getloadavg()[0]:.2f} at the start",
         "",
     ]
+
+
+def before_after_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark run once per tree and reported side by side: ``--threads``,
+    ``--json`` (where to write this tree's run) and ``--report PATH label=path.json ...``."""
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", help="write the run here")
+    p.add_argument("--report", help="write a markdown table of the runs given (label=path.json) here")
+    p.add_argument("runs", nargs="*", help="label=path.json, with --report")
+
+
+def labelled_runs(specs: list[str]) -> tuple[list[dict], list[str]]:
+    """``label=path.json`` arguments, as a before/after report takes them: (the runs, their labels)."""
+    pairs = [s.split("=", 1) for s in specs]
+    return [json.loads(Path(path).read_text()) for _, path in pairs], [label for label, _ in pairs]
 
 
 def write_report(lines: list[str], out: str) -> None:

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
 import qkv  # noqa: E402
-from common import best_time, cpu_name  # noqa: E402
+from common import before_after_arguments, best_time, cpu_name, labelled_runs  # noqa: E402
 
 HEADS, D, DOCS, LOOP = 8, 64, 4, 20
 
@@ -181,14 +181,10 @@ def report(runs: list[dict], labels: list[str]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", help="write the run here")
-    p.add_argument("--report", help="write a markdown table of the runs given (label=path.json) here")
-    p.add_argument("runs", nargs="*", help="label=path.json, with --report")
+    before_after_arguments(p)
     a = p.parse_args()
     if a.report:
-        pairs = [c.split("=", 1) for c in a.runs]
-        Path(a.report).write_text(report([json.loads(Path(x).read_text()) for _, x in pairs], [lab for lab, _ in pairs]))
+        Path(a.report).write_text(report(*labelled_runs(a.runs)))
         print(Path(a.report).read_text())
         return
     found = run(a.n, a.threads)
