@@ -172,7 +172,7 @@ def mask_kwargs(kind: str, b: int, h: int, nq: int, nk: int, dtype: torch.dtype 
     raise ValueError(kind)
 
 
-def interpreted_subset(cases: list, every: int = 2, args: int = 1) -> list:
+def interpreted_subset(cases: list, every: int = 3, args: int = 1) -> list:
     """The cases of a device test, every ``every``-th of them in the quick tier where Triton's
     interpreter runs them (seconds a case on a CPU) and the others marked slow, for CI's slow
     tier; on a GPU all are quick. ``args``: the values per case (a tuple of them when > 1)."""

@@ -137,6 +137,7 @@ def dry_run(tmp_path_factory):
     return out, out.read_text(), json.loads(out.with_suffix(".json").read_text())
 
 
+@pytest.mark.slow  # the dry run takes 9 s; CI's slow tier runs it
 def test_dry_run_report_has_every_table_and_column(dry_run):
     _, md, data = dry_run
     assert "dry run on CPU" in md and "Ceilings measured in this run" in md
@@ -170,6 +171,7 @@ def test_dry_run_report_has_every_table_and_column(dry_run):
     assert [r[0] for r in rows] == [str(n) for n in grid.stats_seqlens] and all(r[4].endswith("×") and r[5].startswith("✓") for r in rows)
 
 
+@pytest.mark.slow  # the dry run takes 9 s; CI's slow tier runs it
 def test_dry_run_flops_in_report_and_json_follow_the_formula(dry_run):
     _, md, data = dry_run
     by_key: dict = {}
@@ -198,6 +200,7 @@ def test_dry_run_flops_in_report_and_json_follow_the_formula(dry_run):
     assert f"| 32 | {b} | yes | {4 * b * h * 32 * 32 * 64 / 2 / 1e9:.5g} |" in md
 
 
+@pytest.mark.slow  # the dry run takes 9 s; CI's slow tier runs it
 def test_dry_run_measures_qkv_and_peers_and_explains_skips(dry_run):
     _, md, data = dry_run
     for c in data["cases"]:

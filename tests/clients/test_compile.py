@@ -55,11 +55,12 @@ def _loss(res):
     return out.square().sum() + (0.0 if lse is None else torch.where(torch.isfinite(lse), lse, 0.0).sum())
 
 
-# auto (what users call) forward and backward, and chunked's forward, in the quick tier; the
-# named backends' other cases in the slow one
+# auto (what users call) in the quick tier, forward and, for two kinds, backward; the others in
+# the slow one
+QUICK = {(False, "auto", name) for name in CALLS} | {(True, "auto", "causal"), (True, "auto", "float_mask")}
 CASES = [
     pytest.param(backend, name, grad, id=f"{'backward' if grad else 'forward'}-{backend}-{name}",
-                 marks=() if backend == "auto" or (backend == "chunked" and not grad) else pytest.mark.slow)
+                 marks=() if (grad, backend, name) in QUICK else pytest.mark.slow)
     for grad in (False, True) for backend, name in BACKEND_CALLS
 ]  # fmt: skip
 

@@ -58,7 +58,8 @@ def _run(python: Path, *args: str, cwd: Path, rc: int = 0) -> subprocess.Complet
     return done
 
 
-@pytest.mark.parametrize("with_models", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["with-models", "without-models"])
+@pytest.mark.slow  # builds the wheel and installs it (13 s); CI's slow tier runs it
+@pytest.mark.parametrize("with_models", [True, False], ids=["with-models", "without-models"])
 def test_the_wheel_runs_the_demo_and_writes_a_trace_page(wheel: Path, tmp_path: Path, with_models: bool) -> None:
     python = _venv(tmp_path / "venv", wheel, with_models)
     where = subprocess.run([str(python), "-c", "import qkv; print(qkv.__file__)"], check=True, capture_output=True,

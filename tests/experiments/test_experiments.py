@@ -146,6 +146,7 @@ def test_heads_specialise(tmp_path: Path) -> None:
     assert r.held
 
 
+@pytest.mark.slow  # trains twice (6 s); CI's slow tier runs it
 def test_training_is_reproducible_and_results_round_trip(tmp_path: Path) -> None:
     a = experiments.run("tied_qk", tmp_path / "a", quick=True)
     b = experiments.run("tied_qk", tmp_path / "b", quick=True)

@@ -223,6 +223,7 @@ class Seq2Seq(torch.nn.Module):
         return self.head(self.core(e(src), e(tgt_in)))
 
 
+@pytest.mark.slow  # trains a model (6 s); CI's slow tier runs it
 def test_small_transformer_learns_to_reverse():
     bos, vocab, n = 0, 10, 6
     threads = torch.get_num_threads()

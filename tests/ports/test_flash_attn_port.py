@@ -119,7 +119,7 @@ def _id(name: str, value) -> str:
 DEVICE_SUBSET = 7
 # On the CPU the quick tier runs every CPU_SUBSET-th of each test's other cases (the same walk
 # mixes their values); the rest are marked slow, for CI's slow tier.
-CPU_SUBSET = 2
+CPU_SUBSET = 3
 
 
 def _grid(full: dict, walk: dict, fix=None):

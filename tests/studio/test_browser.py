@@ -330,6 +330,7 @@ def step_no_console_errors_and_no_request_leaves_the_machine(page: Any, served: 
     assert names and all(n.startswith(served[0] + "/") for n in names), names
 
 
+@pytest.mark.slow  # a real model in Chromium, every view (22 s); CI's slow tier runs it
 def test_a_learners_path_through_the_studio(page: Any, served: tuple[str, Studio]) -> None:
     """The steps above, in order, as one test: each leaves the page where the next one starts, so
     they must not be split between test workers."""

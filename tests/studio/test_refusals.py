@@ -324,6 +324,7 @@ def _status(port: int, host: str, family: int = socket.AF_INET) -> int:
         conn.close()
 
 
+@pytest.mark.slow  # starts the command (7 s; the IPv6 one stays in the quick tier); CI's slow tier runs it
 def test_the_command_on_every_interface_still_checks_the_host_and_stops_cleanly_on_ctrl_c() -> None:
     proc, url = _serve("--host", "0.0.0.0", "--allow-host", "studio.example")
     try:
