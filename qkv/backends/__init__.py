@@ -30,6 +30,7 @@ def debug_logged() -> bool:
     traced function is a graph break)."""
     return not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG)
 
+
 BACKENDS: dict[str, Backend] = {
     b.NAME: b for b in (SdpaBackend(), ChunkedBackend(), MathBackend(), TritonBackend(), FlexBackend())
 }
