@@ -329,7 +329,7 @@ def order_names(call: AttentionCall, shape: Optional[Shape] = None) -> tuple[lis
     the table about the call as another shape: ``shape._replace(device="cuda")`` gives the
     order these tensors would get on a GPU."""
     shape = Shape.of(call) if shape is None else shape
-    cache = _order_cache()
+    cache = _order_cache()[0]
     found = cache.get(shape)
     if found is None:
         found, keyed = _order(call, shape)
@@ -365,18 +365,21 @@ def _order(call: AttentionCall, shape: Shape) -> tuple[tuple[tuple[str, ...], tu
 
 _ORDER_CACHE_SIZE = 4096
 _ORDERS: dict[Shape, tuple[tuple[str, ...], tuple[str, ...]]] = {}
-_ORDERS_FOR: list[tuple] = [()]  # the table and thresholds the kept orders were read from
+_SDPA_FIRST: dict[Shape, bool] = {}
+_ORDERS_FOR: list[tuple] = [()]  # the table and thresholds the kept answers were read from
 
 
-def _order_cache() -> dict[Shape, tuple[tuple[str, ...], tuple[str, ...]]]:
-    """The kept orders, emptied when the table or a threshold of this module has changed since
-    they were read (a test, or a user tuning a threshold, assigns a new one)."""
+def _order_cache() -> tuple[dict[Shape, tuple[tuple[str, ...], tuple[str, ...]]], dict[Shape, bool]]:
+    """The kept orders and :func:`_sdpa_first` answers, emptied when the table or a threshold of
+    this module has changed since they were read (a test, or a user tuning a threshold, assigns a
+    new one)."""
     table = (ROUTES, MATH_MAX_SCORES, DENSE_MASK_LIMIT, VALUE_DIM_MIN_SCORES, CAUSAL_TILES_MIN_N, CAUSAL_TILES_MAX_N,
              FLEX_CPU_MIN_SCORES, MAX_DECODE_ROWS)  # fmt: skip
     if _ORDERS_FOR[0] != table:
         _ORDERS.clear()
+        _SDPA_FIRST.clear()
         _ORDERS_FOR[0] = table
-    return _ORDERS
+    return _ORDERS, _SDPA_FIRST
 
 
 def plain_sdpa_call(
@@ -425,12 +428,25 @@ def plain_sdpa_call(
         )  # fmt: skip
     except (AttributeError, TypeError, RuntimeError):  # not tensors, or a scale/probability that does not compare
         return False
-    first = next(r for r in ROUTES if not r.last and r.when(shape))
-    return (
-        first.also is None  # a row that needs the validated call leaves the call to validation
-        and first.order[0] == "sdpa"
-        and not any(r.last and r.when(shape) and "sdpa" in r.order for r in ROUTES)
-    )
+    return _sdpa_first(shape)
+
+
+def _sdpa_first(shape: Shape) -> bool:
+    """Do the table's rows send a call of ``shape`` to SDPA first, with no row that needs the
+    validated call (``also``) or moves SDPA last? Kept per shape, as :func:`order_names` is."""
+    kept = _order_cache()[1]
+    found = kept.get(shape)
+    if found is None:
+        first = next(r for r in ROUTES if not r.last and r.when(shape))
+        found = (
+            first.also is None  # a row that needs the validated call leaves the call to validation
+            and first.order[0] == "sdpa"
+            and not any(r.last and r.when(shape) and "sdpa" in r.order for r in ROUTES)
+        )
+        if len(kept) >= _ORDER_CACHE_SIZE:
+            kept.clear()
+        kept[shape] = found
+    return found
 
 
 @dataclass(frozen=True)
