@@ -373,3 +373,16 @@ def test_a_plain_calls_checks_are_kept_per_kind():
     assert validate(q, k, v, scale=scale, enable_gqa=True).scale == 0.25
     flat = validate(q[0, 0], k[0, 0], v[0, 0])  # 2-D inputs, and ranks that differ, still checked whole
     assert flat.hq == 1 and validate(q, k[0], v[0], enable_gqa=True).batch_shape == (1,)
+
+
+def test_the_plain_shortcuts_kept_decision_follows_the_table(monkeypatch):
+    """plain_sdpa_call keeps its answer per Shape; a new table (or threshold) empties what was
+    kept, so the shortcut never answers from rows that are gone."""
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, seed=33)
+    assert dispatch.plain_sdpa_call(q, k, v, None, 0.0, True, None)
+    assert dispatch.plain_sdpa_call(q, k, v, None, 0.0, True, None)  # kept
+    math_first = dispatch.Route(when=lambda s: True, order=("math", "sdpa"), why="a test's table")
+    monkeypatch.setattr(dispatch, "ROUTES", (math_first,))
+    assert not dispatch.plain_sdpa_call(q, k, v, None, 0.0, True, None)
+    monkeypatch.undo()
+    assert dispatch.plain_sdpa_call(q, k, v, None, 0.0, True, None)
